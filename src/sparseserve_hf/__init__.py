@@ -1,0 +1,13 @@
+"""sparseserve_hf: tiered, block-sparse KV caching for HuggingFace Transformers.
+
+Importing the package registers `attn_implementation="sparseserve"`.
+"""
+
+from .cache import SparseServeCache
+from .config import SparseServeConfig
+from .registry import register
+
+register()
+
+__all__ = ["SparseServeCache", "SparseServeConfig", "register"]
+__version__ = "0.1.0"

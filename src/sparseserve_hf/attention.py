@@ -1,0 +1,125 @@
+"""The attention function registered as "sparseserve".
+
+Dense path: prefill chunks, 1-token prompts, dense layers and models run without a
+SparseServeCache, all through HF's own SDPA function so the numbers match stock `sdpa`.
+Sparse path (decode with a SparseServeLayer): score every full block against the query with
+its metadata, keep sink + window + top-k blocks, fetch the misses into the HBM block cache,
+and attend over the selected blocks plus the row's tail block.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cache import handoff
+from .cache.layer import SparseServeLayer
+
+logger = logging.getLogger(__name__)
+
+
+def sparseserve_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention backend. query (B, Hq, T, D); key/value (B, Hkv, T', D); returns (B, T, Hq, D)."""
+    got = handoff.take(getattr(module, "layer_idx", -1), key)
+    if got is None:
+        _hint_no_cache()
+    if got is None or got.layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer: SparseServeLayer = got.layer
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    num_new = query.shape[2]
+    real = new_token_mask(attention_mask, num_new, query.shape[0])
+    if num_new == 1 and layer.num_positions > num_new:
+        layer.commit(real)
+        return sparse_decode_attention(layer, query, scaling), None
+    out = dense_attention_with_past(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    layer.commit(real)
+    return out, None
+
+
+def new_token_mask(attention_mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:
+    """(B, T) True where a new token is real (not padding), read off the last query row; None: all real."""
+    if attention_mask is None:
+        return None
+    allowed = _as_bool(attention_mask)[:, 0, -1, -num_new:]
+    return allowed.expand(batch, num_new)
+
+
+def dense_attention_with_past(
+    module: torch.nn.Module,
+    layer: SparseServeLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+    **kwargs,
+) -> torch.Tensor:
+    """Dense causal attention of new tokens over the stored past (read back from DRAM) and themselves."""
+    batch, _, num_new, _ = query.shape
+    if layer.num_positions == num_new:  # no past: exactly stock SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+    past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
+    if attention_mask is None:
+        new_part = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).tril()
+    else:
+        new_part = _as_bool(attention_mask)[..., -num_new:]
+    mask = torch.cat(
+        (past_valid[:, None, None, :].expand(batch, 1, num_new, -1), new_part.expand(batch, 1, num_new, num_new)),
+        dim=-1,
+    )  # (B, 1, T, L + T)
+    mask |= ~mask.any(dim=-1, keepdim=True)  # fully masked (padding) queries: any finite output will do
+    keys = torch.cat((past_keys, key), dim=2)
+    values = torch.cat((past_values, value), dim=2)
+    return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
+    config, store = layer.config, layer.store
+    ops = store.ops
+    q = query[:, :, 0]  # (B, Hq, D)
+    num_kv_heads = layer.tail.shape[1]
+    group = q.shape[1] // num_kv_heads
+    table = layer.block_ids  # (B, Hkv, N)
+    scores = ops.score_blocks(q, store.metadata[table.clamp(min=0)], config.metadata)  # (B, Hq, N)
+    if config.selection == "kv_head":
+        scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
+    picked, valid = ops.select_blocks(
+        scores, layer.num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
+    )  # (B, H, K)
+    if config.selection == "kv_head":
+        picked, valid = picked.repeat_interleave(group, dim=1), valid.repeat_interleave(group, dim=1)
+    block_ids = torch.gather(table.repeat_interleave(group, dim=1), 2, picked)  # (B, Hq, K)
+    slots = store.fetch(torch.where(valid, block_ids, -1))
+    layer.last_selection = torch.where(valid, picked, -1)
+    tail = layer.tail
+    out = ops.sparse_decode(q, store.hbm.pool, slots, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
+    return out.unsqueeze(1)
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2  # additive float masks: 0 = attend
+
+
+@functools.cache
+def _hint_no_cache() -> None:
+    logger.warning(
+        "attn_implementation='sparseserve' without a SparseServeCache runs dense attention. For sparse decode "
+        "pass one: model.generate(..., past_key_values=SparseServeCache(model.config, SparseServeConfig()))"
+    )

@@ -1,0 +1,193 @@
+"""SparseServeCache: a transformers Cache whose attention layers keep KV in DRAM head-blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from ..config import SparseServeConfig
+from ..ops import get_ops
+from . import handoff
+from .layer import SparseServeLayer
+from .store import TieredBlockStore
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+
+class SparseServeCache(Cache):
+    """Tiered KV cache for stock `model.generate(..., past_key_values=cache)`.
+
+    Full-attention layers become `SparseServeLayer`s: every full block goes to host DRAM, the
+    device keeps per-block metadata, each row's partial tail block and an LRU cache of selected
+    blocks of at most `config.hbm_cache_bytes`. Sliding-window layers (Gemma-3) keep their
+    window on the device as in `DynamicCache`; layers in `config.dense_layers` stay dense.
+
+    Args:
+        model_config: the model's `PretrainedConfig` (a multimodal config's text config is used).
+        config: the SparseServeConfig (defaults when None).
+
+    Example:
+        >>> cache = SparseServeCache(model.config, SparseServeConfig(token_budget=1024))
+        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        >>> cache.stats()["hit_rate"]
+    """
+
+    def __init__(self, model_config: Any, config: SparseServeConfig | None = None) -> None:
+        self.config = config if config is not None else SparseServeConfig()
+        self.model_config = model_config.get_text_config()
+        model_type = getattr(self.model_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"SparseServeCache supports model types {SUPPORTED_MODEL_TYPES}, not {model_type!r}"
+            )
+        layer_types = self._layer_types()
+        bad = [i for i in self.config.dense_layers if i >= len(layer_types)]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
+        super().__init__(layers=[self._make_layer(i, kind) for i, kind in enumerate(layer_types)])
+        self.store: TieredBlockStore | None = None
+        self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _layer_types(self) -> list[str]:
+        num_layers = self.model_config.num_hidden_layers
+        types = getattr(self.model_config, "layer_types", None)
+        return list(types) if types is not None else ["full_attention"] * num_layers
+
+    def _make_layer(self, layer_idx: int, kind: str) -> Any:
+        if kind == "sliding_attention":
+            return DynamicSlidingWindowLayer(sliding_window=self.model_config.sliding_window)
+        if kind != "full_attention":
+            raise NotImplementedError(f"layer {layer_idx} has attention type {kind!r}, which is not supported")
+        if layer_idx in self.config.dense_layers:
+            return DynamicLayer()
+        return SparseServeLayer(layer_idx, self.config, self._store_for)
+
+    def _store_for(self, key_states: torch.Tensor) -> TieredBlockStore:
+        if self.store is None:
+            ops = get_ops(self.config.backend, key_states.device)
+            self.store = TieredBlockStore(self.config, ops, key_states.shape[-1], key_states.dtype, key_states.device)
+        return self.store
+
+    def _selection_blocks_per_request(self) -> int:
+        """Head-blocks one layer can select for one request (the union over a KV group)."""
+        heads = self.model_config.num_attention_heads
+        if self.config.selection == "kv_head":
+            heads = getattr(self.model_config, "num_key_value_heads", None) or heads
+        return heads * self.config.selected_full_blocks
+
+    def _check_hbm_cache(self, batch: int, itemsize: int) -> None:
+        if self.config.hbm_cache_bytes is None:
+            return
+        head_dim = getattr(self.model_config, "head_dim", None) or (
+            self.model_config.hidden_size // self.model_config.num_attention_heads
+        )
+        block_bytes = 2 * self.config.block_size * head_dim * itemsize
+        slots = self.config.hbm_cache_bytes // block_bytes
+        needed = batch * self._selection_blocks_per_request()
+        if slots < needed:
+            raise ValueError(
+                f"hbm_cache_bytes={self.config.hbm_cache_bytes} holds {slots} head-blocks of {block_bytes} bytes, "
+                f"but one layer's selection for {batch} request(s) needs up to {needed}; "
+                f"raise hbm_cache_bytes to at least {needed * block_bytes} or lower token_budget"
+            )
+
+    # ---- HF Cache contract -------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate, store (or stage) the new K/V, and hand the layer to the attention function."""
+        if layer_idx == 0:
+            self._check_new_tokens(key_states)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None)
+        return keys, values
+
+    def _check_new_tokens(self, key_states: torch.Tensor) -> None:
+        """Reject bad input at the first layer, before any layer has changed."""
+        past = self.get_seq_length()
+        limit = getattr(self.model_config, "max_position_embeddings", None)
+        if limit is not None and past + key_states.shape[-2] > limit:
+            raise ValueError(
+                f"{past + key_states.shape[-2]} positions exceed the model's max_position_embeddings ({limit})"
+            )
+        if self.store is not None and (key_states.dtype, key_states.device) != (self.store.dtype, self.store.device):
+            raise ValueError(
+                f"this SparseServeCache holds {self.store.dtype} on {self.store.device}, got keys in "
+                f"{key_states.dtype} on {key_states.device}; use one cache per model dtype/device"
+            )
+        if past == 0:
+            self._check_hbm_cache(batch=key_states.shape[0], itemsize=key_states.dtype.itemsize)
+
+    def reset(self) -> None:
+        """Free every block and forget all rows; the pools stay allocated for reuse."""
+        super().reset()
+        if self.store is not None:
+            self.store.stats = type(self.store.stats)()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.reset()
+        raise NotImplementedError(
+            "SparseServeCache does not support beam search (num_beams > 1); the cache was reset. "
+            "Use greedy decoding or sampling."
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self.reset()
+            raise NotImplementedError("SparseServeCache cannot repeat rows of a filled cache; the cache was reset")
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float | int]:
+        """Memory and transfer counters.
+
+        Keys: hbm_bytes (block cache + metadata + tail blocks + dense layers' KV on the device),
+        its parts hbm_block_cache_bytes, hbm_metadata_bytes, hbm_tail_bytes, hbm_dense_layer_bytes;
+        dram_bytes (host blocks in use); hits, misses, hit_rate (over blocks looked up in the HBM
+        cache); h2d_bytes (== misses x head-block bytes); d2h_bytes (blocks saved to DRAM);
+        blocks_selected (unique head-blocks selected, summed over layers and steps);
+        dense_read_bytes (blocks read back for dense prefill over a past).
+        """
+        store = self.store
+        block_cache = store.hbm.num_resident * store.block_bytes if store else 0
+        metadata = store.hbm_block_bytes() - block_cache if store else 0
+        tails = sum(_nbytes(layer.tail) for layer in self.layers if isinstance(layer, SparseServeLayer))
+        dense = sum(
+            _nbytes(layer.keys) + _nbytes(layer.values)
+            for layer in self.layers
+            if not isinstance(layer, SparseServeLayer)
+        )
+        counters = store.stats if store else None
+        hits = counters.hits if counters else 0
+        misses = counters.misses if counters else 0
+        return {
+            "hbm_bytes": block_cache + metadata + tails + dense,
+            "hbm_block_cache_bytes": block_cache,
+            "hbm_metadata_bytes": metadata,
+            "hbm_tail_bytes": tails,
+            "hbm_dense_layer_bytes": dense,
+            "dram_bytes": store.dram.num_used * store.block_bytes if store else 0,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "h2d_bytes": counters.h2d_bytes if counters else 0,
+            "d2h_bytes": counters.d2h_bytes if counters else 0,
+            "blocks_selected": counters.blocks_selected if counters else 0,
+            "dense_read_bytes": counters.dense_read_bytes if counters else 0,
+        }
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _dtype_itemsize(dtype: Any) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2

@@ -1,0 +1,78 @@
+"""DramPool: every full KV head-block lives here, in host memory (pinned when CUDA is present)."""
+
+from __future__ import annotations
+
+import torch
+
+INITIAL_BLOCKS = 256
+
+
+class DramPool:
+    """A growable array of head-blocks in host memory with a free list.
+
+    A head-block is (2, S, D): the keys and values of `S` tokens of one KV head. Block ids
+    are handed out lowest first, so the blocks a prefilled layer saves in one call are
+    contiguous (one large copy per layer for the GPU save path).
+
+    Args:
+        block_shape: (2, S, D).
+        dtype: storage dtype (the model's KV dtype).
+        capacity_bytes: fixed size in bytes, or None to grow on demand.
+        pin: allocate page-locked memory (needed for fast and asynchronous H2D/D2H).
+    """
+
+    def __init__(
+        self, block_shape: tuple[int, int, int], dtype: torch.dtype, capacity_bytes: int | None, pin: bool
+    ) -> None:
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.pin = pin
+        self.block_bytes = block_shape[0] * block_shape[1] * block_shape[2] * dtype.itemsize
+        self.fixed = capacity_bytes is not None
+        capacity = capacity_bytes // self.block_bytes if capacity_bytes is not None else INITIAL_BLOCKS
+        self.storage = self._empty(capacity)  # (C, 2, S, D)
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # a stack: lowest id on top
+
+    @property
+    def capacity(self) -> int:
+        return self.storage.shape[0]
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def allocate(self, count: int) -> torch.Tensor | None:
+        """`count` free block ids (ascending), or None when a fixed-size pool cannot hold them."""
+        if count > len(self._free):
+            if self.fixed:
+                return None
+            self._grow(self.num_used + count)
+        ids = self._free[len(self._free) - count :][::-1]
+        del self._free[len(self._free) - count :]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Return block ids to the free list."""
+        if ids.numel():
+            self._free.extend(ids.flatten().tolist())
+            self._free.sort(reverse=True)
+
+    def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy)."""
+        self.storage[ids.cpu()] = blocks.to("cpu", self.dtype)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n, 2, S, D) host copy of blocks `ids`."""
+        return self.storage[ids.cpu()]
+
+    def _grow(self, needed: int) -> None:
+        old = self.capacity
+        new = max(2 * old, needed)
+        storage = self._empty(new)
+        storage[:old] = self.storage
+        self.storage = storage
+        # New ids go below the stack top so the lowest free ids are still handed out first.
+        self._free[:0] = range(new - 1, old - 1, -1)
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, pin_memory=self.pin)

@@ -1,0 +1,228 @@
+"""SparseServeLayer: one attention layer's KV as DRAM head-blocks plus a device tail block."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import SparseServeConfig
+from .store import TieredBlockStore
+
+
+class SparseServeLayer(CacheLayerMixin):
+    """KV of one layer for a batch of rows, in blocks of `block_size` tokens per KV head.
+
+    Each row stores only its real tokens (padding never enters a block), compacted from its
+    first real token. Full blocks live in the shared DRAM pool with their metadata on the
+    device; the newest, partial block of every row stays on the device as the tail.
+
+    `update` only stages the new K/V; the attention function commits them with `commit` once
+    it knows (from the mask) which new tokens are real. A staged chunk left uncommitted means
+    the model is not running `attn_implementation="sparseserve"`, which `update` reports.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(
+        self, layer_idx: int, config: SparseServeConfig, store_for: Callable[[torch.Tensor], TieredBlockStore]
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.config = config
+        self._store_for = store_for
+        self.store: TieredBlockStore | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.num_positions = 0  # HF positions seen, padding included: what get_seq_length reports
+        self.tail: torch.Tensor | None = None  # (B, Hkv, 2, S, D) newest 1..S tokens per row
+        self.tail_len: torch.Tensor | None = None  # (B,) tokens in each tail
+        self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
+        self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_selection: torch.Tensor | None = None  # (B, Hq, K) block indices, -1 unused
+
+    # ---- HF cache contract -------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, num_kv_heads, _, head_dim = key_states.shape
+        self.store = self._store_for(key_states)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        size = self.config.block_size
+        self.tail = torch.zeros((batch, num_kv_heads, 2, size, head_dim), dtype=self.dtype, device=self.device)
+        self.tail_len = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.block_ids = torch.full((batch, num_kv_heads, 16), -1, dtype=torch.long, device=self.device)
+        self.num_blocks = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage (B, Hkv, T, D) new keys/values for the attention function; returns them unchanged."""
+        if self.staged is not None:
+            self.staged = None
+            raise RuntimeError(
+                f"SparseServeCache layer {self.layer_idx} received new keys before the previous ones were "
+                "attended: load the model with attn_implementation='sparseserve' (import sparseserve_hf first)"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.tail.shape[0] or key_states.shape[1] != self.tail.shape[1]:
+            raise ValueError(
+                f"SparseServeCache holds {self.tail.shape[0]} rows x {self.tail.shape[1]} KV heads, got keys "
+                f"of shape {tuple(key_states.shape)}; call cache.reset() before a new batch"
+            )
+        self.staged = (key_states, value_states)
+        self.num_positions += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.num_positions
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_positions + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.is_initialized and self.store is not None:
+            self.store.free(self.block_ids.flatten())
+        self._clear()
+
+    def offload(self) -> None:
+        """Nothing to do: full blocks already live in DRAM."""
+
+    def prefetch(self) -> None:
+        """Nothing to do: selected blocks are fetched at attention time."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest `tokens_to_remove` positions (negative values count the same way)."""
+        remove = abs(tokens_to_remove)
+        if not self.is_initialized or remove == 0:
+            return
+        lengths = self.row_lengths()
+        for row in range(lengths.shape[0]):
+            self._truncate_row(row, max(int(lengths[row]) - remove, 0))
+        self.num_positions = max(self.num_positions - remove, 0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` (distinct), freeing the blocks of the others."""
+        if not self.is_initialized:
+            return
+        indices = torch.as_tensor(indices, device=self.device).flatten()
+        if indices.unique().numel() != indices.numel():
+            raise NotImplementedError("SparseServeCache cannot duplicate rows (blocks are not shared)")
+        dropped = torch.ones(self.tail.shape[0], dtype=torch.bool, device=self.device)
+        dropped[indices] = False
+        self.store.free(self.block_ids[dropped].flatten())
+        for name in ("tail", "tail_len", "block_ids", "num_blocks"):
+            setattr(self, name, getattr(self, name)[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("SparseServeCache does not support expanding a filled cache (beam search)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SparseServeCache does not support beam search; use greedy or sampling")
+
+    # ---- block bookkeeping used by the attention function --------------------------------
+
+    def row_lengths(self) -> torch.Tensor:
+        """(B,) real tokens stored per row."""
+        return self.num_blocks * self.config.block_size + self.tail_len
+
+    def commit(self, valid: torch.Tensor | None) -> None:
+        """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real)."""
+        keys, values = self.staged
+        self.staged = None
+        if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
+            self._append_token(keys, values)
+            return
+        for row in range(keys.shape[0]):
+            take = slice(None) if valid is None else valid[row]
+            new = torch.stack((keys[row][:, take], values[row][:, take]), dim=1)  # (Hkv, 2, t, D)
+            self._append_row(row, new)
+
+    def past(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """All stored tokens, left-aligned: keys, values (B, Hkv, L, D) and valid (B, L)."""
+        lengths = self.row_lengths()
+        batch, num_kv_heads, _, size, head_dim = self.tail.shape
+        longest = int(lengths.max())
+        keys = torch.zeros((batch, num_kv_heads, longest, head_dim), dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        for row in range(batch):
+            tokens = self._row_tokens(row)  # (Hkv, 2, n, D)
+            keys[row, :, : tokens.shape[2]] = tokens[:, 0]
+            values[row, :, : tokens.shape[2]] = tokens[:, 1]
+        valid = torch.arange(longest, device=self.device) < lengths[:, None]
+        return keys, values, valid
+
+    def _row_tokens(self, row: int) -> torch.Tensor:
+        """(Hkv, 2, n, D) every stored token of one row, oldest first."""
+        count = int(self.num_blocks[row])
+        num_kv_heads, _, size, head_dim = self.tail.shape[1:]
+        blocks = self.store.read(self.block_ids[row, :, :count].flatten())  # (Hkv*n, 2, S, D)
+        blocks = blocks.view(num_kv_heads, count, 2, size, head_dim).permute(0, 2, 1, 3, 4)
+        full = blocks.reshape(num_kv_heads, 2, count * size, head_dim)
+        return torch.cat((full, self.tail[row, :, :, : int(self.tail_len[row])]), dim=2)
+
+    def _append_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Decode fast path: full tails go to DRAM first, then one real token per row joins its tail.
+
+        Saving a full tail only when the next token arrives keeps the current token in the
+        tail, which sparse decode always attends.
+        """
+        full_rows = (self.tail_len == self.config.block_size).nonzero().flatten()
+        if full_rows.numel():
+            num_kv_heads = self.tail.shape[1]
+            ids = self.store.save(self.tail[full_rows].flatten(0, 1))  # (R*Hkv,)
+            self._ensure_capacity(int(self.num_blocks.max()) + 1)
+            self.block_ids[full_rows, :, self.num_blocks[full_rows]] = ids.view(-1, num_kv_heads)
+            self.num_blocks[full_rows] += 1
+            self.tail_len[full_rows] = 0
+        rows = torch.arange(keys.shape[0], device=self.device)
+        self.tail[rows, :, :, self.tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
+        self.tail_len += 1
+
+    def _append_row(self, row: int, new: torch.Tensor) -> None:
+        """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail."""
+        size = self.config.block_size
+        joined = torch.cat((self.tail[row, :, :, : int(self.tail_len[row])], new), dim=2)
+        num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
+        if num_full:
+            num_kv_heads, _, _, head_dim = joined.shape
+            blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
+            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1))  # head-major: (Hkv*n,)
+            start = int(self.num_blocks[row])
+            self._ensure_capacity(start + num_full)
+            self.block_ids[row, :, start : start + num_full] = ids.view(num_kv_heads, num_full)
+            self.num_blocks[row] += num_full
+        rest = joined[:, :, num_full * size :]
+        self.tail[row, :, :, : rest.shape[2]] = rest
+        self.tail_len[row] = rest.shape[2]
+
+    def _truncate_row(self, row: int, length: int) -> None:
+        size = self.config.block_size
+        count = int(self.num_blocks[row])
+        keep = max(length - 1, 0) // size
+        rest = length - keep * size
+        if keep < count:
+            block = self.store.read(self.block_ids[row, :, keep])  # (Hkv, 2, S, D)
+            self.tail[row, :, :, :rest] = block[:, :, :rest]
+            self.store.free(self.block_ids[row, :, keep:count].flatten())
+            self.block_ids[row, :, keep:count] = -1
+            self.num_blocks[row] = keep
+        self.tail_len[row] = rest
+
+    def _ensure_capacity(self, blocks: int) -> None:
+        have = self.block_ids.shape[2]
+        if blocks > have:
+            grown = max(blocks, 2 * have, 16)
+            pad = self.block_ids.new_full((*self.block_ids.shape[:2], grown - have), -1)
+            self.block_ids = torch.cat((self.block_ids, pad), dim=2)

@@ -1,0 +1,103 @@
+"""TieredBlockStore: the DRAM pool, per-block metadata and the HBM block cache of one cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SparseServeConfig
+from ..ops import BlockOps
+from .block_cache import HbmBlockCache
+from .dram_pool import DramPool
+
+
+@dataclass
+class TransferStats:
+    """Counters of one SparseServeCache since it was created or reset."""
+
+    hits: int = 0
+    misses: int = 0
+    blocks_selected: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    dense_read_bytes: int = 0
+
+
+class TieredBlockStore:
+    """Head-blocks of every sparse layer and request: saved to DRAM, scored from device-resident
+    metadata, and fetched into the HBM block cache when selected.
+
+    Args:
+        config: the cache's SparseServeConfig.
+        ops: the backend op set (metadata computation).
+        head_dim, dtype, device: of the model's KV.
+    """
+
+    def __init__(
+        self, config: SparseServeConfig, ops: BlockOps, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        block_shape = (2, config.block_size, head_dim)
+        self.dram = DramPool(block_shape, dtype, config.dram_bytes, pin=device.type == "cuda")
+        self.block_bytes = self.dram.block_bytes
+        num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // self.block_bytes
+        self.hbm = HbmBlockCache(num_slots, block_shape, dtype, device)
+        num_vectors = 2 if config.metadata == "quest" else 1
+        self.metadata = torch.zeros((0, num_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
+        self.stats = TransferStats()
+        self._track_capacity()
+
+    def save(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,)."""
+        ids = self.dram.allocate(blocks.shape[0])
+        if ids is None:
+            raise ValueError(
+                f"dram_bytes={self.config.dram_bytes} is full ({self.dram.capacity} blocks of "
+                f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
+            )
+        self._track_capacity()
+        self.dram.write(ids, blocks)
+        self.metadata[ids.to(self.device)] = self.ops.block_metadata(blocks[:, 0], self.config.metadata)
+        self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
+        return ids.to(self.device)
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
+        self.stats.dense_read_bytes += ids.numel() * self.block_bytes
+        return self.dram.read(ids).to(self.device, non_blocking=True)
+
+    def fetch(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """HBM slots for a selection (any shape, -1 = unused), loading misses; same shape."""
+        used = block_ids >= 0
+        unique, inverse = torch.unique(block_ids[used], return_inverse=True)
+        slots, num_misses = self.hbm.lookup(unique, self.dram)
+        self.stats.blocks_selected += unique.numel()
+        self.stats.misses += num_misses
+        self.stats.hits += unique.numel() - num_misses
+        self.stats.h2d_bytes += num_misses * self.block_bytes
+        out = torch.full_like(block_ids, -1)
+        out[used] = slots[inverse]
+        return out
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Release blocks: drop them from the HBM cache and return their DRAM ids."""
+        ids = ids[ids >= 0]
+        self.hbm.invalidate(ids)
+        self.dram.free(ids.cpu())
+
+    def hbm_block_bytes(self) -> int:
+        """Bytes of resident blocks in the HBM cache plus the metadata of every live block."""
+        metadata_bytes = self.dram.num_used * self.metadata[:1].numel() * self.dtype.itemsize
+        return self.hbm.num_resident * self.block_bytes + metadata_bytes
+
+    def _track_capacity(self) -> None:
+        capacity = self.dram.capacity
+        if capacity > self.metadata.shape[0]:
+            grown = torch.zeros((capacity, *self.metadata.shape[1:]), dtype=self.dtype, device=self.device)
+            grown[: self.metadata.shape[0]] = self.metadata
+            self.metadata = grown
+        self.hbm.track_blocks(capacity)

@@ -1,0 +1,126 @@
+"""SparseServeConfig: the one frozen, validated configuration of sparseserve_hf."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+METADATA_KINDS = ("quest", "cuboid")
+SELECTION_GRANULARITIES = ("query_head", "kv_head")
+GROUP_AGGREGATIONS = ("max", "sum")
+BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseServeConfig:
+    """How the tiered KV cache stores blocks and how sparse decode selects them.
+
+    Attributes:
+        block_size: tokens per KV block (a power of two). One head-block is
+            `block_size x head_dim` keys plus as many values, for one KV head.
+        token_budget: tokens each query head attends to at decode, counting the sink,
+            window and top-k blocks and the partial tail block.
+        sink_blocks: leading blocks always selected (attention sinks).
+        window_blocks: most recent full blocks always selected (the partial tail block
+            is always attended on top of these).
+        dense_layers: layer indices that keep all their KV in device memory and attend
+            densely (no offload, no selection).
+        metadata: per-block summary used to score blocks: "quest" (per-channel key
+            min/max, an upper bound on q.k) or "cuboid" (per-channel key mean, ArkVale).
+        selection: "query_head" (every query head selects its own blocks; a KV head
+            loads the union of its group's selections) or "kv_head" (one selection per
+            KV head from its query heads' scores, aggregated by `group_aggregation`).
+            "query_head" is the default: it found the most needles on the real model
+            (DESIGN.md section 3).
+        group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
+        hbm_cache_bytes: bytes of the device block cache shared by all layers and
+            requests (LRU). None = unlimited: no selected block is ever evicted.
+        dram_bytes: bytes of the host block pool. None = grow on demand.
+        backend: "auto" (fastest available), "torch" (the plain-PyTorch reference),
+            "triton" or "flash" (GPU kernels).
+    """
+
+    block_size: int = 32
+    token_budget: int = 2048
+    sink_blocks: int = 1
+    window_blocks: int = 1
+    dense_layers: tuple[int, ...] = ()
+    metadata: str = "quest"
+    selection: str = "query_head"
+    group_aggregation: str = "max"
+    hbm_cache_bytes: int | None = None
+    dram_bytes: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_positive_int("token_budget", self.token_budget)
+        if self.token_budget < self.block_size:
+            raise ValueError(
+                f"token_budget ({self.token_budget}) is smaller than one block (block_size={self.block_size})"
+            )
+        _check_non_negative_int("sink_blocks", self.sink_blocks)
+        _check_non_negative_int("window_blocks", self.window_blocks)
+        if self.budget_blocks < self.sink_blocks + self.window_blocks + 1:
+            raise ValueError(
+                f"token_budget ({self.token_budget}) holds {self.budget_blocks} blocks, fewer than sink_blocks "
+                f"({self.sink_blocks}) + window_blocks ({self.window_blocks}) + the tail block"
+            )
+        if not isinstance(self.dense_layers, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers
+        ):
+            raise ValueError(f"dense_layers must be a tuple of non-negative ints, got {self.dense_layers!r}")
+        _check_choice("metadata", self.metadata, METADATA_KINDS)
+        _check_choice("selection", self.selection, SELECTION_GRANULARITIES)
+        _check_choice("group_aggregation", self.group_aggregation, GROUP_AGGREGATIONS)
+        _check_choice("backend", self.backend, BACKENDS)
+        for name in ("hbm_cache_bytes", "dram_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+
+    @property
+    def budget_blocks(self) -> int:
+        """Blocks attended per query head at decode, the partial tail block included."""
+        return self.token_budget // self.block_size
+
+    @property
+    def selected_full_blocks(self) -> int:
+        """Full blocks selected per query head (or KV head): sink + window + top-k."""
+        return self.budget_blocks - 1
+
+    @property
+    def topk_blocks(self) -> int:
+        """Full blocks chosen by score, on top of the always-kept sink and window blocks."""
+        return self.selected_full_blocks - self.sink_blocks - self.window_blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SparseServeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown SparseServeConfig fields: {unknown}; known: {sorted(known)}")
+        values = dict(values)
+        if "dense_layers" in values:
+            values["dense_layers"] = tuple(values["dense_layers"])
+        return cls(**values)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,143 @@
+"""Plain-PyTorch reference of every op: the specification, the CPU path and the test oracle.
+
+Dimension letters: B requests (batch rows), Hq query heads, Hkv KV heads, G = Hq // Hkv,
+N blocks of a row's table, K selected blocks, S block_size tokens, D head_dim,
+M metadata vectors per block (2 for quest min/max, 1 for cuboid mean), P pool slots.
+Every op accumulates in fp32 and returns the input dtype where it returns activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_metadata(keys: torch.Tensor, kind: str) -> torch.Tensor:
+    """Summarize each key block for scoring.
+
+    Args:
+        keys: (..., S, D) keys of full blocks.
+        kind: "quest" -> per-channel (min, max); "cuboid" -> per-channel mean.
+    Returns:
+        (..., M, D) in the keys' dtype; M = 2 for quest, 1 for cuboid.
+    """
+    if kind == "quest":
+        return torch.stack((keys.amin(dim=-2), keys.amax(dim=-2)), dim=-2)
+    if kind == "cuboid":
+        return keys.float().mean(dim=-2, keepdim=True).to(keys.dtype)
+    raise ValueError(f"unknown metadata kind {kind!r}")
+
+
+def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torch.Tensor:
+    """Score every block of every row for every query head.
+
+    Args:
+        query: (B, Hq, D) decode queries (RoPE applied).
+        metadata: (B, Hkv, N, M, D) metadata of each row's block table.
+        kind: "quest" scores the upper bound sum_d max(q_d * min_d, q_d * max_d) of q.k over
+            the block (Quest); "cuboid" scores q . mean(k).
+    Returns:
+        (B, Hq, N) fp32 scores.
+    """
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads = metadata.shape[1]
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(batch, num_kv_heads, group, 1, 1, dim)  # (B, Hkv, G, 1, 1, D)
+    meta = metadata.float().unsqueeze(2)  # (B, Hkv, 1, N, M, D)
+    products = q * meta  # (B, Hkv, G, N, M, D)
+    if kind == "quest":
+        scores = products.amax(dim=-2).sum(dim=-1)
+    elif kind == "cuboid":
+        scores = products.sum(dim=(-2, -1))
+    else:
+        raise ValueError(f"unknown metadata kind {kind!r}")
+    return scores.reshape(batch, num_q_heads, -1)
+
+
+def aggregate_group_scores(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """(B, Hq, N) query-head scores -> (B, Hkv, N), one selection per KV head."""
+    batch, num_q_heads, num_blocks = scores.shape
+    grouped = scores.view(batch, num_kv_heads, num_q_heads // num_kv_heads, num_blocks)
+    if how == "max":
+        return grouped.amax(dim=2)
+    if how == "sum":
+        return grouped.sum(dim=2)
+    raise ValueError(f"unknown group aggregation {how!r}")
+
+
+def select_blocks(
+    scores: torch.Tensor, num_blocks: torch.Tensor, num_selected: int, sink_blocks: int, window_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick `num_selected` blocks per (row, head): sink and window blocks always, the rest by score.
+
+    Args:
+        scores: (B, H, N) block scores; entries at or past a row's block count are ignored.
+        num_blocks: (B,) full blocks per row.
+        num_selected: K, blocks per (row, head). A row with at most K blocks selects all of them.
+        sink_blocks: leading blocks always kept.
+        window_blocks: trailing blocks always kept.
+    Returns:
+        index: (B, H, K) long block indices into the row's table, ascending among valid entries.
+        valid: (B, H, K) bool; False where the row has fewer than K blocks.
+    """
+    batch, heads, capacity = scores.shape
+    width = max(capacity, num_selected)
+    position = torch.arange(width, device=scores.device)  # (N',)
+    count = num_blocks.view(batch, 1, 1)
+    exists = position < count  # (B, 1, N')
+    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
+    padded = torch.full((batch, heads, width), float("-inf"), device=scores.device)
+    padded[..., :capacity] = scores.float()
+    # Forced blocks rank above every scored block; non-existent blocks rank last.
+    rank = torch.where(forced, float("inf"), torch.where(exists, padded, float("-inf")))
+    rank = torch.nan_to_num(rank, nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
+    top = rank.topk(num_selected, dim=-1).indices  # (B, H, K)
+    valid = torch.gather(exists.expand(batch, heads, width), 2, top)
+    # Invalid entries sort last; valid ones ascend so attention visits blocks in position order.
+    index, order = torch.where(valid, top, width).sort(dim=-1)
+    valid = torch.gather(valid, 2, order)
+    return torch.where(valid, index, 0), valid
+
+
+def sparse_decode(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """One decode token of attention over selected pool blocks plus each row's tail block.
+
+    Args:
+        query: (B, Hq, D).
+        pool: (P, 2, S, D) device block cache; [:, 0] keys, [:, 1] values.
+        slots: (B, Hq, K) pool slot of each selected block, -1 where unused.
+        tail_keys, tail_values: (B, Hkv, S, D) the partial block of each row (the newest tokens).
+        tail_len: (B,) valid tokens in each tail block.
+        scaling: softmax scale.
+    Returns:
+        (B, Hq, D) in the query's dtype.
+    """
+    batch, num_q_heads, dim = query.shape
+    block_size = pool.shape[2]
+    group = num_q_heads // tail_keys.shape[1]
+    blocks = pool[slots.clamp(min=0)]  # (B, Hq, K, 2, S, D)
+    keys = blocks[:, :, :, 0].reshape(batch, num_q_heads, -1, dim)  # (B, Hq, K*S, D)
+    values = blocks[:, :, :, 1].reshape(batch, num_q_heads, -1, dim)
+    block_valid = (slots >= 0).repeat_interleave(block_size, dim=-1)  # (B, Hq, K*S)
+    keys = torch.cat((keys, tail_keys.repeat_interleave(group, dim=1)), dim=2)  # (B, Hq, L, D)
+    values = torch.cat((values, tail_values.repeat_interleave(group, dim=1)), dim=2)
+    tail_valid = torch.arange(block_size, device=query.device) < tail_len.view(batch, 1, 1)  # (B, 1, S)
+    valid = torch.cat((block_valid, tail_valid.expand(batch, num_q_heads, block_size)), dim=-1)
+    return masked_attention(query, keys, values, valid, scaling)
+
+
+def masked_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Naive single-query attention: (B, H, D) against (B, H, L, D) where `valid` (B, H, L) is True."""
+    logits = torch.einsum("bhd,bhld->bhl", query.float(), keys.float()) * scaling
+    logits = logits.masked_fill(~valid, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    return torch.einsum("bhl,bhld->bhd", weights, values.float()).to(query.dtype)
