@@ -1,0 +1,50 @@
+"""SparseServeConfig validation: every bad value names its field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparseserve_hf import SparseServeConfig
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(block_size=24), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(token_budget=16), "token_budget"),  # smaller than one 32-token block
+        (dict(token_budget=64, sink_blocks=1, window_blocks=1), "token_budget"),  # no room for the tail block
+        (dict(sink_blocks=-1), "sink_blocks"),
+        (dict(window_blocks=1.5), "window_blocks"),
+        (dict(dense_layers=[0, 1]), "dense_layers"),
+        (dict(dense_layers=(-1,)), "dense_layers"),
+        (dict(metadata="minmax"), "metadata"),
+        (dict(selection="head"), "selection"),
+        (dict(group_aggregation="mean"), "group_aggregation"),
+        (dict(hbm_cache_bytes=0), "hbm_cache_bytes"),
+        (dict(dram_bytes=-5), "dram_bytes"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_bad_values_raise_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        SparseServeConfig(**overrides)
+
+
+@pytest.mark.core
+def test_defaults_and_derived_sizes():
+    config = SparseServeConfig()
+    assert (config.block_size, config.token_budget, config.selection) == (32, 2048, "query_head")
+    assert config.budget_blocks == 64 and config.selected_full_blocks == 63 and config.topk_blocks == 61
+
+
+def test_frozen_and_round_trips_through_dict():
+    config = SparseServeConfig(token_budget=512, dense_layers=(0, 1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.token_budget = 1024
+    assert SparseServeConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="unknown SparseServeConfig fields"):
+        SparseServeConfig.from_dict({"token_budgett": 512})

@@ -1,0 +1,88 @@
+"""DRAM pool and HBM block cache bookkeeping: exact ids, LRU order, bit-exact round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve_hf.cache.block_cache import HbmBlockCache
+from sparseserve_hf.cache.dram_pool import DramPool
+
+SHAPE = (2, 4, 8)  # (K/V, S, D)
+BLOCK_BYTES = 2 * 4 * 8 * 4
+
+
+def filled_pool(count: int) -> tuple[DramPool, torch.Tensor, torch.Tensor]:
+    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    ids = pool.allocate(count)
+    blocks = torch.randn(count, *SHAPE)
+    pool.write(ids, blocks)
+    return pool, ids, blocks
+
+
+@pytest.mark.core
+def test_dram_ids_are_ascending_and_reused_lowest_first():
+    pool = DramPool(SHAPE, torch.float32, 6 * BLOCK_BYTES, pin=False)
+    assert pool.allocate(3).tolist() == [0, 1, 2]
+    assert pool.allocate(2).tolist() == [3, 4]
+    pool.free(torch.tensor([1, 0]))
+    assert pool.allocate(3).tolist() == [0, 1, 5]
+    assert pool.allocate(1) is None  # a fixed pool says no instead of raising
+    assert pool.num_used == 6
+
+
+@pytest.mark.core
+def test_dram_grows_and_keeps_data_bit_exact():
+    pool, ids, blocks = filled_pool(200)
+    more = pool.allocate(300)  # past the initial capacity
+    assert more.tolist() == list(range(200, 500))
+    assert torch.equal(pool.read(ids), blocks)
+    bf16 = DramPool(SHAPE, torch.bfloat16, None, pin=False)
+    data = torch.randn(5, *SHAPE).to(torch.bfloat16)
+    bf16.write(bf16.allocate(5), data)
+    assert torch.equal(bf16.read(torch.arange(5)), data)
+
+
+@pytest.mark.core
+def test_hbm_cache_hits_misses_and_lru_victims():
+    pool, _, blocks = filled_pool(10)
+    cache = HbmBlockCache(3, SHAPE, torch.float32, torch.device("cpu"))
+    cache.track_blocks(pool.capacity)
+    slots, misses = cache.lookup(torch.tensor([0, 1, 2]), pool)
+    assert misses == 3 and torch.equal(cache.pool[slots], blocks[[0, 1, 2]])
+    _, misses = cache.lookup(torch.tensor([1]), pool)  # touch 1: now 0 is least recently used, then 2
+    assert misses == 0
+    slots, misses = cache.lookup(torch.tensor([5, 6]), pool)
+    assert misses == 2
+    assert sorted(cache.slot_block.tolist()) == [1, 5, 6]
+    assert torch.equal(cache.pool[slots], blocks[[5, 6]])
+    assert cache.block_slot[[0, 2]].tolist() == [-1, -1]
+
+
+@pytest.mark.core
+def test_hbm_cache_never_evicts_what_this_lookup_uses():
+    pool, _, _ = filled_pool(10)
+    cache = HbmBlockCache(2, SHAPE, torch.float32, torch.device("cpu"))
+    cache.track_blocks(pool.capacity)
+    with pytest.raises(ValueError, match="hbm_cache_bytes"):
+        cache.lookup(torch.tensor([0, 1, 2]), pool)
+
+
+def test_unlimited_hbm_cache_grows_instead_of_evicting():
+    pool, ids, blocks = filled_pool(300)
+    cache = HbmBlockCache(None, SHAPE, torch.float32, torch.device("cpu"))
+    cache.track_blocks(pool.capacity)
+    slots, misses = cache.lookup(ids, pool)
+    assert misses == 300 and cache.num_resident == 300
+    assert torch.equal(cache.pool[slots], blocks)
+    _, misses = cache.lookup(ids[:10], pool)
+    assert misses == 0
+
+
+def test_invalidate_frees_slots_of_freed_blocks():
+    pool, _, _ = filled_pool(4)
+    cache = HbmBlockCache(4, SHAPE, torch.float32, torch.device("cpu"))
+    cache.track_blocks(pool.capacity)
+    cache.lookup(torch.tensor([0, 1]), pool)
+    cache.invalidate(torch.tensor([0]))
+    assert cache.num_resident == 1 and cache.block_slot[0] == -1

@@ -1,0 +1,82 @@
+"""The reference ops against brute-force definitions on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve_hf.ops import reference
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_quest_score_is_the_elementwise_upper_bound(group):
+    batch, kv_heads, blocks, size, dim = 2, 2, 5, 8, 16
+    keys = torch.randn(batch, kv_heads, blocks, size, dim)
+    query = torch.randn(batch, kv_heads * group, dim)
+    scores = reference.score_blocks(query, reference.block_metadata(keys, "quest"), "quest")
+    for b in range(batch):
+        for h in range(kv_heads * group):
+            for n in range(blocks):
+                block = keys[b, h // group, n]  # (S, D)
+                bound = torch.maximum(query[b, h] * block.min(0).values, query[b, h] * block.max(0).values).sum()
+                torch.testing.assert_close(scores[b, h, n], bound)
+                assert scores[b, h, n] >= (block @ query[b, h]).max() - 1e-5
+
+
+def test_cuboid_score_is_the_dot_with_the_mean_key():
+    keys = torch.randn(1, 2, 3, 8, 16)
+    query = torch.randn(1, 4, 16)
+    scores = reference.score_blocks(query, reference.block_metadata(keys, "cuboid"), "cuboid")
+    expected = torch.einsum("hd,hnd->hn", query[0], keys[0].mean(-2).repeat_interleave(2, 0))
+    torch.testing.assert_close(scores[0], expected)
+
+
+def brute_force_selection(scores, count, k, sink, window):
+    if count <= k:
+        return list(range(count))
+    forced = set(range(min(sink, count))) | set(range(max(count - window, 0), count))
+    rest = sorted((i for i in range(count) if i not in forced), key=lambda i: -scores[i])
+    return sorted(forced | set(rest[: k - len(forced)]))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("counts", [[0, 1, 3], [9, 17, 4], [40, 40, 2]])
+@pytest.mark.parametrize("sink,window", [(1, 1), (0, 2), (2, 0)])
+def test_select_blocks_matches_brute_force(counts, sink, window):
+    k, heads = 6, 3
+    scores = torch.randn(len(counts), heads, max(counts) + 3)
+    index, valid = reference.select_blocks(scores, torch.tensor(counts), k, sink, window)
+    assert index.shape == valid.shape == (len(counts), heads, k)
+    for b, count in enumerate(counts):
+        for h in range(heads):
+            got = index[b, h][valid[b, h]].tolist()
+            assert got == brute_force_selection(scores[b, h].tolist(), count, k, sink, window)
+
+
+@pytest.mark.core
+def test_aggregate_group_scores():
+    scores = torch.randn(2, 6, 5)
+    torch.testing.assert_close(reference.aggregate_group_scores(scores, 2, "max"), scores.view(2, 2, 3, 5).amax(2))
+    torch.testing.assert_close(reference.aggregate_group_scores(scores, 2, "sum"), scores.view(2, 2, 3, 5).sum(2))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype):
+    batch, q_heads, kv_heads, size, dim, slots, k = 2, 6, 2, 8, 16, 12, 4
+    pool = torch.randn(slots, 2, size, dim).to(dtype)
+    chosen = torch.randint(0, slots, (batch, q_heads, k))
+    chosen[0, 1, 2:] = -1  # unused entries
+    tail = torch.randn(batch, kv_heads, 2, size, dim).to(dtype)
+    tail_len = torch.tensor([3, 8])
+    query = torch.randn(batch, q_heads, dim).to(dtype)
+    out = reference.sparse_decode(query, pool, chosen, tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    for b in range(batch):
+        for h in range(q_heads):
+            slots_used = [s for s in chosen[b, h].tolist() if s >= 0]
+            keys = torch.cat([pool[s, 0] for s in slots_used] + [tail[b, h // 3, 0, : tail_len[b]]]).float()
+            values = torch.cat([pool[s, 1] for s in slots_used] + [tail[b, h // 3, 1, : tail_len[b]]]).float()
+            weights = torch.softmax(keys @ query[b, h].float() * 0.25, dim=0)
+            tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out[b, h].float(), weights @ values, **tolerance)
