@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..config import SparseServeConfig
-from ..ops import get_ops
+from ..ops import get_ops, resolve_backend
 from . import handoff
 from .layer import SparseServeLayer
 from .store import TieredBlockStore
@@ -42,6 +42,7 @@ class SparseServeCache(Cache):
             raise NotImplementedError(
                 f"SparseServeCache supports model types {SUPPORTED_MODEL_TYPES}, not {model_type!r}"
             )
+        resolve_backend(self.config.backend, None)  # fail now, not inside the first forward
         layer_types = self._layer_types()
         bad = [i for i in self.config.dense_layers if i >= len(layer_types)]
         if bad:

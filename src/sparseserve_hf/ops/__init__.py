@@ -38,7 +38,7 @@ TORCH_OPS = BlockOps(
 )
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device | None) -> str:
     """Map "auto" to the fastest backend built for `device`; reject backends not built yet."""
     if backend in ("auto", "torch"):
         return "torch"

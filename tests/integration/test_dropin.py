@@ -1,0 +1,70 @@
+"""The drop-in: attn_implementation="sparseserve" with and without a cache, streaming, registry."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import PAD, VOCAB, greedy, random_ids, tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AttentionInterface, PreTrainedTokenizerFast, TextStreamer
+
+import sparseserve_hf
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+
+
+@pytest.mark.core
+def test_importing_twice_keeps_one_registration():
+    sparseserve_hf.register()
+    sparseserve_hf.register()
+    assert "sparseserve" in AttentionInterface().valid_keys()
+
+
+@pytest.mark.core
+def test_without_a_cache_it_is_dense_and_hints_once(llama, caplog):
+    ids = random_ids(2, 70)
+    sparseserve_hf.attention._hint_no_cache.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="sparseserve_hf.attention"):
+        got = greedy(llama, ids)
+        greedy(llama, ids)
+    assert torch.equal(got, greedy(tiny_model("llama", "sdpa"), ids))
+    hints = [r for r in caplog.records if "SparseServeCache" in r.getMessage()]
+    assert len(hints) == 1
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", unk_token="w1")
+
+
+class Collect(TextStreamer):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=True)
+        self.text = ""
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.text += text
+
+
+def test_text_streamer_streams_the_sparse_tokens(llama):
+    tokenizer = word_tokenizer()
+    inputs = tokenizer(" ".join(f"w{i}" for i in random_ids(1, 120)[0].tolist()), return_tensors="pt")
+    streamer = Collect(tokenizer)
+    cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=64))
+    out = llama.generate(
+        **inputs, past_key_values=cache, streamer=streamer, max_new_tokens=12, do_sample=False, pad_token_id=PAD
+    )
+    new = out[0, inputs["input_ids"].shape[1] :]
+    assert streamer.text.split() == tokenizer.decode(new).split()
+    assert len(streamer.text.split()) == 12
+
+
+def test_dense_layers_stay_dense_and_match(llama):
+    ids = random_ids(1, 90)
+    config = SparseServeConfig(block_size=16, token_budget=4096, dense_layers=(0,))
+    cache = SparseServeCache(llama.config, config)
+    assert torch.equal(greedy(llama, ids, cache), greedy(tiny_model("llama", "sdpa"), ids))
+    assert cache.stats()["hbm_dense_layer_bytes"] > 0
