@@ -1,0 +1,46 @@
+"""The same ladder on a CUDA device (pinned DRAM pool, device-resident metadata and block cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, left_pad, random_ids, tiny_model
+
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_budget_covering_the_sequence_equals_sdpa(dtype):
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2).to("cuda", dtype)
+    sdpa = tiny_model("llama", "sdpa", num_heads=6, num_kv_heads=2).to("cuda", dtype)
+    ids = random_ids(2, 203).cuda()
+    cache = SparseServeCache(model.config, SparseServeConfig(block_size=16, token_budget=4096))
+    assert torch.equal(greedy(model, ids, cache), greedy(sdpa, ids))
+    store = cache.store
+    assert store.dram.storage.is_pinned() and store.hbm.pool.is_cuda and store.metadata.is_cuda
+
+
+def test_cuda_left_padded_small_budget_equals_single_runs():
+    model = tiny_model("llama").cuda()
+    rows = [random_ids(1, n, seed=n)[0] for n in (180, 77)]
+    ids, mask = left_pad(rows)
+    config = SparseServeConfig(block_size=16, token_budget=48, hbm_cache_bytes=1 << 20)
+    batched = greedy(model, ids.cuda(), SparseServeCache(model.config, config), attention_mask=mask.cuda())
+    for i, row in enumerate(rows):
+        alone = greedy(model, row[None].cuda(), SparseServeCache(model.config, config))
+        assert torch.equal(batched[i], alone[0])
+
+
+def test_cuda_and_cpu_select_the_same_blocks():
+    cpu_model, gpu_model = tiny_model("llama"), tiny_model("llama").cuda()
+    ids = random_ids(1, 300)
+    config = SparseServeConfig(block_size=16, token_budget=64)
+    caches = [SparseServeCache(m.config, config) for m in (cpu_model, gpu_model)]
+    with torch.no_grad():
+        for model, cache, device in zip((cpu_model, gpu_model), caches, ("cpu", "cuda")):
+            token = model(ids.to(device), past_key_values=cache).logits[:, -1:].argmax(-1)
+            model(token, past_key_values=cache)
+    for cpu_layer, gpu_layer in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(cpu_layer.last_selection, gpu_layer.last_selection.cpu())
