@@ -100,7 +100,7 @@ class SparseServeConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SparseServeConfig":
+    def from_dict(cls, values: dict[str, Any]) -> SparseServeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, random_ids, tiny_config, tiny_model
 from transformers import GPT2Config
 
+from conftest import greedy, random_ids, tiny_config, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 
@@ -66,9 +66,8 @@ def test_prompt_past_max_position_embeddings(llama):
     with torch.no_grad():
         llama(ids, past_key_values=cache)
     before = snapshot(cache)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        with torch.no_grad():
-            llama(random_ids(1, 2000), past_key_values=cache)
+    with pytest.raises(ValueError, match="max_position_embeddings"), torch.no_grad():
+        llama(random_ids(1, 2000), past_key_values=cache)
     assert snapshot(cache) == before
     with torch.no_grad():
         llama(random_ids(1, 5), past_key_values=cache)  # still usable
@@ -82,9 +81,8 @@ def test_dtype_mix_is_rejected_and_the_cache_keeps_working(llama):
         llama(random_ids(1, 60), past_key_values=cache)
     before = snapshot(cache)
     half = tiny_model("llama").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16"):
-        with torch.no_grad():
-            half(random_ids(1, 4), past_key_values=cache)
+    with pytest.raises(ValueError, match="bfloat16"), torch.no_grad():
+        half(random_ids(1, 4), past_key_values=cache)
     assert snapshot(cache) == before
     with torch.no_grad():
         llama(random_ids(1, 4), past_key_values=cache)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, left_pad, random_ids, tiny_model
 
+from conftest import greedy, left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 pytestmark = pytest.mark.gpu

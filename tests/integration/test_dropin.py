@@ -6,11 +6,11 @@ import logging
 
 import pytest
 import torch
-from conftest import PAD, VOCAB, greedy, random_ids, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AttentionInterface, PreTrainedTokenizerFast, TextStreamer
 
 import sparseserve_hf
+from conftest import PAD, VOCAB, greedy, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 

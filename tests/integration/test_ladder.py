@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAD, greedy, left_pad, random_ids, tiny_model
 from transformers import DynamicCache
 
+from conftest import PAD, greedy, left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_pad, random_ids, tiny_model
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from conftest import left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -152,7 +152,7 @@ class SparseServeLayer(CacheLayerMixin):
     def past(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All stored tokens, left-aligned: keys, values (B, Hkv, L, D) and valid (B, L)."""
         lengths = self.row_lengths()
-        batch, num_kv_heads, _, size, head_dim = self.tail.shape
+        batch, num_kv_heads, _, _, head_dim = self.tail.shape
         longest = int(lengths.max())
         keys = torch.zeros((batch, num_kv_heads, longest, head_dim), dtype=self.dtype, device=self.device)
         values = torch.zeros_like(keys)

@@ -6,14 +6,14 @@ Only the plain-PyTorch reference exists so far; it runs on CPU and CUDA. The GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from . import reference
 
-__all__ = ["BlockOps", "get_ops", "resolve_backend", "reference"]
+__all__ = ["BlockOps", "get_ops", "reference", "resolve_backend"]
 
 
 @dataclass(frozen=True)
