@@ -40,17 +40,17 @@ def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torc
     """
     batch, num_q_heads, dim = query.shape
     num_kv_heads = metadata.shape[1]
-    group = num_q_heads // num_kv_heads
-    q = query.float().view(batch, num_kv_heads, group, 1, 1, dim)  # (B, Hkv, G, 1, 1, D)
-    meta = metadata.float().unsqueeze(2)  # (B, Hkv, 1, N, M, D)
-    products = q * meta  # (B, Hkv, G, N, M, D)
+    q = query.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)  # (B, Hkv, G, D)
+    meta = metadata.float()
     if kind == "quest":
-        scores = products.amax(dim=-2).sum(dim=-1)
+        # max(q*lo, q*hi) per channel is q*hi where q > 0 and q*lo where q < 0: two matmuls.
+        lo, hi = meta[..., 0, :], meta[..., 1, :]  # (B, Hkv, N, D)
+        scores = q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)
     elif kind == "cuboid":
-        scores = products.sum(dim=(-2, -1))
+        scores = q @ meta[..., 0, :].transpose(-1, -2)
     else:
         raise ValueError(f"unknown metadata kind {kind!r}")
-    return scores.reshape(batch, num_q_heads, -1)
+    return scores.reshape(batch, num_q_heads, -1)  # (B, Hkv, G, N) -> (B, Hq, N)
 
 
 def aggregate_group_scores(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
@@ -120,17 +120,21 @@ def sparse_decode(
         (B, Hq, D) in the query's dtype.
     """
     batch, num_q_heads, dim = query.shape
-    block_size = pool.shape[2]
-    group = num_q_heads // tail_keys.shape[1]
-    blocks = pool[slots.clamp(min=0)]  # (B, Hq, K, 2, S, D)
-    keys = blocks[:, :, :, 0].reshape(batch, num_q_heads, -1, dim)  # (B, Hq, K*S, D)
-    values = blocks[:, :, :, 1].reshape(batch, num_q_heads, -1, dim)
-    block_valid = (slots >= 0).repeat_interleave(block_size, dim=-1)  # (B, Hq, K*S)
-    keys = torch.cat((keys, tail_keys.repeat_interleave(group, dim=1)), dim=2)  # (B, Hq, L, D)
-    values = torch.cat((values, tail_values.repeat_interleave(group, dim=1)), dim=2)
-    tail_valid = torch.arange(block_size, device=query.device) < tail_len.view(batch, 1, 1)  # (B, 1, S)
-    valid = torch.cat((block_valid, tail_valid.expand(batch, num_q_heads, block_size)), dim=-1)
-    return masked_attention(query, keys, values, valid, scaling)
+    num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
+    group = num_q_heads // num_kv_heads
+    q = query.float()
+    blocks = pool[slots.clamp(min=0)].float()  # (B, Hq, K, 2, S, D)
+    block_logits = torch.einsum("bhd,bhksd->bhks", q, blocks[:, :, :, 0]).flatten(2) * scaling  # (B, Hq, K*S)
+    block_logits = block_logits.masked_fill(~(slots >= 0).repeat_interleave(block_size, dim=-1), float("-inf"))
+    q_grouped = q.view(batch, num_kv_heads, group, dim)
+    tail_logits = torch.einsum("bhgd,bhsd->bhgs", q_grouped, tail_keys.float()) * scaling  # (B, Hkv, G, S)
+    tail_valid = torch.arange(block_size, device=query.device) < tail_len.view(batch, 1, 1, 1)
+    tail_logits = tail_logits.masked_fill(~tail_valid, float("-inf")).reshape(batch, num_q_heads, block_size)
+    weights = torch.softmax(torch.cat((block_logits, tail_logits), dim=-1), dim=-1)
+    block_weights, tail_weights = weights.split([block_logits.shape[-1], block_size], dim=-1)
+    out = torch.einsum("bhks,bhksd->bhd", block_weights.view(*slots.shape, block_size), blocks[:, :, :, 1])
+    tail_out = torch.einsum("bhgs,bhsd->bhgd", tail_weights.view(batch, num_kv_heads, group, -1), tail_values.float())
+    return (out + tail_out.reshape(batch, num_q_heads, dim)).to(query.dtype)
 
 
 def masked_attention(
