@@ -36,7 +36,9 @@ def sparseserve_attention_forward(
     if got is None:
         _hint_no_cache()
     if got is None or got.layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     layer: SparseServeLayer = got.layer
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     num_new = query.shape[2]
@@ -71,7 +73,9 @@ def dense_attention_with_past(
     """Dense causal attention of new tokens over the stored past (read back from DRAM) and themselves."""
     batch, _, num_new, _ = query.shape
     if layer.num_positions == num_new:  # no past: exactly stock SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
     past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
     if attention_mask is None:
         new_part = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).tril()
