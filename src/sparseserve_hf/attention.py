@@ -107,6 +107,8 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     )  # (B, H, K)
     if config.selection == "kv_head":
         picked, valid = picked.repeat_interleave(group, dim=1), valid.repeat_interleave(group, dim=1)
+    elif config.selection == "group_union":
+        picked, valid = ops.union_over_group(picked, valid, num_kv_heads, table.shape[2])  # (B, Hq, G*K)
     block_ids = torch.gather(table.repeat_interleave(group, dim=1), 2, picked)  # (B, Hq, K)
     slots = store.fetch(torch.where(valid, block_ids, -1))
     layer.last_selection = torch.where(valid, picked, -1)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METADATA_KINDS = ("quest", "cuboid")
-SELECTION_GRANULARITIES = ("query_head", "kv_head")
+SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
 
@@ -18,8 +18,9 @@ class SparseServeConfig:
     Attributes:
         block_size: tokens per KV block (a power of two). One head-block is
             `block_size x head_dim` keys plus as many values, for one KV head.
-        token_budget: tokens each query head attends to at decode, counting the sink,
-            window and top-k blocks and the partial tail block.
+        token_budget: tokens each query head selects at decode, counting the sink, window
+            and top-k blocks and the partial tail block (with "group_union" a head attends
+            to the union of its group's selections, up to G x this).
         sink_blocks: leading blocks always selected (attention sinks).
         window_blocks: most recent full blocks always selected (the partial tail block
             is always attended on top of these).
@@ -28,10 +29,12 @@ class SparseServeConfig:
         metadata: per-block summary used to score blocks: "quest" (per-channel key
             min/max, an upper bound on q.k) or "cuboid" (per-channel key mean, ArkVale).
         selection: "query_head" (every query head selects its own blocks; a KV head
-            loads the union of its group's selections) or "kv_head" (one selection per
+            loads the union of its group's selections), "group_union" (the same selections,
+            but every query head attends to the whole union its KV head loaded: no more
+            transfers, up to G x the attention work) or "kv_head" (one selection per
             KV head from its query heads' scores, aggregated by `group_aggregation`).
-            "query_head" is the default: it found the most needles on the real model
-            (DESIGN.md section 3).
+            "group_union" is the default: at the same transfers it kept the most needles on
+            the real model (eval/results/needle_union.md; per KV head kept far fewer).
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
         hbm_cache_bytes: bytes of the device block cache shared by all layers and
             requests (LRU). None = unlimited: no selected block is ever evicted.
@@ -46,7 +49,7 @@ class SparseServeConfig:
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = ()
     metadata: str = "quest"
-    selection: str = "query_head"
+    selection: str = "group_union"
     group_aggregation: str = "max"
     hbm_cache_bytes: int | None = None
     dram_bytes: int | None = None

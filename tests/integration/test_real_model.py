@@ -133,12 +133,6 @@ def needle_results(models, samples) -> dict:
     return report
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (DESIGN.md T7): plain Quest selection at token_budget=2048 of ~6K tokens misses the "
-    "depth-0.8 needle that dense finds (answers 242391. for 2423915; budget 3072 finds it). "
-    "Better selection is the accuracy issue's job; this stays visible as xfail/xpass.",
-)
 def test_default_budget_finds_every_needle_dense_finds(needle_results):
     found_dense = [r["depth"] for r in needle_results["samples"] if r["dense"]["found"]]
     missed_sparse = [r["depth"] for r in needle_results["samples"] if not r[f"sparse_{DEFAULT_BUDGET}"]["found"]]

@@ -47,7 +47,7 @@ def allowed_positions(layer, pads: list[int], num_positions: int) -> torch.Tenso
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("selection", ["query_head", "kv_head"])
+@pytest.mark.parametrize("selection", ["query_head", "group_union", "kv_head"])
 @pytest.mark.parametrize("metadata", ["quest", "cuboid"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 def test_sparse_decode_equals_masked_dense(selection, metadata, padded):
@@ -71,7 +71,8 @@ def test_sparse_decode_equals_masked_dense(selection, metadata, padded):
             got = sparse(token, attention_mask=mask, past_key_values=cache).logits
             for layer_idx, layer in enumerate(cache.layers):
                 ALLOWED[layer_idx] = allowed_positions(layer, pads, mask.shape[1])
-                assert layer.last_selection.shape[-1] == 3  # sink + window + 1 top-k
+                width = 9 if selection == "group_union" else 3  # sink + window + 1 top-k (x G=3 for the union)
+                assert layer.last_selection.shape[-1] == width
             expected = reference(token, attention_mask=mask, past_key_values=reference_cache).logits
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
             full = dense(token, attention_mask=mask, past_key_values=dense_cache).logits
@@ -89,6 +90,26 @@ def test_sink_and_window_blocks_are_always_selected(llama):
         last_full = int(layer.num_blocks[0]) - 1
         for head_selection in layer.last_selection[0]:
             assert 0 in head_selection.tolist() and last_full in head_selection.tolist()
+
+
+def test_group_union_gives_every_head_its_groups_blocks(llama):
+    caches = {
+        mode: SparseServeCache(
+            llama.config, SparseServeConfig(block_size=BLOCK, token_budget=4 * BLOCK, selection=mode)
+        )
+        for mode in ("query_head", "group_union")
+    }
+    ids = random_ids(1, 300)
+    with torch.no_grad():
+        for cache in caches.values():
+            token = llama(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            llama(token, past_key_values=cache)
+    own = caches["query_head"].layers[0].last_selection[0]  # (Hq=4, 3); 2 KV heads -> groups of 2
+    union = caches["group_union"].layers[0].last_selection[0]  # (4, 6)
+    for head in range(4):
+        group = own[2 * (head // 2) : 2 * (head // 2) + 2]
+        expected = sorted(set(group[group >= 0].tolist()))
+        assert union[head][union[head] >= 0].tolist() == expected
 
 
 def test_kv_head_selection_is_shared_by_the_group(llama):

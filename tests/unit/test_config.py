@@ -37,7 +37,7 @@ def test_bad_values_raise_naming_the_field(overrides, field):
 @pytest.mark.core
 def test_defaults_and_derived_sizes():
     config = SparseServeConfig()
-    assert (config.block_size, config.token_budget, config.selection) == (32, 2048, "query_head")
+    assert (config.block_size, config.token_budget, config.selection) == (32, 2048, "group_union")
     assert config.budget_blocks == 64 and config.selected_full_blocks == 63 and config.topk_blocks == 61
 
 

@@ -80,3 +80,13 @@ def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype):
             weights = torch.softmax(keys @ query[b, h].float() * 0.25, dim=0)
             tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(out[b, h].float(), weights @ values, **tolerance)
+
+
+@pytest.mark.core
+def test_union_over_group_matches_sets():
+    index = torch.tensor([[[0, 3, 5], [1, 3, 0], [2, 4, 0], [4, 6, 0]]])  # (B=1, Hq=4, K=3)
+    valid = torch.tensor([[[True, True, True], [True, True, False], [True, True, False], [True, True, True]]])
+    union, union_valid = reference.union_over_group(index, valid, num_kv_heads=2, capacity=8)
+    assert union.shape == (1, 4, 6)
+    for head, expected in enumerate([[0, 1, 3, 5], [0, 1, 3, 5], [0, 2, 4, 6], [0, 2, 4, 6]]):
+        assert union[0, head][union_valid[0, head]].tolist() == expected

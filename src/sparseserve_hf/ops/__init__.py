@@ -25,6 +25,7 @@ class BlockOps:
     score_blocks: Callable[..., torch.Tensor]
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sparse_decode: Callable[..., torch.Tensor]
 
 
@@ -34,6 +35,7 @@ TORCH_OPS = BlockOps(
     score_blocks=reference.score_blocks,
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
+    union_over_group=reference.union_over_group,
     sparse_decode=reference.sparse_decode,
 )
 

@@ -98,6 +98,35 @@ def select_blocks(
     return torch.where(valid, index, 0), valid
 
 
+def union_over_group(
+    index: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query-head selections -> the union of each KV head's group, given to every head of the group.
+
+    Args:
+        index, valid: (B, Hq, K) as returned by `select_blocks`.
+        num_kv_heads: Hkv.
+        capacity: N, the width of the block table the indices point into.
+    Returns:
+        index, valid: (B, Hq, G*K), ascending among valid entries; the same for all heads of a group.
+    """
+    batch, num_q_heads, num_selected = index.shape
+    group = num_q_heads // num_kv_heads
+    width = max(capacity, 1)
+    counts = torch.zeros((batch, num_kv_heads, width), dtype=torch.long, device=index.device)
+    counts.scatter_add_(2, index.view(batch, num_kv_heads, -1), valid.view(batch, num_kv_heads, -1).long())
+    position = torch.arange(width, device=index.device)
+    # Chosen blocks rank by position, unchosen ones after all of them: the smallest keys, ascending.
+    key = torch.where(counts > 0, position, width + position)  # (B, Hkv, N)
+    key, union_index = key.topk(min(group * num_selected, width), dim=-1, largest=False)
+    union_valid = key < width
+    shape = (batch, num_kv_heads, group, union_index.shape[-1])
+    return (
+        torch.where(union_valid, union_index, 0)[:, :, None].expand(shape).reshape(batch, num_q_heads, -1),
+        union_valid[:, :, None].expand(shape).reshape(batch, num_q_heads, -1),
+    )
+
+
 def sparse_decode(
     query: torch.Tensor,
     pool: torch.Tensor,
