@@ -104,17 +104,28 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
     picked, valid = ops.select_blocks(
         scores, layer.num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
-    )  # (B, H, K)
-    if config.selection == "kv_head":
-        picked, valid = picked.repeat_interleave(group, dim=1), valid.repeat_interleave(group, dim=1)
-    elif config.selection == "group_union":
-        picked, valid = ops.union_over_group(picked, valid, num_kv_heads, table.shape[2])  # (B, Hq, G*K)
-    block_ids = torch.gather(table.repeat_interleave(group, dim=1), 2, picked)  # (B, Hq, K)
-    slots = store.fetch(torch.where(valid, block_ids, -1))
-    layer.last_selection = torch.where(valid, picked, -1)
+    )  # (B, H, K), H = Hq or Hkv
+    head_mask = None  # every query head attends to all blocks its KV head loaded
+    if config.selection != "kv_head":
+        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, table.shape[2])  # (B, Hkv, U)
+        if config.selection == "group_union":
+            head_mask = None
+    block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
+    slots = store.fetch(block_ids)
+    layer.last_selection = _selection_per_query_head(picked, valid, head_mask, group)
     tail = layer.tail
-    out = ops.sparse_decode(q, store.hbm.pool, slots, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
+    out = ops.sparse_decode(q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
     return out.unsqueeze(1)
+
+
+def _selection_per_query_head(
+    picked: torch.Tensor, valid: torch.Tensor, head_mask: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """(B, Hq, U) block indices each query head attended to, -1 elsewhere (for tests and working sets)."""
+    attended = valid.repeat_interleave(group, dim=1)
+    if head_mask is not None:
+        attended = attended & head_mask
+    return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,8 @@ def test_sparse_decode_equals_masked_dense(selection, metadata, padded):
             got = sparse(token, attention_mask=mask, past_key_values=cache).logits
             for layer_idx, layer in enumerate(cache.layers):
                 ALLOWED[layer_idx] = allowed_positions(layer, pads, mask.shape[1])
-                width = 9 if selection == "group_union" else 3  # sink + window + 1 top-k (x G=3 for the union)
-                assert layer.last_selection.shape[-1] == width
+                attended = (layer.last_selection >= 0).sum(-1)  # sink + window + 1 top-k (a G=3 union)
+                assert attended.min() >= 3 and attended.max() <= (9 if selection == "group_union" else 3)
             expected = reference(token, attention_mask=mask, past_key_values=reference_cache).logits
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
             full = dense(token, attention_mask=mask, past_key_values=dense_cache).logits

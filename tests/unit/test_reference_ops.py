@@ -63,22 +63,27 @@ def test_aggregate_group_scores():
 
 @pytest.mark.core
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype):
-    batch, q_heads, kv_heads, size, dim, slots, k = 2, 6, 2, 8, 16, 12, 4
+@pytest.mark.parametrize("with_head_mask", [False, True])
+def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype, with_head_mask):
+    batch, q_heads, kv_heads, size, dim, slots, loaded = 2, 6, 2, 8, 16, 12, 5
     pool = torch.randn(slots, 2, size, dim).to(dtype)
-    chosen = torch.randint(0, slots, (batch, q_heads, k))
-    chosen[0, 1, 2:] = -1  # unused entries
+    chosen = torch.randint(0, slots, (batch, kv_heads, loaded))
+    chosen[0, 1, 3:] = -1  # unused entries
+    head_mask = torch.rand(batch, q_heads, loaded) > 0.3 if with_head_mask else None
     tail = torch.randn(batch, kv_heads, 2, size, dim).to(dtype)
     tail_len = torch.tensor([3, 8])
     query = torch.randn(batch, q_heads, dim).to(dtype)
-    out = reference.sparse_decode(query, pool, chosen, tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    out = reference.sparse_decode(query, pool, chosen, head_mask, tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for b in range(batch):
         for h in range(q_heads):
-            slots_used = [s for s in chosen[b, h].tolist() if s >= 0]
-            keys = torch.cat([pool[s, 0] for s in slots_used] + [tail[b, h // 3, 0, : tail_len[b]]]).float()
-            values = torch.cat([pool[s, 1] for s in slots_used] + [tail[b, h // 3, 1, : tail_len[b]]]).float()
+            kv = h // 3
+            used = [
+                s for u, s in enumerate(chosen[b, kv].tolist()) if s >= 0 and (head_mask is None or head_mask[b, h, u])
+            ]
+            keys = torch.cat([pool[s, 0] for s in used] + [tail[b, kv, 0, : tail_len[b]]]).float()
+            values = torch.cat([pool[s, 1] for s in used] + [tail[b, kv, 1, : tail_len[b]]]).float()
             weights = torch.softmax(keys @ query[b, h].float() * 0.25, dim=0)
-            tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(out[b, h].float(), weights @ values, **tolerance)
 
 
@@ -86,7 +91,10 @@ def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype):
 def test_union_over_group_matches_sets():
     index = torch.tensor([[[0, 3, 5], [1, 3, 0], [2, 4, 0], [4, 6, 0]]])  # (B=1, Hq=4, K=3)
     valid = torch.tensor([[[True, True, True], [True, True, False], [True, True, False], [True, True, True]]])
-    union, union_valid = reference.union_over_group(index, valid, num_kv_heads=2, capacity=8)
-    assert union.shape == (1, 4, 6)
-    for head, expected in enumerate([[0, 1, 3, 5], [0, 1, 3, 5], [0, 2, 4, 6], [0, 2, 4, 6]]):
-        assert union[0, head][union_valid[0, head]].tolist() == expected
+    union, union_valid, head_mask = reference.union_over_group(index, valid, num_kv_heads=2, capacity=8)
+    assert union.shape == (1, 2, 6) and head_mask.shape == (1, 4, 6)
+    for kv_head, expected in enumerate([[0, 1, 3, 5], [0, 2, 4, 6]]):
+        assert union[0, kv_head][union_valid[0, kv_head]].tolist() == expected
+    for head in range(4):
+        own = set(index[0, head][valid[0, head]].tolist())
+        assert set(union[0, head // 2][head_mask[0, head]].tolist()) == own

@@ -100,48 +100,53 @@ def select_blocks(
 
 def union_over_group(
     index: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-query-head selections -> the union of each KV head's group, given to every head of the group.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-query-head selections -> the blocks each KV head loads (their union) and who uses which.
 
     Args:
         index, valid: (B, Hq, K) as returned by `select_blocks`.
         num_kv_heads: Hkv.
         capacity: N, the width of the block table the indices point into.
     Returns:
-        index, valid: (B, Hq, G*K), ascending among valid entries; the same for all heads of a group.
+        union: (B, Hkv, U) block indices, ascending among valid entries, U = min(G*K, N).
+        union_valid: (B, Hkv, U).
+        head_mask: (B, Hq, U) True where the query head itself selected that union block.
     """
-    batch, num_q_heads, num_selected = index.shape
+    batch, num_q_heads, _ = index.shape
     group = num_q_heads // num_kv_heads
     width = max(capacity, 1)
-    counts = torch.zeros((batch, num_kv_heads, width), dtype=torch.long, device=index.device)
-    counts.scatter_add_(2, index.view(batch, num_kv_heads, -1), valid.view(batch, num_kv_heads, -1).long())
+    own = torch.zeros((batch, num_q_heads, width), dtype=torch.long, device=index.device)
+    own.scatter_add_(2, index, valid.long())  # (B, Hq, N) > 0 where the head chose the block
+    chosen = own.view(batch, num_kv_heads, group, width).sum(dim=2) > 0  # (B, Hkv, N)
     position = torch.arange(width, device=index.device)
     # Chosen blocks rank by position, unchosen ones after all of them: the smallest keys, ascending.
-    key = torch.where(counts > 0, position, width + position)  # (B, Hkv, N)
-    key, union_index = key.topk(min(group * num_selected, width), dim=-1, largest=False)
+    key = torch.where(chosen, position, width + position)
+    key, union = key.topk(min(group * index.shape[-1], width), dim=-1, largest=False)
     union_valid = key < width
-    shape = (batch, num_kv_heads, group, union_index.shape[-1])
-    return (
-        torch.where(union_valid, union_index, 0)[:, :, None].expand(shape).reshape(batch, num_q_heads, -1),
-        union_valid[:, :, None].expand(shape).reshape(batch, num_q_heads, -1),
-    )
+    union = torch.where(union_valid, union, 0)
+    head_mask = torch.gather(own, 2, union.repeat_interleave(group, dim=1)) > 0  # (B, Hq, U)
+    return union, union_valid, head_mask & union_valid.repeat_interleave(group, dim=1)
 
 
 def sparse_decode(
     query: torch.Tensor,
     pool: torch.Tensor,
     slots: torch.Tensor,
+    head_mask: torch.Tensor | None,
     tail_keys: torch.Tensor,
     tail_values: torch.Tensor,
     tail_len: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """One decode token of attention over selected pool blocks plus each row's tail block.
+    """One decode token of attention over the blocks each KV head loaded plus each row's tail block.
+
+    All query heads of a GQA group read the same loaded blocks, as a grouped kernel would.
 
     Args:
         query: (B, Hq, D).
         pool: (P, 2, S, D) device block cache; [:, 0] keys, [:, 1] values.
-        slots: (B, Hq, K) pool slot of each selected block, -1 where unused.
+        slots: (B, Hkv, U) pool slot of each block the KV head loaded, -1 where unused.
+        head_mask: (B, Hq, U) which loaded blocks each query head attends to; None = all of them.
         tail_keys, tail_values: (B, Hkv, S, D) the partial block of each row (the newest tokens).
         tail_len: (B,) valid tokens in each tail block.
         scaling: softmax scale.
@@ -151,26 +156,18 @@ def sparse_decode(
     batch, num_q_heads, dim = query.shape
     num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
     group = num_q_heads // num_kv_heads
-    q = query.float()
-    blocks = pool[slots.clamp(min=0)].float()  # (B, Hq, K, 2, S, D)
-    block_logits = torch.einsum("bhd,bhksd->bhks", q, blocks[:, :, :, 0]).flatten(2) * scaling  # (B, Hq, K*S)
-    block_logits = block_logits.masked_fill(~(slots >= 0).repeat_interleave(block_size, dim=-1), float("-inf"))
-    q_grouped = q.view(batch, num_kv_heads, group, dim)
-    tail_logits = torch.einsum("bhgd,bhsd->bhgs", q_grouped, tail_keys.float()) * scaling  # (B, Hkv, G, S)
+    q = query.float().view(batch, num_kv_heads, group, dim)  # (B, Hkv, G, D)
+    blocks = pool[slots.clamp(min=0)].float()  # (B, Hkv, U, 2, S, D)
+    block_logits = torch.einsum("bhgd,bhusd->bhgus", q, blocks[:, :, :, 0]) * scaling  # (B, Hkv, G, U, S)
+    attended = (slots >= 0)[:, :, None, :]  # (B, Hkv, 1, U)
+    if head_mask is not None:
+        attended = attended & head_mask.view(batch, num_kv_heads, group, -1)
+    block_logits = block_logits.masked_fill(~attended[..., None], float("-inf")).flatten(3)  # (B, Hkv, G, U*S)
+    tail_logits = torch.einsum("bhgd,bhsd->bhgs", q, tail_keys.float()) * scaling  # (B, Hkv, G, S)
     tail_valid = torch.arange(block_size, device=query.device) < tail_len.view(batch, 1, 1, 1)
-    tail_logits = tail_logits.masked_fill(~tail_valid, float("-inf")).reshape(batch, num_q_heads, block_size)
+    tail_logits = tail_logits.masked_fill(~tail_valid, float("-inf"))
     weights = torch.softmax(torch.cat((block_logits, tail_logits), dim=-1), dim=-1)
     block_weights, tail_weights = weights.split([block_logits.shape[-1], block_size], dim=-1)
-    out = torch.einsum("bhks,bhksd->bhd", block_weights.view(*slots.shape, block_size), blocks[:, :, :, 1])
-    tail_out = torch.einsum("bhgs,bhsd->bhgd", tail_weights.view(batch, num_kv_heads, group, -1), tail_values.float())
-    return (out + tail_out.reshape(batch, num_q_heads, dim)).to(query.dtype)
-
-
-def masked_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """Naive single-query attention: (B, H, D) against (B, H, L, D) where `valid` (B, H, L) is True."""
-    logits = torch.einsum("bhd,bhld->bhl", query.float(), keys.float()) * scaling
-    logits = logits.masked_fill(~valid, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    return torch.einsum("bhl,bhld->bhd", weights, values.float()).to(query.dtype)
+    out = torch.einsum("bhgus,bhusd->bhgd", block_weights.unflatten(-1, (-1, block_size)), blocks[:, :, :, 1])
+    out = out + torch.einsum("bhgs,bhsd->bhgd", tail_weights, tail_values.float())
+    return out.reshape(batch, num_q_heads, dim).to(query.dtype)
