@@ -19,6 +19,7 @@ import inspect
 import time
 
 import torch
+from transformers.utils import logging as hf_logging
 
 import sparseserve_hf  # noqa: F401  (importing it registers attn_implementation="sparseserve")
 from sparseserve_hf import SparseServeCache, SparseServeConfig
@@ -74,6 +75,7 @@ def mib(num_bytes: float) -> str:
 
 def main() -> None:
     torch.manual_seed(0)
+    hf_logging.disable_progress_bar()  # the demo prints its own steps
     print("[1/4] loading SmolLM2-135M-Instruct (the first run converts the GGUF, ~20 s) ...", flush=True)
     dense_model, tokenizer = load_default(attn_implementation="sdpa")
     sparse_model, _ = load_default(attn_implementation="sparseserve")
