@@ -1,0 +1,1 @@
+"""Accuracy and serving evaluation of sparseserve_hf (scripts; the package never imports this)."""

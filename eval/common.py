@@ -1,0 +1,133 @@
+"""What the accuracy runners share: methods to compare, greedy answers, and result files.
+
+A method is dense attention or `SparseServeCache` at one token budget. Every runner writes, under
+its output folder: `samples.jsonl` (one JSON line per sample and method), `summary.json`
+(score per task and method, and sparse/dense ratios), `results.md` (the same as a table) and
+`score_vs_budget.png`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+
+DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of answering: dense attention (config None) or SparseServeCache with `config`."""
+
+    name: str
+    config: SparseServeConfig | None = None
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.config is None else self.config.token_budget
+
+
+def methods_for(budgets: list[int], base: SparseServeConfig | None = None) -> list[Method]:
+    """Dense first, then one sparse method per budget (other fields from `base`)."""
+    base = base or SparseServeConfig()
+    return [Method(DENSE)] + [Method(f"sparse_{b}", replace(base, token_budget=b)) for b in budgets]
+
+
+def parse_budgets(text: str) -> list[int]:
+    """ "512,1024" -> [512, 1024]; a clear error for anything else."""
+    try:
+        budgets = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets takes comma-separated integers, got {text!r}") from None
+    if not budgets or min(budgets) <= 0:
+        raise ValueError(f"--budgets needs positive integers, got {text!r}")
+    return budgets
+
+
+def answer(model, tokenizer, input_ids: torch.Tensor, method: Method, max_new_tokens: int) -> str:
+    """Greedy-decode up to `max_new_tokens` after `input_ids` (1, T); returns the new text."""
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    kwargs["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if method.config is not None:
+        kwargs["past_key_values"] = SparseServeCache(model.config, method.config)
+    input_ids = input_ids.to(model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean score per (task, method) and each sparse method's ratio to dense per task.
+
+    Each row needs "task", "method" and "score" (0..100).
+    """
+    scores: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        scores[row["task"]][row["method"]].append(row["score"])
+    mean = {t: {m: sum(v) / len(v) for m, v in per.items()} for t, per in scores.items()}
+    ratio = {
+        t: {m: (s / per[DENSE] if per.get(DENSE) else None) for m, s in per.items() if m != DENSE}
+        for t, per in mean.items()
+    }
+    counts = {t: {m: len(v) for m, v in per.items()} for t, per in scores.items()}
+    return {"score": mean, "ratio_to_dense": ratio, "samples": counts}
+
+
+def write_results(out_dir: Path, rows: list[dict], meta: dict) -> dict:
+    """Write samples.jsonl, summary.json, results.md and score_vs_budget.png; returns the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "samples.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    summary = {"meta": meta, **summarize(rows)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
+    (out_dir / "results.md").write_text(markdown_table(summary))
+    plot_score_vs_budget(summary, out_dir / "score_vs_budget.png")
+    return summary
+
+
+def markdown_table(summary: dict) -> str:
+    methods = sorted({m for per in summary["score"].values() for m in per}, key=_method_order)
+    lines = ["| task | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for task, per in sorted(summary["score"].items()):
+        cells = []
+        for m in methods:
+            ratio = summary["ratio_to_dense"][task].get(m)
+            cell = "" if m not in per else f"{per[m]:.1f}"
+            cells.append(cell + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nScores 0-100; in brackets: sparse / dense.\n"
+
+
+def plot_score_vs_budget(summary: dict, path: Path) -> None:
+    """Score vs token budget per task, dense as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for task, per in sorted(summary["score"].items()):
+        points = sorted((int(m.split("_")[1]), s) for m, s in per.items() if m != DENSE)
+        if points:
+            line = ax.plot(*zip(*points), marker="o", label=task)[0]
+            if DENSE in per:
+                ax.axhline(per[DENSE], linestyle="--", color=line.get_color(), linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget")
+    ax.set_ylabel("score")
+    ax.set_title("score vs budget (dashed: dense)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _method_order(name: str) -> tuple[int, int]:
+    return (0, 0) if name == DENSE else (1, int(name.split("_")[1]))
