@@ -49,17 +49,6 @@ def test_batch_too_large_for_the_hbm_cache_is_rejected_before_any_change(llama):
 
 
 @pytest.mark.core
-def test_beam_search_is_refused_and_the_cache_stays_usable(llama):
-    cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=64))
-    ids = random_ids(1, 80)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        llama.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert cache.get_seq_length() == 0 and cache.store.dram.num_used == 0  # reset: no block leaked
-    fresh = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=64))
-    assert torch.equal(greedy(llama, ids, cache), greedy(llama, ids, fresh))
-
-
-@pytest.mark.core
 def test_prompt_past_max_position_embeddings(llama):
     cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=64))
     ids = random_ids(1, 100)

@@ -162,3 +162,22 @@ def test_reset_frees_every_block(llama):
     stats = cache.stats()
     assert stats["dram_bytes"] == 0 and stats["hbm_block_cache_bytes"] == 0 and cache.get_seq_length() == 0
     assert cache.store.dram.num_used == 0
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("budget", [4096, 48])
+def test_beam_search_shares_blocks_and_matches_sdpa(llama, budget):
+    """Beam search reorders rows every step: rows then share past blocks (reference counted)."""
+    ids = random_ids(2, 70)
+    kwargs = dict(num_beams=3, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    cache = sparse_cache(llama, token_budget=budget)
+    with torch.no_grad():
+        got = llama.generate(ids, past_key_values=cache, **kwargs)
+        if budget >= 4096:
+            assert torch.equal(got, tiny_model("llama", "sdpa").generate(ids, **kwargs))
+    layer = cache.layers[0]
+    live = layer.block_ids[layer.block_ids >= 0]
+    refcount = cache.store.dram.refcount
+    assert torch.equal(refcount[live.unique()], torch.bincount(live.cpu())[live.unique()].int())
+    cache.reset()
+    assert cache.store.dram.num_used == 0 and int(cache.store.dram.refcount.sum()) == 0

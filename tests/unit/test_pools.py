@@ -86,3 +86,14 @@ def test_invalidate_frees_slots_of_freed_blocks():
     cache.lookup(torch.tensor([0, 1]), pool)
     cache.invalidate(torch.tensor([0]))
     assert cache.num_resident == 1 and cache.block_slot[0] == -1
+
+
+@pytest.mark.core
+def test_dram_blocks_are_reference_counted():
+    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    ids = pool.allocate(3)
+    pool.retain(torch.tensor([1, 1, 2]))
+    assert pool.free(ids).tolist() == [0]  # 1 and 2 are still referenced
+    assert pool.free(torch.tensor([1, 2])).tolist() == [2]
+    assert pool.free(torch.tensor([1])).tolist() == [1]
+    assert pool.num_used == 0 and pool.allocate(1).tolist() == [0]

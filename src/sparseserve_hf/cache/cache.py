@@ -131,18 +131,6 @@ class SparseServeCache(Cache):
         if self.store is not None:
             self.store.stats = type(self.store.stats)()
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.reset()
-        raise NotImplementedError(
-            "SparseServeCache does not support beam search (num_beams > 1); the cache was reset. "
-            "Use greedy decoding or sampling."
-        )
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            self.reset()
-            raise NotImplementedError("SparseServeCache cannot repeat rows of a filled cache; the cache was reset")
-
     # ---- reporting -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:

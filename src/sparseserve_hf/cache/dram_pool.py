@@ -12,7 +12,8 @@ class DramPool:
 
     A head-block is (2, S, D): the keys and values of `S` tokens of one KV head. Block ids
     are handed out lowest first, so the blocks a prefilled layer saves in one call are
-    contiguous (one large copy per layer for the GPU save path).
+    contiguous (one large copy per layer for the GPU save path). Blocks are reference counted,
+    so rows that share a past (beam search, repeated rows) share its blocks.
 
     Args:
         block_shape: (2, S, D).
@@ -32,6 +33,7 @@ class DramPool:
         capacity = capacity_bytes // self.block_bytes if capacity_bytes is not None else INITIAL_BLOCKS
         self.storage = self._empty(capacity)  # (C, 2, S, D)
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # a stack: lowest id on top
+        self.refcount = torch.zeros(capacity, dtype=torch.int32)
 
     @property
     def capacity(self) -> int:
@@ -47,15 +49,26 @@ class DramPool:
             if self.fixed:
                 return None
             self._grow(self.num_used + count)
-        ids = self._free[len(self._free) - count :][::-1]
+        ids = torch.tensor(self._free[len(self._free) - count :][::-1], dtype=torch.long)
         del self._free[len(self._free) - count :]
-        return torch.tensor(ids, dtype=torch.long)
+        self.refcount[ids] = 1
+        return ids
 
-    def free(self, ids: torch.Tensor) -> None:
-        """Return block ids to the free list."""
-        if ids.numel():
-            self._free.extend(ids.flatten().tolist())
-            self._free.sort(reverse=True)
+    def retain(self, ids: torch.Tensor) -> None:
+        """Add one reference per occurrence of each id (a row now shares these blocks)."""
+        self.refcount.index_add_(0, ids.flatten().cpu(), torch.ones(ids.numel(), dtype=torch.int32))
+
+    def free(self, ids: torch.Tensor) -> torch.Tensor:
+        """Drop one reference per occurrence; returns the ids that reached zero and are free again."""
+        ids = ids.flatten().cpu()
+        if ids.numel() == 0:
+            return ids
+        self.refcount.index_add_(0, ids, torch.full((ids.numel(),), -1, dtype=torch.int32))
+        released = ids.unique()
+        released = released[self.refcount[released] == 0]
+        self._free.extend(released.tolist())
+        self._free.sort(reverse=True)
+        return released
 
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy)."""
@@ -71,6 +84,7 @@ class DramPool:
         storage = self._empty(new)
         storage[:old] = self.storage
         self.storage = storage
+        self.refcount = torch.cat((self.refcount, torch.zeros(new - old, dtype=torch.int32)))
         # New ids go below the stack top so the lowest free ids are still handed out first.
         self._free[:0] = range(new - 1, old - 1, -1)
 

@@ -113,23 +113,24 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_positions = max(self.num_positions - remove, 0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices` (distinct), freeing the blocks of the others."""
+        """Make row i a copy of old row `indices[i]`: rows may repeat (they then share blocks) or go."""
         if not self.is_initialized:
             return
         indices = torch.as_tensor(indices, device=self.device).flatten()
-        if indices.unique().numel() != indices.numel():
-            raise NotImplementedError("SparseServeCache cannot duplicate rows (blocks are not shared)")
-        dropped = torch.ones(self.tail.shape[0], dtype=torch.bool, device=self.device)
-        dropped[indices] = False
-        self.store.free(self.block_ids[dropped].flatten())
-        for name in ("tail", "tail_len", "block_ids", "num_blocks"):
-            setattr(self, name, getattr(self, name)[indices])
+        selected = self.block_ids[indices]
+        self.store.retain(selected)  # before freeing, so kept blocks never reach zero references
+        self.store.free(self.block_ids)
+        self.block_ids = selected
+        self.tail, self.tail_len, self.num_blocks = self.tail[indices], self.tail_len[indices], self.num_blocks[indices]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("SparseServeCache does not support expanding a filled cache (beam search)")
+        """Repeat every row `repeats` times in place (e.g. for several returned sequences)."""
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.tail.shape[0], device=self.device).repeat_interleave(repeats))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SparseServeCache does not support beam search; use greedy or sampling")
+        """Beam search: row i continues from old row `beam_idx[i]`; shared pasts share their blocks."""
+        self.batch_select_indices(beam_idx)
 
     # ---- block bookkeeping used by the attention function --------------------------------
 

@@ -83,11 +83,14 @@ class TieredBlockStore:
         out[used] = slots[inverse]
         return out
 
+    def retain(self, ids: torch.Tensor) -> None:
+        """One more reference to each block in `ids` (-1 entries ignored)."""
+        self.dram.retain(ids[ids >= 0])
+
     def free(self, ids: torch.Tensor) -> None:
-        """Release blocks: drop them from the HBM cache and return their DRAM ids."""
-        ids = ids[ids >= 0]
-        self.hbm.invalidate(ids)
-        self.dram.free(ids.cpu())
+        """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both tiers."""
+        released = self.dram.free(ids[ids >= 0])
+        self.hbm.invalidate(released)
 
     def hbm_block_bytes(self) -> int:
         """Bytes of resident blocks in the HBM cache plus the metadata of every live block."""
