@@ -632,8 +632,12 @@ def evaluate(
     samples: list[RulerSample],
     methods: list,
     max_new_tokens: int | None = None,
+    checkpoint: Path | None = None,
 ) -> list[dict]:
     """Answer every sample with every method; one result row per (sample, method).
+
+    With `checkpoint`, each sample's rows are appended there (JSON lines) as soon as they exist,
+    so a run stopped by a time limit still leaves what it measured.
 
     Each sample is tokenized once and the same ids go to every method. `max_new_tokens` caps
     RULER's per-task answer length (None: no cap); the answer prefix makes answers come first,
@@ -662,6 +666,9 @@ def evaluate(
                     references=sample.references,
                 )
             )
+        if checkpoint is not None:
+            with checkpoint.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[-len(methods) :])
     return rows
 
 
@@ -725,7 +732,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.dump_only:
         return None
     start = time.time()
-    rows = evaluate(model, tokenizer, samples, methods, args.max_new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.out / "partial.jsonl"
+    checkpoint.unlink(missing_ok=True)
+    rows = evaluate(model, tokenizer, samples, methods, args.max_new_tokens, checkpoint=checkpoint)
     meta = dict(
         suite="ruler",
         command="python -m eval.ruler " + " ".join(argv if argv is not None else sys.argv[1:]),

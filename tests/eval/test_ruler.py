@@ -261,6 +261,8 @@ def test_runner_end_to_end_on_the_default_model(tmp_path):
     for name in ("samples.jsonl", "summary.json", "results.md", "score_vs_budget.png"):
         assert (out / name).is_file()
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    checkpointed = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
+    assert checkpointed == rows  # written sample by sample as the run went
     assert len(rows) == 4 and all(0 <= r["score"] <= 100 and "prediction" in r for r in rows)
     assert {r["budget"] for r in rows} == {None, 256} and {r["prompt_tokens"] for r in rows} <= set(range(800, 993))
     assert len(ruler.read_samples(dump)) == 2
