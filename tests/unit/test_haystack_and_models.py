@@ -5,22 +5,12 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from sparseserve_hf import haystack
 from sparseserve_hf.models import HOME_ENV_VAR, ModelNotAvailableError, default_model_dir, load_default
+from toy_tokenizer import word_tokenizer
 
 ESSAY = " ".join(f"Sentence number {i} talks about startups and essays." for i in range(400))
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Whitespace word tokenizer with a trivial chat template: one token per word."""
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n"
-    return tokenizer
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
