@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
 
 DENSE = "dense"
 
@@ -50,12 +51,22 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
-def answer(model, tokenizer, input_ids: torch.Tensor, method: Method, max_new_tokens: int) -> str:
-    """Greedy-decode up to `max_new_tokens` after `input_ids` (1, T); returns the new text."""
+def answer(
+    model,
+    tokenizer,
+    input_ids: torch.Tensor,
+    method: Method,
+    max_new_tokens: int,
+    cache: SparseServeCache | None = None,
+) -> str:
+    """Greedy-decode up to `max_new_tokens` after `input_ids` (1, T); returns the new text.
+
+    A sparse method gets a fresh SparseServeCache, or `cache` when the caller wants its stats.
+    """
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
     kwargs["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if method.config is not None:
-        kwargs["past_key_values"] = SparseServeCache(model.config, method.config)
+        kwargs[cache_kwarg(model)] = cache if cache is not None else SparseServeCache(model.config, method.config)
     input_ids = input_ids.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)

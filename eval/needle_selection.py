@@ -4,7 +4,7 @@ Runs needle-in-a-haystack prompts built from real essays (sparseserve_hf.haystac
 lengths and depths, answers each with dense attention and with every (selection, metadata,
 budget) variant, and writes a JSON with every answer plus a markdown table of needles found.
 
-    python eval/needle_selection.py --out eval/results/needle_selection   # GPU: ~minutes; CPU: slow
+    python -m eval.needle_selection --out eval/results/needle_selection   # GPU: ~minutes; CPU: slow
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eval.common import Method, answer
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.haystack import build_needle_prompt, encode_prompt, needle_found
 from sparseserve_hf.models import load_default
@@ -33,16 +34,6 @@ VARIANTS = {  # name -> SparseServeConfig overrides (token_budget comes from --b
     "query_head_dense2": dict(selection="query_head", dense_layers=(0, 1)),
     "query_head_block16": dict(selection="query_head", block_size=16),
 }
-
-
-def answer(model, tokenizer, sample, cache: SparseServeCache | None, max_new_tokens: int) -> str:
-    inputs = encode_prompt(tokenizer, sample).to(model.device)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    if cache is not None:
-        kwargs["past_key_values"] = cache
-    with torch.no_grad():
-        out = model.generate(**inputs, **kwargs)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def main() -> None:
@@ -73,12 +64,13 @@ def main() -> None:
     ]
     rows, start = [], time.time()
     for index, sample in enumerate(tqdm(samples, desc="needles")):
+        input_ids = encode_prompt(tokenizer, sample)["input_ids"]  # one tokenization for every variant
         for name, variant, budget in variants:
-            cache = None
+            config = cache = None
             if variant is not None:
                 config = SparseServeConfig(token_budget=budget, **VARIANTS[variant])
                 cache = SparseServeCache(model.config, config)
-            text = answer(model, tokenizer, sample, cache, args.max_new_tokens)
+            text = answer(model, tokenizer, input_ids, Method(name, config), args.max_new_tokens, cache)
             rows.append(
                 dict(
                     sample=index,

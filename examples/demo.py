@@ -15,7 +15,6 @@ On a CPU "HBM" is just another tensor in RAM; the byte counts are what matter he
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import torch
@@ -23,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 import sparseserve_hf  # noqa: F401  (importing it registers attn_implementation="sparseserve")
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
 from sparseserve_hf.models import load_default
 
@@ -44,11 +44,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element_bytes
-
-
-def cache_kwarg(model) -> str:
-    """The name generate() takes a cache by: transformers 5.24 renamed `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def answer(model, tokenizer, sample: NeedleSample, cache=None) -> tuple[str, float]:

@@ -112,20 +112,10 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
             head_mask = None
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids)
-    layer.last_selection = _selection_per_query_head(picked, valid, head_mask, group)
+    layer.last_pick = (picked, valid, head_mask, group)  # expanded per query head only when read
     tail = layer.tail
     out = ops.sparse_decode(q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
     return out.unsqueeze(1)
-
-
-def _selection_per_query_head(
-    picked: torch.Tensor, valid: torch.Tensor, head_mask: torch.Tensor | None, group: int
-) -> torch.Tensor:
-    """(B, Hq, U) block indices each query head attended to, -1 elsewhere (for tests and working sets)."""
-    attended = valid.repeat_interleave(group, dim=1)
-    if head_mask is not None:
-        attended = attended & head_mask
-    return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:

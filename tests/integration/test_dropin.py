@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AttentionInterface, PreTrainedTokenizerFast, TextStreamer
+from transformers import AttentionInterface, TextStreamer
 
 import sparseserve_hf
 from conftest import PAD, VOCAB, greedy, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from toy_tokenizer import word_tokenizer
 
 
 @pytest.mark.core
@@ -33,13 +33,6 @@ def test_without_a_cache_it_is_dense_and_hints_once(llama, caplog):
     assert len(hints) == 1
 
 
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", unk_token="w1")
-
-
 class Collect(TextStreamer):
     def __init__(self, tokenizer):
         super().__init__(tokenizer, skip_prompt=True)
@@ -50,7 +43,7 @@ class Collect(TextStreamer):
 
 
 def test_text_streamer_streams_the_sparse_tokens(llama):
-    tokenizer = word_tokenizer()
+    tokenizer = word_tokenizer(chat_template=None, vocab_size=VOCAB)
     inputs = tokenizer(" ".join(f"w{i}" for i in random_ids(1, 120)[0].tolist()), return_tensors="pt")
     streamer = Collect(tokenizer)
     cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=64))

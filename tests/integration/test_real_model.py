@@ -17,7 +17,6 @@ Marked slow: ~4 CPU minutes on 2 cores (six 6K-token prefills dominate).
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
 from sparseserve_hf.models import ModelNotAvailableError, load_default
 
@@ -61,17 +61,10 @@ def samples(models):
         pytest.skip(str(exc))
 
 
-def _cache_kwarg(model) -> str:
-    # transformers 5.24 renamed `past_key_values` to `cache` (5.17 knows only the old name).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _generate(model, inputs, cache) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     with torch.inference_mode():
-        output = model.generate(
-            **inputs, **{_cache_kwarg(model): cache}, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
-        )
+        output = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     return output[0, inputs["input_ids"].shape[1] :], time.perf_counter() - start
 
 
@@ -80,7 +73,7 @@ def _prefill_all_but_last(model, inputs) -> DynamicCache:
     # last can be copied and reused by several generate calls (the HF prompt-reuse recipe).
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=inputs["input_ids"][:, :-1], use_cache=True, **{_cache_kwarg(model): cache})
+        model(input_ids=inputs["input_ids"][:, :-1], use_cache=True, **{cache_kwarg(model): cache})
     return cache
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .dram_pool import DramPool
+from .grow import grown
 
 UNLIMITED_INITIAL_SLOTS = 256
 
@@ -45,10 +46,7 @@ class HbmBlockCache:
 
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""
-        if capacity > self.block_slot.shape[0]:
-            grown = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
-            grown[: self.block_slot.shape[0]] = self.block_slot
-            self.block_slot = grown
+        self.block_slot = grown(self.block_slot, capacity, fill=-1)
 
     def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, int]:
         """Slots holding `block_ids` (U,) unique DRAM ids, loading the misses from `dram`.
@@ -102,11 +100,7 @@ class HbmBlockCache:
         self.block_slot[block_ids] = slots
 
     def _grow(self, needed: int) -> None:
-        old = self.num_slots
-        new = max(2 * old, needed)
-        pool = torch.zeros((new, *self.block_shape), dtype=self.pool.dtype, device=self.device)
-        pool[:old] = self.pool
-        self.pool = pool
-        pad = torch.full((new - old,), -1, dtype=torch.long, device=self.device)
-        self.slot_block = torch.cat((self.slot_block, pad))
-        self.slot_tick = torch.cat((self.slot_tick, pad))
+        new = max(2 * self.num_slots, needed)
+        self.pool = grown(self.pool, new)
+        self.slot_block = grown(self.slot_block, new, fill=-1)
+        self.slot_tick = grown(self.slot_tick, new, fill=-1)

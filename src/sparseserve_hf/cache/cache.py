@@ -144,8 +144,8 @@ class SparseServeCache(Cache):
         dense_read_bytes (blocks read back for dense prefill over a past).
         """
         store = self.store
-        block_cache = store.hbm.num_resident * store.block_bytes if store else 0
-        metadata = store.hbm_block_bytes() - block_cache if store else 0
+        block_cache = store.block_cache_bytes() if store else 0
+        metadata = store.metadata_bytes() if store else 0
         tails = sum(_nbytes(layer.tail) for layer in self.layers if isinstance(layer, SparseServeLayer))
         dense = sum(
             _nbytes(layer.keys) + _nbytes(layer.values)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .grow import grown
+
 INITIAL_BLOCKS = 256
 
 
@@ -66,8 +68,9 @@ class DramPool:
         self.refcount.index_add_(0, ids, torch.full((ids.numel(),), -1, dtype=torch.int32))
         released = ids.unique()
         released = released[self.refcount[released] == 0]
-        self._free.extend(released.tolist())
-        self._free.sort(reverse=True)
+        if released.numel():  # beam search reorders every step, mostly releasing nothing
+            self._free.extend(released.tolist())
+            self._free.sort(reverse=True)
         return released
 
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -84,7 +87,7 @@ class DramPool:
         storage = self._empty(new)
         storage[:old] = self.storage
         self.storage = storage
-        self.refcount = torch.cat((self.refcount, torch.zeros(new - old, dtype=torch.int32)))
+        self.refcount = grown(self.refcount, new)
         # New ids go below the stack top so the lowest free ids are still handed out first.
         self._free[:0] = range(new - 1, old - 1, -1)
 

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import SparseServeConfig
+from .grow import grown
 from .store import TieredBlockStore
 
 
@@ -46,7 +47,9 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.last_selection: torch.Tensor | None = None  # (B, Hq, K) block indices, -1 unused
+        # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
+        # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
+        self.last_pick: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
 
     # ---- HF cache contract -------------------------------------------------------------
 
@@ -133,6 +136,17 @@ class SparseServeLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     # ---- block bookkeeping used by the attention function --------------------------------
+
+    @property
+    def last_selection(self) -> torch.Tensor | None:
+        """(B, Hq, U) block indices each query head attended to at the last decode step, -1 elsewhere."""
+        if self.last_pick is None:
+            return None
+        picked, valid, head_mask, group = self.last_pick
+        attended = valid.repeat_interleave(group, dim=1)
+        if head_mask is not None:
+            attended = attended & head_mask
+        return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
 
     def row_lengths(self) -> torch.Tensor:
         """(B,) real tokens stored per row."""
@@ -224,6 +238,4 @@ class SparseServeLayer(CacheLayerMixin):
     def _ensure_capacity(self, blocks: int) -> None:
         have = self.block_ids.shape[2]
         if blocks > have:
-            grown = max(blocks, 2 * have, 16)
-            pad = self.block_ids.new_full((*self.block_ids.shape[:2], grown - have), -1)
-            self.block_ids = torch.cat((self.block_ids, pad), dim=2)
+            self.block_ids = grown(self.block_ids, max(blocks, 2 * have, 16), fill=-1, dim=2)

@@ -10,6 +10,7 @@ from ..config import SparseServeConfig
 from ..ops import BlockOps
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
+from .grow import grown
 
 
 @dataclass
@@ -92,15 +93,14 @@ class TieredBlockStore:
         released = self.dram.free(ids[ids >= 0])
         self.hbm.invalidate(released)
 
-    def hbm_block_bytes(self) -> int:
-        """Bytes of resident blocks in the HBM cache plus the metadata of every live block."""
-        metadata_bytes = self.dram.num_used * self.metadata[:1].numel() * self.dtype.itemsize
-        return self.hbm.num_resident * self.block_bytes + metadata_bytes
+    def block_cache_bytes(self) -> int:
+        """Bytes of the blocks resident in the HBM cache."""
+        return self.hbm.num_resident * self.block_bytes
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the device metadata of every live block."""
+        return self.dram.num_used * self.metadata[:1].numel() * self.dtype.itemsize
 
     def _track_capacity(self) -> None:
-        capacity = self.dram.capacity
-        if capacity > self.metadata.shape[0]:
-            grown = torch.zeros((capacity, *self.metadata.shape[1:]), dtype=self.dtype, device=self.device)
-            grown[: self.metadata.shape[0]] = self.metadata
-            self.metadata = grown
-        self.hbm.track_blocks(capacity)
+        self.metadata = grown(self.metadata, self.dram.capacity)
+        self.hbm.track_blocks(self.dram.capacity)

@@ -1,0 +1,16 @@
+"""Differences between the supported transformers versions, in one place."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword `model.generate` / `model.forward` take a cache by.
+
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name still works there, with a
+    deprecation warning); 5.17 knows only `past_key_values`.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
