@@ -41,6 +41,15 @@ class SparseServeConfig:
         dram_bytes: bytes of the host block pool. None = grow on demand.
         backend: "auto" (fastest available), "torch" (the plain-PyTorch reference),
             "triton" or "flash" (GPU kernels).
+        max_batch: most requests one `Generator` iteration decodes (the paper's R_max).
+        max_batch_tokens: most tokens one `Generator` iteration processes (T_max): one per
+            decoding request, the rest (times the number of layers) is the iteration's prefill
+            work in token-layers. None = no cap (prefill then bounded only by the prefill mode).
+        working_set_window: decode steps whose block selections make up a request's working
+            set (w; 12 in the paper: the overlap with the next step barely grows past it).
+        admission: working-set-aware admission (the paper's Algorithm 1): a request joins an
+            iteration only while the working sets admitted so far plus its own fit in
+            `hbm_cache_bytes`. False turns it off (the ablation); hard limits still apply.
     """
 
     block_size: int = 32
@@ -54,6 +63,10 @@ class SparseServeConfig:
     hbm_cache_bytes: int | None = None
     dram_bytes: int | None = None
     backend: str = "auto"
+    max_batch: int = 32
+    max_batch_tokens: int | None = None
+    working_set_window: int = 12
+    admission: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -83,6 +96,17 @@ class SparseServeConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive_int(name, value)
+        _check_positive_int("max_batch", self.max_batch)
+        if self.max_batch_tokens is not None:
+            _check_positive_int("max_batch_tokens", self.max_batch_tokens)
+            if self.max_batch_tokens <= self.max_batch:
+                raise ValueError(
+                    f"max_batch_tokens ({self.max_batch_tokens}) must exceed max_batch ({self.max_batch}), "
+                    "or a full batch of decodes would leave no tokens for prefill"
+                )
+        _check_positive_int("working_set_window", self.working_set_window)
+        if not isinstance(self.admission, bool):
+            raise ValueError(f"admission must be a bool, got {self.admission!r}")
 
     @property
     def budget_blocks(self) -> int:

@@ -27,6 +27,11 @@ from sparseserve_hf import SparseServeConfig
         (dict(hbm_cache_bytes=0), "hbm_cache_bytes"),
         (dict(dram_bytes=-5), "dram_bytes"),
         (dict(backend="cuda"), "backend"),
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_batch_tokens=0), "max_batch_tokens"),
+        (dict(max_batch=8, max_batch_tokens=8), "max_batch_tokens"),  # no room left for prefill
+        (dict(working_set_window=0), "working_set_window"),
+        (dict(admission="yes"), "admission"),
     ],
 )
 def test_bad_values_raise_naming_the_field(overrides, field):
@@ -39,6 +44,12 @@ def test_defaults_and_derived_sizes():
     config = SparseServeConfig()
     assert (config.block_size, config.token_budget, config.selection) == (32, 2048, "group_union")
     assert config.budget_blocks == 64 and config.selected_full_blocks == 63 and config.topk_blocks == 61
+    assert (config.max_batch, config.max_batch_tokens, config.working_set_window, config.admission) == (
+        32,
+        None,
+        12,
+        True,
+    )
 
 
 def test_frozen_and_round_trips_through_dict():
