@@ -9,6 +9,7 @@ METADATA_KINDS = ("quest", "cuboid")
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
+PREFILL_MODES = ("layer_segmented", "chunked", "full")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +51,16 @@ class SparseServeConfig:
         admission: working-set-aware admission (the paper's Algorithm 1): a request joins an
             iteration only while the working sets admitted so far plus its own fit in
             `hbm_cache_bytes`. False turns it off (the ablation); hard limits still apply.
+        prefill_mode: how the `Generator` prefills a new prompt: "layer_segmented" (the
+            paper's: a segment of decoder layers per iteration over the whole prompt, each
+            layer's KV leaving HBM before the next layer runs), "chunked" (chunks of the prompt,
+            each through all layers, earlier chunks' KV read back) or "full" (the whole prompt
+            through all layers in one iteration). The last two are the ablation baselines.
+        max_inject_tokens: prefill work per iteration in token-layers (the paper's
+            maxInjectToken; B x num_layers does the work of one B-token chunk). Same unit in
+            every mode so that switching `prefill_mode` alone is a fair ablation:
+            "layer_segmented" splits a layer whose prompt exceeds it into chunks, "chunked"
+            uses chunks of max_inject_tokens // num_layers tokens. None = no cap.
     """
 
     block_size: int = 32
@@ -67,6 +78,8 @@ class SparseServeConfig:
     max_batch_tokens: int | None = None
     working_set_window: int = 12
     admission: bool = True
+    prefill_mode: str = "layer_segmented"
+    max_inject_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -107,6 +120,9 @@ class SparseServeConfig:
         _check_positive_int("working_set_window", self.working_set_window)
         if not isinstance(self.admission, bool):
             raise ValueError(f"admission must be a bool, got {self.admission!r}")
+        _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        if self.max_inject_tokens is not None:
+            _check_positive_int("max_inject_tokens", self.max_inject_tokens)
 
     @property
     def budget_blocks(self) -> int:

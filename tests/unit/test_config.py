@@ -32,6 +32,9 @@ from sparseserve_hf import SparseServeConfig
         (dict(max_batch=8, max_batch_tokens=8), "max_batch_tokens"),  # no room left for prefill
         (dict(working_set_window=0), "working_set_window"),
         (dict(admission="yes"), "admission"),
+        (dict(prefill_mode="segmented"), "prefill_mode"),
+        (dict(max_inject_tokens=0), "max_inject_tokens"),
+        (dict(max_inject_tokens=-64), "max_inject_tokens"),
     ],
 )
 def test_bad_values_raise_naming_the_field(overrides, field):
@@ -50,6 +53,7 @@ def test_defaults_and_derived_sizes():
         12,
         True,
     )
+    assert (config.prefill_mode, config.max_inject_tokens) == ("layer_segmented", None)
 
 
 def test_frozen_and_round_trips_through_dict():
