@@ -24,7 +24,11 @@ DENSE = "dense"
 
 @dataclass(frozen=True)
 class Method:
-    """One way of answering: dense attention (config None) or SparseServeCache with `config`."""
+    """One way of answering: dense attention (config None) or SparseServeCache with `config`.
+
+    Sparse names are "<family>_<budget>": "sparse_512" for the default config, "cuboid_512" for a
+    variant family, so tables and plots group a family's budgets into one curve.
+    """
 
     name: str
     config: SparseServeConfig | None = None
@@ -34,10 +38,18 @@ class Method:
         return None if self.config is None else self.config.token_budget
 
 
-def methods_for(budgets: list[int], base: SparseServeConfig | None = None) -> list[Method]:
+def methods_for(budgets: list[int], base: SparseServeConfig | None = None, family: str = "sparse") -> list[Method]:
     """Dense first, then one sparse method per budget (other fields from `base`)."""
     base = base or SparseServeConfig()
-    return [Method(DENSE)] + [Method(f"sparse_{b}", replace(base, token_budget=b)) for b in budgets]
+    return [Method(DENSE)] + [Method(f"{family}_{b}", replace(base, token_budget=b)) for b in budgets]
+
+
+def split_method(name: str) -> tuple[str, int | None]:
+    """ "cuboid_512" -> ("cuboid", 512); "dense" -> ("dense", None)."""
+    if name == DENSE:
+        return DENSE, None
+    family, _, budget = name.rpartition("_")
+    return family, int(budget)
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -63,14 +75,49 @@ def answer(
 
     A sparse method gets a fresh SparseServeCache, or `cache` when the caller wants its stats.
     """
-    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    kwargs["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return answer_batch(model, tokenizer, [input_ids[0]], method, max_new_tokens, cache)[0]
+
+
+def answer_batch(
+    model,
+    tokenizer,
+    prompts: list[torch.Tensor],
+    method: Method,
+    max_new_tokens: int,
+    cache: SparseServeCache | None = None,
+) -> list[str]:
+    """Greedy answers to several prompts (each (T_i,) ids) in one left-padded `generate` call.
+
+    Padding never reaches the sparse blocks (the cache commits real tokens only), so a prompt's
+    answer does not depend on its batch-mates beyond floating-point rounding.
+    """
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked anyway
+    input_ids, attention_mask = left_pad(prompts, pad_id)
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
     if method.config is not None:
         kwargs[cache_kwarg(model)] = cache if cache is not None else SparseServeCache(model.config, method.config)
-    input_ids = input_ids.to(model.device)
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+        out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T_max) ids and attention mask with every prompt right-aligned."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.numel() :] = prompt
+        mask[row, width - prompt.numel() :] = 1
+    return ids, mask
+
+
+def batches(items: list, size: int) -> list[list]:
+    """Consecutive chunks of at most `size` items."""
+    if size < 1:
+        raise ValueError(f"batch size must be >= 1, got {size}")
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -125,11 +172,18 @@ def plot_score_vs_budget(summary: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for task, per in sorted(summary["score"].items()):
-        points = sorted((int(m.split("_")[1]), s) for m, s in per.items() if m != DENSE)
-        if points:
-            line = ax.plot(*zip(*points), marker="o", label=task)[0]
-            if DENSE in per:
-                ax.axhline(per[DENSE], linestyle="--", color=line.get_color(), linewidth=0.8)
+        curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for name, value in per.items():
+            family, budget = split_method(name)
+            if budget is not None:
+                curves[family].append((budget, value))
+        color = None
+        for family, points in sorted(curves.items()):
+            style = "-" if family == "sparse" else ":"
+            line = ax.plot(*zip(*sorted(points)), marker="o", linestyle=style, color=color, label=f"{task} {family}")[0]
+            color = line.get_color()
+        if DENSE in per and color is not None:
+            ax.axhline(per[DENSE], linestyle="--", color=color, linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget")
     ax.set_ylabel("score")
@@ -140,5 +194,6 @@ def plot_score_vs_budget(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _method_order(name: str) -> tuple[int, int]:
-    return (0, 0) if name == DENSE else (1, int(name.split("_")[1]))
+def _method_order(name: str) -> tuple[int, str, int]:
+    family, budget = split_method(name)
+    return (0, "", 0) if budget is None else (1, family, budget)

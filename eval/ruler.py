@@ -633,43 +633,54 @@ def evaluate(
     methods: list,
     max_new_tokens: int | None = None,
     checkpoint: Path | None = None,
+    batch_size: int = 1,
 ) -> list[dict]:
     """Answer every sample with every method; one result row per (sample, method).
 
-    With `checkpoint`, each sample's rows are appended there (JSON lines) as soon as they exist,
-    so a run stopped by a time limit still leaves what it measured.
+    Samples of one task and length are answered `batch_size` at a time (left-padded; their
+    lengths differ by at most LENGTH_TOLERANCE), each batch by every method in turn. With
+    `checkpoint`, each batch's rows are appended there (JSON lines) as soon as they exist, so a
+    run stopped by a time limit still leaves what it measured.
 
     Each sample is tokenized once and the same ids go to every method. `max_new_tokens` caps
     RULER's per-task answer length (None: no cap); the answer prefix makes answers come first,
-    so a small cap speeds CPU smoke runs without changing what is scored.
+    so a small cap speeds runs without changing what is scored.
     """
     from tqdm.auto import tqdm
 
-    from eval.common import answer
+    from eval.common import answer_batch, batches
 
-    rows = []
-    for sample in tqdm(samples, desc="samples"):
-        input_ids = tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    groups: dict[tuple[str, int], list[RulerSample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.task, sample.length), []).append(sample)
+    jobs = [batch for group in groups.values() for batch in batches(group, batch_size)]
+    rows: list[dict] = []
+    for batch in tqdm(jobs, desc=f"batches of <= {batch_size} samples"):
+        prompts = [tokenizer(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0] for s in batch]
+        limit = batch[0].max_new_tokens if max_new_tokens is None else min(max_new_tokens, batch[0].max_new_tokens)
+        new_rows = []
         for method in methods:
-            limit = sample.max_new_tokens if max_new_tokens is None else min(max_new_tokens, sample.max_new_tokens)
-            prediction = answer(model, tokenizer, input_ids, method, limit)
-            rows.append(
-                dict(
-                    task=f"{sample.task}@{sample.length}",
-                    method=method.name,
-                    budget=method.budget,
-                    score=score(sample, prediction),
-                    index=sample.index,
-                    length=sample.length,
-                    prompt_tokens=sample.prompt_tokens,
-                    prediction=prediction,
-                    references=sample.references,
-                )
-            )
+            predictions = answer_batch(model, tokenizer, prompts, method, limit)
+            new_rows += [_row(sample, method, prediction) for sample, prediction in zip(batch, predictions)]
+        rows += new_rows
         if checkpoint is not None:
             with checkpoint.open("a", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[-len(methods) :])
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in new_rows)
     return rows
+
+
+def _row(sample: RulerSample, method, prediction: str) -> dict:
+    return dict(
+        task=f"{sample.task}@{sample.length}",
+        method=method.name,
+        budget=method.budget,
+        score=score(sample, prediction),
+        index=sample.index,
+        length=sample.length,
+        prompt_tokens=sample.prompt_tokens,
+        prediction=prediction,
+        references=sample.references,
+    )
 
 
 def _parse_list(text: str, flag: str, kind: type = str) -> list:
@@ -680,6 +691,18 @@ def _parse_list(text: str, flag: str, kind: type = str) -> list:
         return [kind(item) for item in items]
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def sparse_methods(budgets: list[int], metadata_kinds: list[str]) -> list:
+    """Dense, then every budget for each metadata kind: "sparse_<b>" (quest), "cuboid_<b>"."""
+    from eval.common import methods_for
+    from sparseserve_hf import SparseServeConfig
+
+    methods = []
+    for kind in metadata_kinds:
+        family = "sparse" if kind == "quest" else kind
+        methods += methods_for(budgets, SparseServeConfig(metadata=kind), family)
+    return [m for i, m in enumerate(methods) if m.name != "dense" or i == 0]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -696,6 +719,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from-samples", type=Path, help="read samples from this JSONL instead of generating")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--max-new-tokens", type=int, help="cap on answer tokens (default: RULER's per task)")
+    parser.add_argument("--batch-size", type=int, default=1, help="samples of one task and length per generate call")
+    parser.add_argument(
+        "--metadata", default="quest", help='block metadata kinds to compare, e.g. "quest,cuboid" (quest is "sparse_*")'
+    )
     return parser.parse_args(argv)
 
 
@@ -703,7 +730,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Generate (or read) the samples, answer them densely and at every budget, and write the results."""
     import torch
 
-    from eval.common import methods_for, parse_budgets, write_results
+    from eval.common import parse_budgets, write_results
     from sparseserve_hf.models import load_default
 
     args = parse_args(argv)
@@ -718,7 +745,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     lengths = _parse_list(args.lengths, "--lengths", int)
-    methods = methods_for(parse_budgets(args.budgets))
+    methods = sparse_methods(parse_budgets(args.budgets), _parse_list(args.metadata, "--metadata"))
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model, tokenizer = load_default(dtype, attn_implementation="sparseserve", device=device)
@@ -735,7 +764,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.out / "partial.jsonl"
     checkpoint.unlink(missing_ok=True)
-    rows = evaluate(model, tokenizer, samples, methods, args.max_new_tokens, checkpoint=checkpoint)
+    rows = evaluate(model, tokenizer, samples, methods, args.max_new_tokens, checkpoint, args.batch_size)
     meta = dict(
         suite="ruler",
         command="python -m eval.ruler " + " ".join(argv if argv is not None else sys.argv[1:]),

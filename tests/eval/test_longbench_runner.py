@@ -223,6 +223,19 @@ def test_end_to_end_tiny_model(tmp_path):
         assert (tmp_path / "out" / name).is_file()
 
 
+def test_batched_run_equals_one_by_one(tmp_path):
+    """--batch-size only changes how samples are grouped: the same predictions in the same row order."""
+    data = write_fixture(tmp_path / "data")
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    methods = methods_for([256])
+    common = dict(max_length=600, max_new_tokens=6)
+    alone = longbench.run(model, tokenizer, ["multi_news"], methods, data, **common)
+    together = longbench.run(model, tokenizer, ["multi_news"], methods, data, batch_size=2, **common)
+    assert [(r["id"], r["method"], r["prediction"]) for r in together] == [
+        (r["id"], r["method"], r["prediction"]) for r in alone
+    ]
+
+
 @pytest.mark.slow
 def test_cli_on_default_real_model(tmp_path):
     """`python -m eval.longbench` on SmolLM2-135M: chat template, middle truncation, 2 samples, dense vs 512."""

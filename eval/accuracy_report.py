@@ -1,0 +1,222 @@
+"""The accuracy report: RULER-style suite and LongBench results merged into one table, JSON and plot.
+
+Reads the runners' output folders (`samples.jsonl`, or `partial.jsonl` of a run cut short; a sweep
+run in parts passes several folders) and writes `accuracy.md`, `accuracy.json` and `accuracy.png`:
+
+    python -m eval.accuracy_report --ruler eval/results/ruler_4k eval/results/ruler_8k \\
+        --longbench eval/results/longbench_multi_news --out eval/results
+
+`accuracy.json["ratio_to_dense_8k"]` maps each budget of the default configuration ("512") to the
+mean sparse score over the RULER-style tasks at 8K divided by the mean dense score over the same
+tasks; tasks where dense scores below `MIN_DENSE_SCORE` are reported but left out (a ratio to a
+score near zero measures noise). Target T7 (DESIGN.md section 4): >= 0.99 at 1/16 of the context
+(512 at 8K) and >= 0.97 at 1/32 (256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from eval.common import DENSE, split_method, summarize
+
+MIN_DENSE_SCORE = 20.0
+DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig
+T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
+
+
+def read_rows(folder: Path) -> list[dict]:
+    """Rows of one runner folder: samples.jsonl when the run finished, else its partial.jsonl."""
+    for name in ("samples.jsonl", "partial.jsonl"):
+        path = Path(folder) / name
+        if path.is_file():
+            return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    raise FileNotFoundError(f"{folder} has neither samples.jsonl nor partial.jsonl")
+
+
+def read_meta(folder: Path) -> dict:
+    path = Path(folder) / "summary.json"
+    return json.loads(path.read_text())["meta"] if path.is_file() else {"note": f"{folder}: run cut short"}
+
+
+def merge(folders: list[Path]) -> list[dict]:
+    """Rows of every folder; a (task, sample, method) seen twice keeps its last row."""
+    unique: dict[tuple, dict] = {}
+    for folder in folders:
+        for row in read_rows(folder):
+            unique[(row["task"], row.get("index", row.get("id")), row["method"])] = row
+    return list(unique.values())
+
+
+def ratio_by_budget(scores: dict[str, dict[str, float]], tasks: list[str]) -> dict[str, dict[str, float]]:
+    """{family: {budget: mean sparse / mean dense}} over `tasks` (those with a dense score)."""
+    tasks = [t for t in tasks if DENSE in scores[t]]
+    if not tasks:
+        return {}
+    dense = sum(scores[t][DENSE] for t in tasks) / len(tasks)
+    methods = set.intersection(*(set(scores[t]) for t in tasks)) - {DENSE}
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for name in methods:
+        family, budget = split_method(name)
+        out[family][str(budget)] = round(sum(scores[t][name] for t in tasks) / len(tasks) / dense, 4) if dense else 0
+    return {f: dict(sorted(per.items(), key=lambda kv: int(kv[0]))) for f, per in sorted(out.items())}
+
+
+def ruler_report(rows: list[dict]) -> dict:
+    """Scores per task, and the ratios to dense per length over the tasks dense solves (>= 20)."""
+    summary = summarize(rows)
+    scores = summary["score"]
+    by_length: dict[int, list[str]] = defaultdict(list)
+    for task in scores:
+        by_length[int(task.rsplit("@", 1)[1])].append(task)
+    report = {"score": scores, "samples": summary["samples"], "lengths": {}}
+    for length, tasks in sorted(by_length.items()):
+        kept = sorted(t for t in tasks if scores[t].get(DENSE, 0.0) >= MIN_DENSE_SCORE)
+        report["lengths"][str(length)] = {
+            "tasks_in_ratio": kept,
+            "tasks_left_out": sorted(set(tasks) - set(kept)),
+            "ratio_to_dense": ratio_by_budget(scores, kept),
+        }
+    return report
+
+
+def t7_verdict(ratios: dict[str, float], length: int) -> dict[str, dict]:
+    """For each T7 fraction (1/16, 1/32) of `length`: the budget, its ratio and whether it meets the target."""
+    verdict = {}
+    for divisor, target in T7_TARGETS.items():
+        budget = str(length // divisor)
+        ratio = ratios.get(budget)
+        verdict[f"1/{divisor}"] = {"budget": int(budget), "ratio": ratio, "target": target,
+                                   "met": None if ratio is None else ratio >= target}  # fmt: skip
+    return verdict
+
+
+def build(ruler_folders: list[Path], longbench_folders: list[Path]) -> dict:
+    """The whole report as one JSON-able dict."""
+    report: dict = {"min_dense_score": MIN_DENSE_SCORE}
+    if ruler_folders:
+        ruler = ruler_report(merge(ruler_folders))
+        report["ruler"] = ruler
+        report["ruler_meta"] = [read_meta(f) for f in ruler_folders]
+        eight_k = ruler["lengths"].get("8192", {}).get("ratio_to_dense", {})
+        report["ratio_to_dense_8k"] = eight_k.get(DEFAULT_FAMILY, {})
+        report["t7_8k"] = t7_verdict(report["ratio_to_dense_8k"], 8192)
+    if longbench_folders:
+        summary = summarize(merge(longbench_folders))
+        report["longbench"] = {"score": summary["score"], "ratio_to_dense": summary["ratio_to_dense"],
+                               "samples": summary["samples"]}  # fmt: skip
+        report["longbench_meta"] = [read_meta(f) for f in longbench_folders]
+    return report
+
+
+def markdown(report: dict, command: str) -> str:
+    lines = ["# Accuracy: dense vs sparseserve at token budgets", "", f"Generated by `{command}`.", ""]
+    ruler = report.get("ruler")
+    if ruler:
+        lines += _score_table("RULER-style suite (score 0-100, string match)", ruler["score"])
+        for length, detail in ruler["lengths"].items():
+            lines += [f"**{length} tokens**: ratio of mean scores to dense over "
+                      f"{', '.join(detail['tasks_in_ratio']) or 'no task'} "
+                      f"(left out, dense < {MIN_DENSE_SCORE:g}: {', '.join(detail['tasks_left_out']) or 'none'})", ""]  # fmt: skip
+            lines += _ratio_table(detail["ratio_to_dense"])
+        for fraction, v in report.get("t7_8k", {}).items():
+            status = "no data" if v["met"] is None else ("met" if v["met"] else "missed")
+            lines.append(f"- T7 at 8K, {fraction} of the context (budget {v['budget']}): ratio {v['ratio']} "
+                         f"vs target {v['target']}: **{status}**")  # fmt: skip
+        lines.append("")
+    if "longbench" in report:
+        lines += _score_table("LongBench", report["longbench"]["score"])
+    for key in ("ruler_meta", "longbench_meta"):
+        for meta in report.get(key, []):
+            if "command" in meta:
+                lines.append(f"- `{meta['command']}` on {meta.get('device')} ({meta.get('dtype')}), "
+                             f"{meta.get('seconds')} s")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _score_table(title: str, scores: dict[str, dict[str, float]]) -> list[str]:
+    methods = sorted({m for per in scores.values() for m in per}, key=_order)
+    lines = [f"## {title}", "", "| task | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for task in sorted(scores, key=lambda t: (t.rsplit("@", 1)[-1], t)):
+        lines.append(f"| {task} | " + " | ".join(_cell(scores[task].get(m)) for m in methods) + " |")
+    return lines + [""]
+
+
+def _ratio_table(ratios: dict[str, dict[str, float]]) -> list[str]:
+    budgets = sorted({int(b) for per in ratios.values() for b in per})
+    lines = ["| metadata family | " + " | ".join(map(str, budgets)) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for family, per in ratios.items():
+        lines.append(f"| {family} | " + " | ".join(_cell(per.get(str(b)), 3) for b in budgets) + " |")
+    return lines + [""]
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _order(name: str) -> tuple:
+    family, budget = split_method(name)
+    return (0, "", 0) if budget is None else (1, family, budget)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Mean score over the ratio's tasks vs budget, one panel per RULER length (+ LongBench)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(f"RULER {n}", report["ruler"]["score"], d["tasks_in_ratio"])
+              for n, d in report.get("ruler", {}).get("lengths", {}).items()]  # fmt: skip
+    if "longbench" in report:
+        panels += [(f"LongBench {t}", report["longbench"]["score"], [t]) for t in report["longbench"]["score"]]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.6), squeeze=False)
+    for ax, (title, scores, tasks) in zip(axes[0], panels):
+        if not tasks:
+            continue
+        curves: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for task in tasks:
+            for name, value in scores[task].items():
+                family, budget = split_method(name)
+                if budget is not None:
+                    curves[family][budget].append(value)
+        for family, points in sorted(curves.items()):
+            xs = sorted(points)
+            ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], marker="o", label=family)
+        dense = [scores[t][DENSE] for t in tasks if DENSE in scores[t]]
+        if dense:
+            ax.axhline(sum(dense) / len(dense), linestyle="--", color="black", linewidth=0.8, label="dense")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token budget")
+        ax.set_ylabel("mean score")
+        ax.set_title(title, fontsize="medium")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ruler", nargs="*", type=Path, default=[], help="RULER runner output folders")
+    parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
+    parser.add_argument("--out", type=Path, default=Path("eval/results"))
+    args = parser.parse_args(argv)
+    if not args.ruler and not args.longbench:
+        raise ValueError("give at least one --ruler or --longbench folder")
+    report = build(args.ruler, args.longbench)
+    command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    report["command"] = command
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "accuracy.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    (args.out / "accuracy.md").write_text(markdown(report, command))
+    plot(report, args.out / "accuracy.png")
+    print((args.out / "accuracy.md").read_text())
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""eval.accuracy_report: ratios over the tasks dense solves, T7 verdicts, merged partial runs, files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval import accuracy_report
+
+
+def _write(folder, rows, name="samples.jsonl"):
+    folder.mkdir(parents=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _rows(task, scores_by_method):
+    return [
+        {"task": task, "index": i, "method": method, "score": score}
+        for method, scores in scores_by_method.items()
+        for i, score in enumerate(scores)
+    ]
+
+
+def test_ratio_leaves_out_tasks_dense_cannot_do_and_judges_t7(tmp_path):
+    rows = _rows("niah@8192", {"dense": [100, 100], "sparse_256": [100, 50], "sparse_512": [100, 100]})
+    rows += _rows("qa@8192", {"dense": [50, 50], "sparse_256": [50, 0], "sparse_512": [50, 50]})
+    rows += _rows("cwe@8192", {"dense": [10, 0], "sparse_256": [100, 100], "sparse_512": [100, 100]})  # dense 5: out
+    rows += _rows("niah@4096", {"dense": [100], "cuboid_128": [0]})
+    _write(tmp_path / "part1", rows[: len(rows) // 2])
+    _write(tmp_path / "part2", rows[len(rows) // 2 :], name="partial.jsonl")  # a part cut short
+    report = accuracy_report.main(["--ruler", str(tmp_path / "part1"), str(tmp_path / "part2"), "--out", str(tmp_path)])
+    # 8K: niah and qa kept (dense 100 and 50, mean 75); budget 256: (75 + 25) / 2 = 50 -> 0.6667.
+    assert report["ratio_to_dense_8k"] == {"256": 0.6667, "512": 1.0}
+    assert report["ruler"]["lengths"]["8192"]["tasks_left_out"] == ["cwe@8192"]
+    assert report["ruler"]["lengths"]["4096"]["ratio_to_dense"] == {"cuboid": {"128": 0.0}}
+    assert report["t7_8k"]["1/16"] == {"budget": 512, "ratio": 1.0, "target": 0.99, "met": True}
+    assert report["t7_8k"]["1/32"]["met"] is False
+    for name in ("accuracy.json", "accuracy.md", "accuracy.png"):
+        assert (tmp_path / name).is_file()
+    assert "missed" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_longbench_only_and_bad_input(tmp_path):
+    _write(tmp_path / "lb", _rows("multi_news", {"dense": [20, 30], "sparse_2048": [25, 25]}))
+    report = accuracy_report.main(["--longbench", str(tmp_path / "lb"), "--out", str(tmp_path)])
+    assert report["longbench"]["score"]["multi_news"] == {"dense": 25.0, "sparse_2048": 25.0}
+    assert "ratio_to_dense_8k" not in report
+    with pytest.raises(ValueError, match="--ruler or --longbench"):
+        accuracy_report.main(["--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="samples.jsonl"):
+        accuracy_report.main(["--ruler", str(tmp_path / "missing"), "--out", str(tmp_path)])

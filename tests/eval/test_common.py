@@ -1,0 +1,54 @@
+"""eval.common: batched greedy answers equal one-by-one answers; method names and batching helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import sparseserve_hf  # noqa: F401  (registers "sparseserve")
+from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, split_method
+from sparseserve_hf import SparseServeConfig
+from toy_tokenizer import word_tokenizer
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sparseserve").eval()
+
+
+def _prompts(lengths: list[int]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(2, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+@pytest.mark.parametrize("method", [Method("dense"), Method("sparse_64", SparseServeConfig(block_size=8, token_budget=64))])
+def test_batched_answers_equal_single_answers(tiny, method):
+    tokenizer = word_tokenizer(vocab_size=VOCAB)
+    prompts = _prompts([150, 171, 163])  # ragged: the batch is left-padded
+    together = answer_batch(tiny, tokenizer, prompts, method, max_new_tokens=8)
+    alone = [answer(tiny, tokenizer, p[None], method, max_new_tokens=8) for p in prompts]
+    assert together == alone
+    assert all(text.strip() for text in together)
+
+
+def test_left_pad_right_aligns():
+    ids, mask = left_pad([torch.tensor([5, 6, 7]), torch.tensor([9])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_batches_and_method_names():
+    assert batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="batch size"):
+        batches([1], 0)
+    names = [m.name for m in methods_for([256, 512], SparseServeConfig(metadata="cuboid"), "cuboid")]
+    assert names == ["dense", "cuboid_256", "cuboid_512"]
+    assert split_method("cuboid_512") == ("cuboid", 512) and split_method("dense") == ("dense", None)
