@@ -27,6 +27,9 @@ class SparseServeCache(Cache):
     Args:
         model_config: the model's `PretrainedConfig` (a multimodal config's text config is used).
         config: the SparseServeConfig (defaults when None).
+        store: a `TieredBlockStore` to share with other caches (the batching Generator gives every
+            request's cache the engine's one store, so `hbm_cache_bytes` bounds the whole engine);
+            None creates one at the first `update`. Its config must equal `config`.
 
     Example:
         >>> cache = SparseServeCache(model.config, SparseServeConfig(token_budget=1024))
@@ -34,8 +37,12 @@ class SparseServeCache(Cache):
         >>> cache.stats()["hit_rate"]
     """
 
-    def __init__(self, model_config: Any, config: SparseServeConfig | None = None) -> None:
+    def __init__(
+        self, model_config: Any, config: SparseServeConfig | None = None, store: TieredBlockStore | None = None
+    ) -> None:
         self.config = config if config is not None else SparseServeConfig()
+        if store is not None and store.config != self.config:
+            raise ValueError("a shared TieredBlockStore must have been built with this cache's SparseServeConfig")
         self.model_config = model_config.get_text_config()
         model_type = getattr(self.model_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -48,7 +55,8 @@ class SparseServeCache(Cache):
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
         super().__init__(layers=[self._make_layer(i, kind) for i, kind in enumerate(layer_types)])
-        self.store: TieredBlockStore | None = None
+        self.store: TieredBlockStore | None = store
+        self._owns_store = store is None  # a shared store's counters belong to its owner
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
@@ -128,8 +136,42 @@ class SparseServeCache(Cache):
     def reset(self) -> None:
         """Free every block and forget all rows; the pools stay allocated for reuse."""
         super().reset()
-        if self.store is not None:
+        if self.store is not None and self._owns_store:
             self.store.stats = type(self.store.stats)()
+
+    # ---- moving rows between caches that share a store (the batching Generator) ---------------
+
+    def append_rows(self, other: SparseServeCache) -> None:
+        """Move every row of `other` after this cache's rows; `other` is left empty.
+
+        Both caches must share one store (see `store` above). Block references move with the
+        rows, so no block is copied or freed.
+        """
+        if other.store is not self.store:
+            raise ValueError("append_rows needs two caches over one shared TieredBlockStore")
+        for mine, theirs in zip(self._sparse_layers(), other._sparse_layers()):
+            mine.append_rows(theirs)
+
+    def pop_rows(self, rows: list[int]) -> SparseServeCache:
+        """Move `rows` (in that order) into a new cache over the same store and return it.
+
+        The remaining rows keep their order. Freeing a request is `cache.pop_rows([i]).reset()`.
+        """
+        layers = self._sparse_layers()
+        if self.store is None:
+            raise ValueError("pop_rows needs a cache built with a store (SparseServeCache(..., store=...))")
+        moved = SparseServeCache(self.model_config, self.config, store=self.store)
+        for mine, theirs in zip(layers, moved._sparse_layers()):
+            mine.pop_rows(rows, into=theirs)
+        return moved
+
+    def _sparse_layers(self) -> list[SparseServeLayer]:
+        if not all(isinstance(layer, SparseServeLayer) for layer in self.layers):
+            raise NotImplementedError(
+                "moving rows between caches needs every layer to be a SparseServeLayer "
+                "(no dense_layers, no sliding-window layers)"
+            )
+        return self.layers
 
     # ---- reporting -----------------------------------------------------------------------------
 

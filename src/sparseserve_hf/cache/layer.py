@@ -135,6 +135,69 @@ class SparseServeLayer(CacheLayerMixin):
         """Beam search: row i continues from old row `beam_idx[i]`; shared pasts share their blocks."""
         self.batch_select_indices(beam_idx)
 
+    # ---- moving rows between caches over one store (the batching Generator) ---------------
+
+    def append_rows(self, other: SparseServeLayer) -> None:
+        """Move every row of `other` (a layer over the same store) after this layer's rows.
+
+        Block references move with the rows: nothing is copied to or freed from the store, and
+        `other` is left empty. `num_positions` becomes the longer of the two.
+        """
+        if not other.is_initialized:
+            return
+        if self.staged is not None or other.staged is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
+        if self.store is not None and other.store is not self.store:
+            raise ValueError(f"layer {self.layer_idx}: rows can only move between caches that share one store")
+        if not self.is_initialized:
+            self.store, self.device, self.dtype = other.store, other.device, other.dtype
+            self.tail, self.tail_len, self.block_ids, self.num_blocks = (
+                other.tail, other.tail_len, other.block_ids, other.num_blocks
+            )
+            self.is_initialized = True
+        else:
+            width = max(self.block_ids.shape[2], other.block_ids.shape[2])
+            self.block_ids = torch.cat(
+                (grown(self.block_ids, width, fill=-1, dim=2), grown(other.block_ids, width, fill=-1, dim=2))
+            )  # (B + B', Hkv, N)
+            self.tail = torch.cat((self.tail, other.tail))
+            self.tail_len = torch.cat((self.tail_len, other.tail_len))
+            self.num_blocks = torch.cat((self.num_blocks, other.num_blocks))
+        self.num_positions = max(self.num_positions, other.num_positions)
+        self.last_pick = None
+        other._clear()
+
+    def pop_rows(self, rows: list[int], into: SparseServeLayer) -> None:
+        """Move `rows` (in that order) into the empty layer `into`; the other rows stay, in order.
+
+        Block references move with the rows. Both layers' `num_positions` become their longest
+        row's stored length (rows moved here hold no padding).
+        """
+        if into.is_initialized:
+            raise ValueError(f"layer {self.layer_idx}: pop_rows needs an empty target layer")
+        if not self.is_initialized or not rows:
+            return
+        if self.staged is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
+        batch = self.tail.shape[0]
+        if len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
+            raise ValueError(f"pop_rows got rows {rows} for a layer of {batch} rows (distinct indices expected)")
+        leaving = set(rows)
+        taken = torch.tensor(rows, dtype=torch.long, device=self.device)
+        kept = torch.tensor([r for r in range(batch) if r not in leaving], dtype=torch.long, device=self.device)
+        into.store, into.device, into.dtype = self.store, self.device, self.dtype
+        into.tail, into.tail_len = self.tail[taken], self.tail_len[taken]
+        into.block_ids, into.num_blocks = self.block_ids[taken], self.num_blocks[taken]
+        into.is_initialized = True
+        into.num_positions = int(into.row_lengths().max())
+        if kept.numel() == 0:
+            self._clear()
+            return
+        self.tail, self.tail_len = self.tail[kept], self.tail_len[kept]
+        self.block_ids, self.num_blocks = self.block_ids[kept], self.num_blocks[kept]
+        self.num_positions = int(self.row_lengths().max())
+        self.last_pick = None
+
     # ---- block bookkeeping used by the attention function --------------------------------
 
     @property
