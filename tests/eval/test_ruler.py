@@ -261,3 +261,14 @@ def test_runner_end_to_end_on_the_default_model(tmp_path):
     assert len(ruler.read_samples(dump)) == 4
     # The passkey at 1K is easy for the model with full attention.
     assert summary["score"]["niah_single_1@1024"]["dense"] == 100.0
+
+
+def test_from_samples_keeps_only_the_tasks_asked_for(smol, tmp_path):
+    """A sweep split into parts by --tasks reads one samples file and answers only its part."""
+    source, part = tmp_path / "all.jsonl", tmp_path / "part.jsonl"
+    ruler.write_samples(source, [ruler.generate_sample(t, smol, 1024, index=0) for t in ("vt", "niah_single_1")])
+    argv = ["--from-samples", str(source), "--dump-samples", str(part), "--dump-only", "--device", "cpu"]
+    ruler.main(argv + ["--tasks", "vt"])
+    assert [s.task for s in ruler.read_samples(part)] == ["vt"]
+    ruler.main(argv)  # no --tasks: every task in the file
+    assert [s.task for s in ruler.read_samples(part)] == ["vt", "niah_single_1"]
