@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..ops import reference
 from .dram_pool import DramPool
 from .grow import grown
 
@@ -21,11 +24,19 @@ class HbmBlockCache:
             evicts.
         block_shape: (2, S, D).
         dtype, device: of the slot pool.
+        gather_blocks: the backend's block copy (`ops.gather_blocks`), used to load misses from
+            the DRAM pool: one FlashH2D launch with the Triton backend.
     """
 
     def __init__(
-        self, num_slots: int | None, block_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+        self,
+        num_slots: int | None,
+        block_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        gather_blocks: Callable[..., None] = reference.gather_blocks,
     ) -> None:
+        self.gather_blocks = gather_blocks
         self.unlimited = num_slots is None
         self.block_shape = block_shape
         self.device = device
@@ -94,7 +105,7 @@ class HbmBlockCache:
     def _load(self, block_ids: torch.Tensor, slots: torch.Tensor, dram: DramPool) -> None:
         evicted = self.slot_block[slots]
         self.block_slot[evicted[evicted >= 0]] = -1
-        self.pool[slots] = dram.read(block_ids).to(self.device, non_blocking=True)  # the H2D copy
+        self.gather_blocks(dram.storage, block_ids, self.pool, slots)  # the H2D copy
         self.slot_block[slots] = block_ids
         self.slot_tick[slots] = self.tick
         self.block_slot[block_ids] = slots

@@ -8,6 +8,7 @@ import torch
 
 from ..config import SparseServeConfig
 from ..ops import BlockOps
+from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
 from .grow import grown
@@ -29,15 +30,28 @@ class TieredBlockStore:
     """Head-blocks of every sparse layer and request: saved to DRAM, scored from device-resident
     metadata, and fetched into the HBM block cache when selected.
 
+    Transfers go through the backend's ops: misses load with `ops.gather_blocks` (FlashH2D with
+    Triton), saves with `ops.scatter_blocks` (a UVA scatter with Triton) or, with
+    `save_path="flash_d2h"`, through a `FlashD2HSaver` (one D2H copy + CPU-thread scatter).
+
     Args:
         config: the cache's SparseServeConfig.
-        ops: the backend op set (metadata computation).
+        ops: the backend op set.
         head_dim, dtype, device: of the model's KV.
+        save_path: "scatter" (`ops.scatter_blocks`) or "flash_d2h".
     """
 
     def __init__(
-        self, config: SparseServeConfig, ops: BlockOps, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: SparseServeConfig,
+        ops: BlockOps,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        save_path: str = "scatter",
     ) -> None:
+        if save_path not in ("scatter", "flash_d2h"):
+            raise ValueError(f"save_path must be 'scatter' or 'flash_d2h', got {save_path!r}")
         self.config = config
         self.ops = ops
         self.dtype = dtype
@@ -46,7 +60,8 @@ class TieredBlockStore:
         self.dram = DramPool(block_shape, dtype, config.dram_bytes, pin=device.type == "cuda")
         self.block_bytes = self.dram.block_bytes
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // self.block_bytes
-        self.hbm = HbmBlockCache(num_slots, block_shape, dtype, device)
+        self.hbm = HbmBlockCache(num_slots, block_shape, dtype, device, ops.gather_blocks)
+        self.saver = FlashD2HSaver(device) if save_path == "flash_d2h" else None
         num_vectors = 2 if config.metadata == "quest" else 1
         self.metadata = torch.zeros((0, num_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
         self.stats = TransferStats()
@@ -54,6 +69,8 @@ class TieredBlockStore:
 
     def save(self, blocks: torch.Tensor) -> torch.Tensor:
         """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,)."""
+        if blocks.shape[0] > self.dram.capacity - self.dram.num_used:
+            self._drain()  # the pool may be reallocated: no save may still be writing the old one
         ids = self.dram.allocate(blocks.shape[0])
         if ids is None:
             raise ValueError(
@@ -61,7 +78,10 @@ class TieredBlockStore:
                 f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
             )
         self._track_capacity()
-        self.dram.write(ids, blocks)
+        if self.saver is not None:
+            self.saver.save(blocks, self.dram.storage, ids)
+        else:
+            self.ops.scatter_blocks(blocks, self.dram.storage, ids.to(self.device))
         self.metadata[ids.to(self.device)] = self.ops.block_metadata(blocks[:, 0], self.config.metadata)
         self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return ids.to(self.device)
@@ -69,12 +89,17 @@ class TieredBlockStore:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
         self.stats.dense_read_bytes += ids.numel() * self.block_bytes
-        return self.dram.read(ids).to(self.device, non_blocking=True)
+        self._wait_for_saves()
+        ids = ids.reshape(-1).to(self.device)
+        out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.dtype, device=self.device)
+        self.ops.gather_blocks(self.dram.storage, ids, out, torch.arange(ids.numel(), device=self.device))
+        return out
 
     def fetch(self, block_ids: torch.Tensor) -> torch.Tensor:
         """HBM slots for a selection (any shape, -1 = unused), loading misses; same shape."""
         used = block_ids >= 0
         unique, inverse = torch.unique(block_ids[used], return_inverse=True)
+        self._wait_for_saves()
         slots, num_misses = self.hbm.lookup(unique, self.dram)
         self.stats.blocks_selected += unique.numel()
         self.stats.misses += num_misses
@@ -100,6 +125,17 @@ class TieredBlockStore:
     def metadata_bytes(self) -> int:
         """Bytes of the device metadata of every live block."""
         return self.dram.num_used * self.metadata[:1].numel() * self.dtype.itemsize
+
+    def _wait_for_saves(self) -> None:
+        """FlashD2H saves finish on CPU threads: no DRAM read may start before they have."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def _drain(self) -> None:
+        """Every save, asynchronous or in flight on the GPU (UVA writes), has reached the pool."""
+        self._wait_for_saves()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _track_capacity(self) -> None:
         self.metadata = grown(self.metadata, self.dram.capacity)

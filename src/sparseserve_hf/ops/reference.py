@@ -171,3 +171,58 @@ def sparse_decode(
     out = torch.einsum("bhgus,bhusd->bhgd", block_weights.unflatten(-1, (-1, block_size)), blocks[:, :, :, 1])
     out = out + torch.einsum("bhgs,bhsd->bhgd", tail_weights, tail_values.float())
     return out.reshape(batch, num_q_heads, dim).to(query.dtype)
+
+
+def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
+    """Score each row's block table straight from the metadata pool (no gathered copy).
+
+    Args:
+        query: (B, Hq, D) decode queries.
+        metadata: (C, M, D) metadata of every DRAM block, indexed by DRAM id.
+        block_ids: (B, Hkv, N) DRAM ids of each row's blocks, -1 where the table is unused.
+        kind: "quest" or "cuboid", as in `score_blocks`.
+    Returns:
+        (B, Hq, N) fp32 scores; -inf where the id is -1.
+    """
+    scores = score_blocks(query, metadata[block_ids.clamp(min=0)], kind)  # (B, Hq, N)
+    group = query.shape[1] // block_ids.shape[1]
+    unused = (block_ids < 0).repeat_interleave(group, dim=1)  # (B, Hq, N)
+    return scores.masked_fill(unused, float("-inf"))
+
+
+def gather_blocks(
+    pool_src: torch.Tensor,
+    src_ids: torch.Tensor,
+    pool_dst: torch.Tensor,
+    dst_slots: torch.Tensor,
+    count: torch.Tensor | None = None,
+) -> None:
+    """Copy head-blocks `pool_src[src_ids[i]] -> pool_dst[dst_slots[i]]` (FlashH2D's spec).
+
+    Args:
+        pool_src: (C, 2, S, D) source pool (the pinned DRAM pool for H2D).
+        src_ids: (n,) long source ids; -1 entries are skipped.
+        pool_dst: (P, 2, S, D) destination pool (the HBM slot pool), same dtype.
+        dst_slots: (n,) long destination slots; -1 entries are skipped.
+        count: optional (1,) int tensor: only the first `count` entries are copied (the rest of a
+            fixed-size id list is unused, as under CUDA-graph capture).
+    """
+    if count is not None:
+        num = int(count.reshape(-1)[0])  # the reference may sync; the kernel reads it on the device
+        src_ids, dst_slots = src_ids[:num], dst_slots[:num]
+    keep = (src_ids >= 0) & (dst_slots >= 0)
+    src = src_ids[keep].to(pool_src.device)
+    dst = dst_slots[keep].to(pool_dst.device)
+    pool_dst[dst] = pool_src[src].to(pool_dst.device, non_blocking=True)
+
+
+def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Save `src_blocks[i] -> pool_dst[dst_ids[i]]` (the save path's spec).
+
+    Args:
+        src_blocks: (n, 2, S, D) blocks on any device (new full blocks on the GPU).
+        pool_dst: (C, 2, S, D) destination pool (the pinned DRAM pool), same dtype.
+        dst_ids: (n,) long destination ids; -1 entries are skipped.
+    """
+    keep = dst_ids >= 0
+    pool_dst[dst_ids[keep].to(pool_dst.device)] = src_blocks[keep.to(src_blocks.device)].to(pool_dst.device)
