@@ -5,9 +5,18 @@ Importing the package registers `attn_implementation="sparseserve"`.
 
 from .cache import SparseServeCache
 from .config import SparseServeConfig
+from .generation import Generator, RequestOutput, SamplingParams, StreamEvent
 from .registry import register
 
 register()
 
-__all__ = ["SparseServeCache", "SparseServeConfig", "register"]
+__all__ = [
+    "Generator",
+    "RequestOutput",
+    "SamplingParams",
+    "SparseServeCache",
+    "SparseServeConfig",
+    "StreamEvent",
+    "register",
+]
 __version__ = "0.1.0"

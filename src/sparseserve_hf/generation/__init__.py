@@ -1,9 +1,16 @@
-"""The batching Generator: requests, admission, layer-segmented prefill, the continuous-batching loop.
+"""The batching Generator: requests, admission, layer-segmented prefill, the continuous-batching loop."""
 
-Created with the prefill exports only; the Generator loop's names join these (that file is owned
-by the Generator's author).
-"""
-
+from .generator import Generator
+from .outputs import RequestOutput, StreamEvent
+from .params import SamplingParams
 from .prefill import DecoderStack, PrefillJob, SegmentedPrefill
 
-__all__ = ["DecoderStack", "PrefillJob", "SegmentedPrefill"]
+__all__ = [
+    "DecoderStack",
+    "Generator",
+    "PrefillJob",
+    "RequestOutput",
+    "SamplingParams",
+    "SegmentedPrefill",
+    "StreamEvent",
+]

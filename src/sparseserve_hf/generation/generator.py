@@ -1,0 +1,424 @@
+"""Generator: continuous batching over one shared tiered KV store, with working-set admission.
+
+Each `step()` is one iteration (the paper's Algorithm 1 around an iteration-level scheduler):
+1. `scheduler.schedule` walks the requests oldest first and picks this iteration's decoding
+   rows, continuing prefills and newly started prefills, while their working sets fit in
+   `hbm_cache_bytes` (when admission is on);
+2. one batched decode forward over the picked rows, each at its own length and position;
+3. prefill work (`SegmentedPrefill`) for the picked prefills, within the iteration's
+   token-layer budget; a prompt that finishes prefill samples its first token.
+
+Decode drives the decoder layers through `DecoderStack` rather than `model(...)`: rows sit at
+different positions, so RoPE needs per-row `position_ids` (B, 1), and a one-token query needs no
+mask (each row's sparse decode attends exactly its own blocks and tail: rows hold no padding).
+`DecoderStack` builds what the model's forward would (no mask for q_len 1, HF's rotary per row)
+without the forward's shared `cache_position` bookkeeping, and prefill already runs through it.
+
+Every request's KV lives in one `TieredBlockStore` (one DRAM pool, one HBM LRU block cache),
+so `hbm_cache_bytes` bounds the whole engine. A prefilling or sitting-out request keeps its
+own one-row `SparseServeCache` over that store; decoding rows are moved (not copied) into the
+batch cache and back (`append_rows` / `pop_rows`), and a finished row's blocks are freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+import torch
+
+from ..cache import SparseServeCache
+from ..cache.store import TieredBlockStore
+from ..config import SparseServeConfig
+from ..ops import get_ops
+from .metrics import MetricsRecorder
+from .outputs import RequestOutput, StreamEvent
+from .params import SamplingParams
+from .prefill import DecoderStack, SegmentedPrefill
+from .request import PREFILLING, RUNNING, WAITING, Request
+from .sampling import make_generator, sample_next
+from .scheduler import DECODE, PREFILL, Candidate, Limits, Plan, schedule
+from .sizing import EngineSizes
+from .working_set import WorkingSetTracker, initial_working_set
+
+Prompt = str | Sequence[int]
+
+
+class Generator:
+    """A batching engine over a model loaded with `attn_implementation="sparseserve"`.
+
+    Args:
+        model: a stock HF causal LM (Llama, Mistral, Qwen2/3 shapes: every layer full attention).
+        tokenizer: needed for string prompts, text output and stop strings; may be None.
+        config: the SparseServeConfig (block sizes, budget, `hbm_cache_bytes`, `dram_bytes`,
+            `max_batch`, `max_batch_tokens`, `working_set_window`, `admission`,
+            `prefill_mode`, `max_inject_tokens`).
+        metrics_file: a path or text handle that gets one JSON line per finished request.
+
+    Example:
+        >>> gen = Generator(model, tokenizer, SparseServeConfig(token_budget=2048, hbm_cache_bytes=40 << 30))
+        >>> outs = gen.generate(["Hello", "Tell me"], SamplingParams(max_new_tokens=32))
+        >>> outs[0].text, outs[0].finish_reason, gen.metrics()["totals"]["tokens_per_s"]
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: SparseServeConfig | None = None,
+        *,
+        metrics_file: str | IO[str] | None = None,
+    ) -> None:
+        self.config = config if config is not None else SparseServeConfig()
+        _check_model(model, self.config)
+        self.model, self.tokenizer = model, tokenizer
+        self.stack = DecoderStack(model)
+        self.prefill = SegmentedPrefill.from_config(self.stack, self.config)
+        device, dtype = self.stack.device, model.dtype
+        self.sizes = EngineSizes(model.config, self.config, dtype)
+        self.store = TieredBlockStore(
+            self.config, get_ops(self.config.backend, device), self.sizes.head_dim, dtype, device
+        )
+        self.batch = SparseServeCache(model.config, self.config, store=self.store)  # checks one row fits
+        self.batch_ids: list[int] = []  # request id of each batch-cache row
+        self.tracker = WorkingSetTracker(self.config.working_set_window, device)
+        self.recorder = MetricsRecorder(metrics_file)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._requests: dict[int, Request] = {}  # in flight and waiting, in arrival (FCFS) order
+        self._pending: list[StreamEvent] = []  # events produced between steps (cancel) or set aside
+        self._next_id = 0
+
+    # ---- engine-level API ------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, prompt_index: int | None = None) -> int:
+        """Queue one request; returns its id.
+
+        Raises:
+            ValueError: a request that can never run (empty prompt, ids outside the vocabulary, a
+                prompt with no room left in the model's context, one that cannot fit alone in
+                `hbm_cache_bytes` / `dram_bytes`, stop strings without a tokenizer).
+            TypeError: `params` is not a SamplingParams.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt, params)
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        request = Request(
+            request_id,
+            ids,
+            params,
+            make_generator(params, self.stack.device),
+            prompt_index,
+            dram_blocks=self.sizes.lifetime_dram_blocks(len(ids) + params.max_new_tokens),
+            prefill_bytes=self.sizes.prefill_bytes(len(ids)),
+        )
+        self._requests[request_id] = request
+        self.recorder.arrive(request_id, len(ids))
+        return request_id
+
+    def step(self) -> list[StreamEvent]:
+        """Run one iteration; returns the events it produced (and any left from `cancel`)."""
+        events, self._pending = self._pending, []
+        plan = schedule(self._candidates(), self._limits())
+        with torch.no_grad():
+            if plan.decode:
+                self._decode(plan.decode, events)
+            self._run_prefills(plan, events)
+        self.recorder.memory(self.hbm_bytes_in_use())
+        return events
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now and free its blocks; False when it is unknown or already finished.
+
+        Its final event (finish_reason "cancelled") comes with the next `step()`.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._pending.append(self._finish(request, "cancelled"))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or in flight."""
+        return bool(self._requests)
+
+    # ---- list-in, list-out API ---------------------------------------------------------------
+
+    def stream(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StreamEvent]:
+        """Submit `prompts` and yield their events as tokens come (each event names its prompt_index).
+
+        A prompt that can never run (empty, too long, bad ids...) yields one finishing event with
+        finish_reason "error" and the message; the others run. Events of requests added with
+        `submit` are kept for the next `step()` caller.
+        """
+        own: set[int] = set()
+        for index, (prompt, request_params) in enumerate(zip(prompts, _per_prompt(params, len(prompts)))):
+            try:
+                own.add(self.submit(prompt, request_params, prompt_index=index))
+            except (ValueError, TypeError) as exc:
+                yield self._rejected(prompt, index, str(exc))
+        while own:
+            other = []
+            for event in self.step():
+                if event.request_id in own:
+                    if event.finished:
+                        own.discard(event.request_id)
+                    yield event
+                else:
+                    other.append(event)
+            self._pending.extend(other)
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion; returns their outputs in the same order."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for event in self.stream(prompts, params):
+            if event.finished:
+                outputs[event.prompt_index] = event.output
+        return outputs  # type: ignore[return-value]
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def hbm_bytes_in_use(self) -> int:
+        """Device bytes held for KV: resident blocks, block metadata and every row's tail block."""
+        caches = [self.batch] + [r.cache for r in self._requests.values() if r.cache is not None]
+        tails = sum(
+            layer.tail.numel() * layer.tail.element_size() for c in caches for layer in c.layers if layer.is_initialized
+        )
+        return self.store.block_cache_bytes() + self.store.metadata_bytes() + tails
+
+    def dram_bytes_in_use(self) -> int:
+        """Host bytes of live KV blocks."""
+        return self.store.dram.num_used * self.store.block_bytes
+
+    def metrics(self) -> dict[str, Any]:
+        """{"requests": {id: per-request dict}, "totals": engine totals}; see `MetricsRecorder`."""
+        for request in self._requests.values():
+            self._record_working_set(request)
+        stats = self.store.stats
+        looked_up = stats.hits + stats.misses
+        totals = self.recorder.totals() | {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "hit_rate": stats.hits / looked_up if looked_up else 0.0,
+            "h2d_bytes": stats.h2d_bytes,
+            "hbm_bytes_in_use": self.hbm_bytes_in_use(),
+            "dram_bytes_in_use": self.dram_bytes_in_use(),
+            "hbm_cache_bytes": self.config.hbm_cache_bytes,
+        }
+        if torch.cuda.is_available() and self.stack.device.type == "cuda":
+            totals["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.stack.device)
+        requests = {rid: times.as_dict(rid) for rid, times in self.recorder.requests.items()}
+        return {"requests": requests, "totals": totals}
+
+    # ---- one iteration --------------------------------------------------------------------------
+
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for request in self._requests.values():
+            if request.state == RUNNING:
+                ws = self._working_set_blocks(request) * self.store.block_bytes
+                out.append(Candidate(request.request_id, DECODE, ws))
+            else:
+                kind = PREFILL if request.state == PREFILLING else WAITING
+                out.append(Candidate(request.request_id, kind, request.prefill_bytes, request.dram_blocks))
+        return out
+
+    def _limits(self) -> Limits:
+        dram_free = None
+        if self.config.dram_bytes is not None:
+            reserved = sum(r.dram_blocks for r in self._requests.values() if r.state != WAITING)
+            dram_free = self.store.dram.capacity - reserved
+        return Limits(
+            max_batch=self.config.max_batch,
+            max_decode_rows=self.sizes.max_decode_rows,
+            hbm_bytes=self.config.hbm_cache_bytes,
+            admission=self.config.admission,
+            dram_free_blocks=dram_free,
+        )
+
+    def _decode(self, request_ids: list[int], events: list[StreamEvent]) -> None:
+        """One token for every request in `request_ids`, in one batched forward."""
+        self._arrange_batch(request_ids)
+        rows = [self._requests[rid] for rid in self.batch_ids]
+        tokens = torch.tensor([[r.output[-1]] for r in rows], device=self.stack.device)  # (B, 1)
+        positions = torch.tensor([[r.position] for r in rows], device=self.stack.device)  # (B, 1)
+        try:
+            hidden = self.stack.run_layers(
+                self.stack.embed(tokens), 0, self.stack.num_layers, cache=self.batch, position_ids=positions
+            )  # (B, 1, H)
+            logits = self.stack.logits(hidden)[:, -1]  # (B, V)
+        except Exception as exc:  # noqa: BLE001  a failed step leaves the rows' layers inconsistent
+            self._fail_batch(f"decode step failed: {type(exc).__name__}: {exc}", events)
+            return
+        for row in rows:
+            row.decode_steps += 1
+        steps = torch.tensor([r.decode_steps for r in rows])
+        for row, blocks in zip(rows, self.tracker.observe(self.batch, steps)):
+            row.working_set_blocks = blocks
+        chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows]).tolist()
+        self._emit_tokens(rows, chosen, events)
+
+    def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> None:
+        """Start the newly admitted prefills, then advance all picked ones within the budget."""
+        for request_id in plan.start:
+            self._start_prefill(self._requests[request_id], events)
+        budget = self.sizes.prefill_budget(len(plan.decode), self.stack.num_layers)
+        for request_id in plan.prefill + plan.start:
+            request = self._requests.get(request_id)
+            if request is None or request.state != PREFILLING:
+                continue  # failed at start
+            if budget is not None and budget <= 0:
+                break
+            try:
+                used = self.prefill.advance(request.job, budget)
+            except Exception as exc:  # noqa: BLE001  only this request's own cache was touched
+                events.append(self._finish(request, "error", f"prefill failed: {type(exc).__name__}: {exc}"))
+                continue
+            budget = None if budget is None else budget - used
+            if request.job.done:
+                logits = self.prefill.logits(request.job)  # (1, V)
+                request.job, request.state = None, RUNNING
+                token = sample_next(logits, [request.params], [request.generator]).tolist()
+                self._emit_tokens([request], token, events)
+
+    def _start_prefill(self, request: Request, events: list[StreamEvent]) -> None:
+        request.cache = SparseServeCache(self.model.config, self.config, store=self.store)
+        try:
+            request.job = self.prefill.start(torch.tensor(request.prompt), request.cache)
+        except ValueError as exc:
+            events.append(self._finish(request, "error", str(exc)))
+            return
+        request.state = PREFILLING
+        self.recorder.admit(request.request_id)
+
+    def _emit_tokens(self, rows: list[Request], tokens: list[int], events: list[StreamEvent]) -> None:
+        now = self.recorder.now()
+        for request, token in zip(rows, tokens):
+            self.recorder.token(request.request_id, now)
+            reason = request.add_token(token, self.eos_ids, self.tokenizer, self.stack.max_positions)
+            if reason is None:
+                text = request.text_delta(self.tokenizer, finished=False)
+                events.append(StreamEvent(request.request_id, token, text, None, request.prompt_index))
+            else:
+                events.append(self._finish(request, reason, token=token))
+
+    # ---- batch rows -----------------------------------------------------------------------------
+
+    def _arrange_batch(self, request_ids: list[int]) -> None:
+        """Make the batch cache's rows exactly `request_ids` (order aside), moving rows, not copying."""
+        wanted = set(request_ids)
+        for row in reversed(range(len(self.batch_ids))):
+            if self.batch_ids[row] not in wanted:  # sits out this iteration: keeps its own cache
+                self._requests[self.batch_ids[row]].cache = self._pop_row(row)
+        for request_id in request_ids:
+            if request_id not in self.batch_ids:
+                request = self._requests[request_id]
+                self.batch.append_rows(request.cache)
+                request.cache = None
+                self.batch_ids.append(request_id)
+
+    def _pop_row(self, row: int) -> SparseServeCache:
+        self.batch_ids.pop(row)
+        return self.batch.pop_rows([row])
+
+    def _finish(self, request: Request, reason: str, error: str | None = None, token: int | None = None) -> StreamEvent:
+        """End a request in any state: free every block it holds, record it, build its last event."""
+        self._release(request)
+        del self._requests[request.request_id]
+        self._record_working_set(request)
+        self.recorder.finish(request.request_id, reason)
+        text = request.text_delta(self.tokenizer, finished=True)
+        output = request.to_output(self.tokenizer, reason, error)
+        return StreamEvent(request.request_id, token, text, output, request.prompt_index)
+
+    def _release(self, request: Request) -> None:
+        if request.request_id in self.batch_ids:
+            request.cache = self._pop_row(self.batch_ids.index(request.request_id))
+        if request.cache is not None:
+            self.tracker.forget(request.cache)
+            request.cache.reset()  # drops the row's references: its blocks leave DRAM and HBM
+        request.cache = request.job = None
+
+    def _fail_batch(self, message: str, events: list[StreamEvent]) -> None:
+        self.tracker.forget(self.batch)
+        self.batch.reset()  # also clears a half-done step's staged keys
+        failed, self.batch_ids = self.batch_ids, []
+        for request_id in failed:
+            events.append(self._finish(self._requests[request_id], "error", message))
+
+    # ---- sizes and checks -----------------------------------------------------------------------
+
+    def _working_set_blocks(self, request: Request) -> int:
+        """Measured union of the last w steps once the request has decoded, else the budget estimate."""
+        if request.decode_steps == 0:
+            return initial_working_set(self.config, self.model.config, len(request.prompt) + len(request.output))
+        return request.working_set_blocks
+
+    def _record_working_set(self, request: Request) -> None:
+        times = self.recorder.requests[request.request_id]
+        if request.state == RUNNING:
+            times.working_set_blocks = self._working_set_blocks(request)
+            times.working_set_bytes = times.working_set_blocks * self.store.block_bytes
+
+    def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer: pass one to Generator or give token ids")
+            ids = tuple(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+                raise ValueError(f"a prompt tensor must be (T,) or (1, T), got {tuple(prompt.shape)}")
+            ids = tuple(prompt.flatten().tolist())
+        else:
+            ids = tuple(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (use stop_token_ids without one)")
+        self.sizes.check_prompt(ids, params.max_new_tokens)
+        return ids
+
+    def _rejected(self, prompt: Prompt, index: int, message: str) -> StreamEvent:
+        """The one event of a prompt `submit` refused (it never gets an id that runs)."""
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        ids = tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
+        output = RequestOutput(request_id, ids, (), "" if self.tokenizer is not None else None, "error", message)
+        return StreamEvent(request_id, None, output.text, output, index)
+
+
+def _check_model(model: torch.nn.Module, config: SparseServeConfig) -> None:
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "sparseserve":
+        raise ValueError(
+            f"Generator needs a model loaded with attn_implementation='sparseserve' (import sparseserve_hf "
+            f"first), got {implementation!r}"
+        )
+    if config.dense_layers:
+        raise NotImplementedError("Generator batches rows of different lengths: dense_layers are not supported yet")
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    if any(kind != "full_attention" for kind in types) or getattr(model.config, "sliding_window", None):
+        raise NotImplementedError("Generator supports models whose layers are all full attention (no sliding window)")
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    for value in (getattr(generation, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
+    return params

@@ -1,0 +1,92 @@
+"""EngineSizes: the byte and block arithmetic behind admission, DRAM reservation and prompt checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import SparseServeConfig
+
+
+class EngineSizes:
+    """Sizes derived once from the model shape and the config.
+
+    Args:
+        model_config: the model's PretrainedConfig.
+        config: the SparseServeConfig.
+        dtype: the KV dtype (the model's).
+    """
+
+    def __init__(self, model_config: Any, config: SparseServeConfig, dtype: torch.dtype) -> None:
+        text = model_config.get_text_config()
+        self.config = config
+        self.num_layers = text.num_hidden_layers
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
+        self.vocab_size = text.vocab_size
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.block_bytes = 2 * config.block_size * self.head_dim * dtype.itemsize
+        self.kv_bytes_per_token_layer = self.num_kv_heads * 2 * self.head_dim * dtype.itemsize
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Most rows one decode step can serve: one layer's selection for all of them must fit in the
+        HBM block cache's slots (a lookup cannot evict blocks it is itself using)."""
+        if self.config.hbm_cache_bytes is None:
+            return self.config.max_batch
+        heads = self.num_kv_heads if self.config.selection == "kv_head" else self.num_heads
+        per_row = heads * self.config.selected_full_blocks
+        return max(1, min(self.config.max_batch, self.config.hbm_cache_bytes // self.block_bytes // per_row))
+
+    def prefill_bytes(self, num_tokens: int) -> int:
+        """Exact HBM working set of a prompt's prefill: the KV it holds on the device at once.
+
+        Layer-segmented prefill saves each layer's KV to DRAM before the next layer runs: one
+        layer's KV. Chunked and full prefill hold (or read back) every layer's KV of the prompt.
+        """
+        layers = 1 if self.config.prefill_mode == "layer_segmented" else self.num_layers
+        return num_tokens * layers * self.kv_bytes_per_token_layer
+
+    def lifetime_dram_blocks(self, num_tokens: int) -> int:
+        """DRAM head-blocks a request of `num_tokens` (prompt + new) can hold at most."""
+        return self.num_layers * self.num_kv_heads * -(-num_tokens // self.config.block_size)
+
+    def prefill_budget(self, decode_rows: int, num_layers: int) -> int | None:
+        """Token-layers of prefill this iteration: `max_inject_tokens`, and what `max_batch_tokens`
+        leaves after one token per decoding row (times the layers). None = no cap."""
+        budgets = []
+        if self.config.max_inject_tokens is not None:
+            budgets.append(self.config.max_inject_tokens)
+        if self.config.max_batch_tokens is not None:
+            budgets.append((self.config.max_batch_tokens - decode_rows) * num_layers)
+        return min(budgets) if budgets else None
+
+    def check_prompt(self, ids: tuple[int, ...], max_new_tokens: int) -> None:
+        """Raise ValueError for a prompt that can never run, naming the problem."""
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise ValueError(f"prompt token {bad!r} is not an id in the model's vocabulary [0, {self.vocab_size})")
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens leaves no room to generate within the model's "
+                f"max_position_embeddings ({self.max_positions})"
+            )
+        prefill = self.prefill_bytes(len(ids))
+        cache = self.config.hbm_cache_bytes
+        if self.config.admission and cache is not None and prefill > cache:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens cannot fit alone: its {self.config.prefill_mode} prefill needs "
+                f"{prefill} bytes of HBM, more than hbm_cache_bytes={cache}"
+            )
+        if self.config.dram_bytes is not None:
+            need = self.lifetime_dram_blocks(len(ids) + max_new_tokens)
+            have = self.config.dram_bytes // self.block_bytes
+            if need > have:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} cannot fit alone: it needs "
+                    f"{need} DRAM blocks, dram_bytes={self.config.dram_bytes} holds {have}"
+                )
