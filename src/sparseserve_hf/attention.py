@@ -99,7 +99,7 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     num_kv_heads = layer.tail.shape[1]
     group = q.shape[1] // num_kv_heads
     table = layer.block_ids  # (B, Hkv, N)
-    scores = ops.score_blocks(q, store.metadata[table.clamp(min=0)], config.metadata)  # (B, Hq, N)
+    scores = ops.score_table(q, store.metadata, table, config.metadata)  # (B, Hq, N), -inf past a row's blocks
     if config.selection == "kv_head":
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
     picked, valid = ops.select_blocks(

@@ -1,0 +1,118 @@
+"""Block scoring on the GPU: every query head of every row against its ragged block table.
+
+One program scores BLOCK_N blocks of one (row, KV head) for all G query heads of the group:
+the block metadata is read once per group (GQA) straight from the metadata pool through the
+row's table of DRAM ids, so no (B, Hkv, N, M, D) copy of the metadata is ever gathered. At
+128K context and B=32 that copy would be 512 MiB per layer, as much as the scoring reads.
+Unused table entries (id -1) score -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per block: (min, max) or (mean,)
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr,
+    meta_ptr,
+    ids_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ib,
+    stride_ih,
+    stride_ob,
+    stride_oh,
+    num_blocks,
+    num_kv_heads,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUEST: tl.constexpr,
+):
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_table = n < num_blocks
+    ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
+    valid = ids >= 0
+    vectors = 2 if QUEST else 1
+    rows = meta_ptr + ids[:, None] * (vectors * D) + d[None, :]  # (BLOCK_N, BLOCK_D); pool is (C, M, D)
+    load_mask = valid[:, None] & (d[None, :] < D)
+    first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
+    if QUEST:
+        second = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)  # per-channel max
+    for g in tl.static_range(G):
+        head = h * G + g
+        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+        if QUEST:
+            # Quest's upper bound of q.k over the block: per channel the larger of q*min, q*max.
+            score = tl.sum(tl.maximum(q[None, :] * first, q[None, :] * second), axis=1)
+        else:
+            score = tl.sum(q[None, :] * first, axis=1)
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + n, score, mask=in_table)
+
+
+def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scores of every row's block table, read from the metadata pool (see `reference.score_table`).
+
+    Args:
+        query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
+        metadata: (C, M, D) contiguous metadata pool, same device; M = 2 (quest) or 1 (cuboid).
+        block_ids: (B, Hkv, N) long DRAM ids, -1 where unused.
+        kind: "quest" or "cuboid".
+    Returns:
+        (B, Hq, N) fp32; -inf where the id is -1.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown metadata kind {kind!r}")
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads, num_blocks = block_ids.shape[1], block_ids.shape[2]
+    assert metadata.is_contiguous() and metadata.shape[1:] == (KINDS[kind], dim), "metadata pool must be (C, M, D)"
+    assert num_q_heads % num_kv_heads == 0 and query.device == metadata.device == block_ids.device
+    out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
+    if out.numel() == 0:
+        return out
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    block_n = 32 if dim >= 128 else 64  # ~16 KiB of metadata per program
+    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
+    _score_kernel[grid](
+        query,
+        metadata,
+        block_ids,
+        out,
+        query.stride(0),
+        query.stride(1),
+        block_ids.stride(0),
+        block_ids.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_blocks,
+        num_kv_heads,
+        D=dim,
+        BLOCK_D=triton.next_power_of_2(dim),
+        G=num_q_heads // num_kv_heads,
+        BLOCK_N=block_n,
+        QUEST=kind == "quest",
+        num_warps=4,
+    )
+    return out
+
+
+def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torch.Tensor:
+    """`reference.score_blocks` on the GPU: (B, Hq, D) x (B, Hkv, N, M, D) gathered metadata -> (B, Hq, N)."""
+    batch, num_kv_heads, num_blocks = metadata.shape[:3]
+    pool = metadata.reshape(-1, *metadata.shape[3:])  # (B*Hkv*N, M, D): the gathered table as a pool
+    ids = torch.arange(pool.shape[0], device=metadata.device).view(batch, num_kv_heads, num_blocks)
+    return score_table(query, pool.contiguous(), ids, kind)

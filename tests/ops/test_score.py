@@ -1,0 +1,71 @@
+"""Triton block scoring against `reference.score_table` / `reference.score_blocks`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPES, tolerance
+from sparseserve_hf.ops import reference, triton_score
+
+
+def ragged_table(batch: int, kv_heads: int, width: int, pool_size: int, counts: list[int]) -> torch.Tensor:
+    """(B, Hkv, N) distinct random DRAM ids, row b using its first counts[b] entries, -1 after."""
+    ids = torch.randperm(pool_size)[: batch * kv_heads * width].view(batch, kv_heads, width)
+    unused = torch.arange(width) >= torch.tensor(counts)[:, None, None]
+    return ids.masked_fill(unused, -1)
+
+
+@pytest.mark.parametrize("kind", ["quest", "cuboid"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 8)])
+@pytest.mark.parametrize("dim", [16, 64])
+def test_score_table_matches_reference(poisoned, kind, dtype, kv_heads, group, dim):
+    counts = [37, 5, 0]  # odd, short and empty rows; N = 37 spans two 32/64-block tiles
+    table = ragged_table(3, kv_heads, 37, 400, counts)
+    keys = torch.randn(400, 8, dim)
+    metadata = reference.block_metadata(keys, kind).to(dtype)  # (C, M, D)
+    query = torch.randn(3, kv_heads * group, dim).to(dtype)
+    expected = reference.score_table(query, metadata, table, kind)
+    got = triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.equal(torch.isinf(got).cpu(), table.repeat_interleave(group, 1) < 0)
+    torch.testing.assert_close(
+        got.cpu(), expected, **tolerance(torch.float32 if dtype == torch.float32 else torch.float16)
+    )
+
+
+@pytest.mark.parametrize("kind", ["quest", "cuboid"])
+def test_score_blocks_on_gathered_metadata_matches_reference(poisoned, kind):
+    metadata = reference.block_metadata(torch.randn(2, 3, 11, 8, 32), kind).half()  # (B, Hkv, N, M, D)
+    query = torch.randn(2, 12, 32).half()
+    expected = reference.score_blocks(query, metadata, kind)
+    got = triton_score.score_blocks(query.to(DEVICE), metadata.to(DEVICE), kind)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
+
+
+def test_score_table_of_a_strided_query():
+    metadata = reference.block_metadata(torch.randn(40, 8, 16), "quest")
+    query = torch.randn(2, 4, 3, 16)[:, :, 1]  # (B, Hq, D) view with a non-trivial head stride
+    table = ragged_table(2, 2, 9, 40, [9, 4])
+    expected = reference.score_table(query, metadata, table, "quest")
+    torch.testing.assert_close(
+        triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), "quest").cpu(), expected
+    )
+
+
+def test_score_table_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="unknown metadata kind"):
+        triton_score.score_table(
+            torch.zeros(1, 1, 16), torch.zeros(1, 2, 16), torch.zeros(1, 1, 1, dtype=torch.long), "x"
+        )
+
+
+@pytest.mark.gpu
+def test_score_table_at_llama_shape_bf16():
+    table = ragged_table(4, 8, 1000, 40000, [1000, 999, 17, 500])
+    metadata = reference.block_metadata(torch.randn(40000, 32, 128), "quest").bfloat16()
+    query = torch.randn(4, 32, 128).bfloat16()
+    expected = reference.score_table(query, metadata, table, "quest")
+    got = triton_score.score_table(query.cuda(), metadata.cuda(), table.cuda(), "quest")
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-2, rtol=1e-3)
