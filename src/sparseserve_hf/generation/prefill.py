@@ -19,6 +19,7 @@ maxInjectToken = chunk size x num_layers).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -295,4 +296,4 @@ def _split(num_tokens: int, cap: int) -> list[tuple[int, int]]:
     """
     count = -(-num_tokens // cap)
     bounds = [num_tokens * i // count for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
