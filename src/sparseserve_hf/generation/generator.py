@@ -120,12 +120,15 @@ class Generator:
     def step(self) -> list[StreamEvent]:
         """Run one iteration; returns the events it produced (and any left from `cancel`)."""
         events, self._pending = self._pending, []
-        plan = schedule(self._candidates(), self._limits())
+        candidates = self._candidates()
+        plan = schedule(candidates, self._limits())
+        sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
         with torch.no_grad():
             if plan.decode:
                 self._decode(plan.decode, events)
             self._run_prefills(plan, events)
         self.recorder.memory(self.hbm_bytes_in_use())
+        self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out)
         return events
 
     def cancel(self, request_id: int) -> bool:
@@ -314,8 +317,9 @@ class Generator:
         """Make the batch cache's rows exactly `request_ids` (order aside), moving rows, not copying."""
         wanted = set(request_ids)
         for row in reversed(range(len(self.batch_ids))):
-            if self.batch_ids[row] not in wanted:  # sits out this iteration: keeps its own cache
-                self._requests[self.batch_ids[row]].cache = self._pop_row(row)
+            request = self._requests[self.batch_ids[row]]
+            if request.request_id not in wanted:  # sits out this iteration: keeps its own cache
+                request.cache = self._pop_row(row)
         for request_id in request_ids:
             if request_id not in self.batch_ids:
                 request = self._requests[request_id]

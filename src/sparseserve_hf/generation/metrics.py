@@ -68,6 +68,10 @@ class MetricsRecorder:
     def __init__(self, sink: str | IO[str] | None = None) -> None:
         self.requests: dict[int, RequestTimes] = {}
         self.hbm_peak_bytes = 0
+        self.iterations = 0
+        self.decode_rows = 0  # summed over iterations
+        self.admitted_peak_bytes = 0  # largest M_used admission allowed in one iteration
+        self.sat_out = 0  # prefilled requests left out of an iteration, summed over iterations
         self.start: float | None = None
         self._sink = sink
 
@@ -106,6 +110,14 @@ class MetricsRecorder:
         """Sample the device bytes in use (kept as a peak)."""
         self.hbm_peak_bytes = max(self.hbm_peak_bytes, hbm_bytes)
 
+    def iteration(self, decode_rows: int, admitted_bytes: int, sat_out: int) -> None:
+        """One Generator iteration ran `decode_rows` decodes (`sat_out` more were left out) with
+        working sets totalling `admitted_bytes`."""
+        self.iterations += 1
+        self.decode_rows += decode_rows
+        self.sat_out += sat_out
+        self.admitted_peak_bytes = max(self.admitted_peak_bytes, admitted_bytes)
+
     def totals(self) -> dict[str, Any]:
         """Throughput and latency summaries over every request seen so far."""
         reqs = list(self.requests.values())
@@ -124,6 +136,10 @@ class MetricsRecorder:
             "p50_tbt_s": _median([x for r in reqs for x in r.tbt]),
             "mean_queueing_delay_s": _mean([r.queueing_delay for r in reqs]),
             "hbm_peak_bytes": self.hbm_peak_bytes,
+            "iterations": self.iterations,
+            "mean_decode_batch": self.decode_rows / self.iterations if self.iterations else 0.0,
+            "admitted_working_set_peak_bytes": self.admitted_peak_bytes,
+            "sat_out": self.sat_out,
         }
 
 

@@ -1,0 +1,169 @@
+"""The Generator end to end on a tiny random Llama: batch == one by one, streaming, cancel, metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from gen_support import prompt, stock_greedy
+from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+LENGTHS = (5, 37, 80, 130, 16, 1)
+
+
+def small_config(**overrides) -> SparseServeConfig:
+    values = dict(block_size=16, token_budget=48) | overrides
+    return SparseServeConfig(**values)
+
+
+def one_by_one(model, config: SparseServeConfig, prompts, params) -> list[tuple[int, ...]]:
+    """Each prompt alone through a fresh Generator (`params`: one for all, or one per prompt)."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    return [Generator(model, None, config).generate([p], q)[0].token_ids for p, q in zip(prompts, per_prompt)]
+
+
+@pytest.mark.core
+def test_batch_equals_stock_generate_one_by_one(llama, llama_sdpa):
+    """Budget >= every length: sparse decode is dense, so the batch must give stock greedy tokens."""
+    prompts = [prompt(n, seed=n) for n in LENGTHS]
+    gen = Generator(llama, None, small_config(token_budget=1024))
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=20))
+    for p, out in zip(prompts, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == 20
+        assert list(out.token_ids) == stock_greedy(llama_sdpa, p, 20), f"prompt of {len(p)} tokens"
+    assert gen.metrics()["totals"]["mean_decode_batch"] > 2  # the rows really decoded together
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(
+            max_batch=3,
+            token_budget=64,
+            hbm_cache_bytes=40 * 2048,
+            prefill_mode="layer_segmented",
+            max_inject_tokens=60,
+        ),
+        dict(max_batch=4, prefill_mode="chunked", max_inject_tokens=64, max_batch_tokens=40),
+        dict(prefill_mode="full", admission=False, hbm_cache_bytes=24 * 2048),
+    ],
+    ids=["default", "segmented-small-cache", "chunked", "full-no-admission"],
+)
+def test_small_budget_batch_equals_one_by_one(llama, overrides):
+    """Budget 48 of up to 150 tokens: real selection. Rows join, sit out and leave; tokens must not move."""
+    config = small_config(**overrides)
+    prompts = [prompt(n, seed=n) for n in LENGTHS]
+    params = SamplingParams(max_new_tokens=24)
+    gen = Generator(llama, None, config)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == one_by_one(llama, config, prompts, params)
+    totals = gen.metrics()["totals"]
+    assert totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
+    if config.hbm_cache_bytes is not None:
+        assert totals["hbm_peak_bytes"] > 0 and gen.store.hbm.num_slots * 2048 <= config.hbm_cache_bytes
+    if config.admission and config.hbm_cache_bytes is not None:
+        assert totals["sat_out"] > 0  # admission really left requests out of some iterations
+        assert totals["admitted_working_set_peak_bytes"] <= config.hbm_cache_bytes
+
+
+@pytest.mark.core
+def test_stream_gives_each_requests_tokens_in_order(llama):
+    prompts = [prompt(n, seed=n) for n in (30, 7, 64)]
+    gen = Generator(llama, None, small_config(max_batch=2))
+    params = [SamplingParams(max_new_tokens=n) for n in (5, 9, 3)]
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished = []
+    for event in gen.stream(prompts, params):
+        assert event.prompt_index not in finished, "an event after the request's last one"
+        if event.token_id is not None:
+            seen[event.prompt_index].append(event.token_id)
+        if event.finished:
+            finished.append(event.prompt_index)
+            assert list(event.output.token_ids) == seen[event.prompt_index]
+    assert sorted(finished) == [0, 1, 2] and [len(seen[i]) for i in range(3)] == [5, 9, 3]
+    # max_batch 2: prompt 2 waits for prompt 0 to end, then its 3 tokens still beat prompt 1's 9
+    assert finished == [0, 2, 1]
+    assert [list(t) for t in one_by_one(llama, small_config(), prompts, params)] == [seen[i] for i in range(3)]
+
+
+@pytest.mark.core
+def test_cancel_mid_flight_frees_blocks_and_others_continue(llama):
+    config = small_config(max_batch=2)
+    prompts = [prompt(n, seed=n) for n in (100, 90, 120)]
+    params = SamplingParams(max_new_tokens=12)
+    gen = Generator(llama, None, config)
+    ids = [gen.submit(p, params) for p in prompts]
+    events = gen.step() + gen.step() + gen.step()
+    assert {e.request_id for e in events} == {ids[0], ids[1]}  # max_batch 2: the third waits
+    held = gen.dram_bytes_in_use()
+    assert gen.cancel(ids[0]) and gen.cancel(ids[2])  # one decoding, one waiting
+    assert not gen.cancel(ids[0]) and not gen.cancel(12345)
+    assert gen.dram_bytes_in_use() < held
+    outputs = {}
+    while gen.has_unfinished or not outputs:
+        for event in gen.step():
+            if event.finished:
+                outputs[event.request_id] = event.output
+    assert outputs[ids[0]].finish_reason == "cancelled" and len(outputs[ids[0]].token_ids) == 3
+    assert outputs[ids[2]].finish_reason == "cancelled" and outputs[ids[2]].token_ids == ()
+    assert outputs[ids[1]].token_ids == one_by_one(llama, config, [prompts[1]], params)[0]
+    assert gen.dram_bytes_in_use() == 0 and gen.hbm_bytes_in_use() == 0
+    assert gen.store.dram.num_used == 0 and int(gen.store.dram.refcount.sum()) == 0
+
+
+def test_stop_tokens_eos_and_context_limit(llama):
+    p = prompt(20, seed=3)
+    free = Generator(llama, None, small_config()).generate([p], SamplingParams(max_new_tokens=10))[0].token_ids
+    stop_at = free[4]
+    gen = Generator(llama, None, small_config())
+    out = gen.generate([p], SamplingParams(max_new_tokens=10, stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop_at) + 1]
+    llama.generation_config.eos_token_id = stop_at
+    try:
+        eos = Generator(llama, None, small_config())
+        assert eos.generate([p], SamplingParams(max_new_tokens=10))[0].token_ids[-1] == stop_at
+        ignored = eos.generate([p], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+        assert ignored.token_ids == free and ignored.finish_reason == "length"
+    finally:
+        llama.generation_config.eos_token_id = None
+    near_end = prompt(2045, seed=4)  # max_position_embeddings 2048: room for 3 tokens
+    out = Generator(llama, None, small_config()).generate([near_end], SamplingParams(max_new_tokens=10))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_metrics_per_request_and_json_lines(llama):
+    sink = io.StringIO()
+    gen = Generator(llama, None, small_config(), metrics_file=sink)
+    gen.generate([prompt(50, 1), prompt(20, 2)], SamplingParams(max_new_tokens=6))
+    metrics = gen.metrics()
+    lines = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert len(lines) == 2 and {line["request_id"] for line in lines} == set(metrics["requests"])
+    for record in metrics["requests"].values():
+        assert record["generated_tokens"] == 6 and len(record["tbt_s"]) == 5 and len(record["token_times_s"]) == 6
+        assert 0 <= record["queueing_delay_s"] <= record["ttft_s"] <= record["finish_s"]
+        assert record["working_set_blocks"] > 0 and record["working_set_bytes"] == record["working_set_blocks"] * 2048
+    totals = metrics["totals"]
+    assert totals["generated_tokens"] == 12 and totals["tokens_per_s"] > 0 and totals["finished"] == 2
+    assert 0 < totals["hit_rate"] <= 1 and totals["hbm_peak_bytes"] > 0
+    assert totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llama):
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    target = prompt(40, seed=5)
+    alone = Generator(llama, None, small_config()).generate([target], params)[0].token_ids
+    others = [prompt(n, seed=n) for n in (30, 70)]
+    gen = Generator(llama, None, small_config())
+    mixed = gen.generate([others[0], target, others[1]], [SamplingParams(max_new_tokens=5, seed=1), params, params])
+    assert mixed[1].token_ids == alone
+    greedy = Generator(llama, None, small_config()).generate([target], SamplingParams(max_new_tokens=12))[0]
+    top1 = Generator(llama, None, small_config()).generate(
+        [target], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3)
+    )[0]
+    assert top1.token_ids == greedy.token_ids
+    assert torch.tensor(alone).unique().numel() > 1
