@@ -100,7 +100,7 @@ def get_ops(backend: str, device: torch.device) -> BlockOps:
 
 
 def _triton_ops() -> BlockOps:
-    from . import triton_score, triton_transfer  # import triton: only here, never at package import
+    from . import triton_decode, triton_score, triton_transfer  # import triton: only here, never at package import
 
     # select_blocks / union_over_group stay the reference's torch ops: topk and sort on the
     # device, no host sync, nothing a kernel would speed up at these sizes.
@@ -109,6 +109,7 @@ def _triton_ops() -> BlockOps:
         name="triton",
         score_blocks=triton_score.score_blocks,
         score_table=triton_score.score_table,
+        sparse_decode=triton_decode.sparse_decode,
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
     )

@@ -1,0 +1,239 @@
+"""Sparse paged decode attention on the GPU (split-K over the loaded blocks, then a reduce).
+
+Per (row, KV head) the selected blocks sit in scattered HBM slots; every query head of the GQA
+group attends to them (optionally only to the blocks its `head_mask` row allows) plus the row's
+tail block. The blocks are split over several programs per (row, KV head) so that a decode
+batch of a few rows still fills the GPU (flash-decoding); each program keeps an online softmax
+in fp32 and writes its partial (max, sum, accumulator); a second kernel merges the partials.
+The G query heads of a group ride the rows of one `tl.dot`, so a block is read once per group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_TOKENS = 64  # tokens per inner iteration: 2 blocks of 32 (16 KiB of bf16 K+V at D=128)
+MIN_BLOCKS_PER_SPLIT = 4  # fewer makes the partials' write + reduce cost more than the split gains
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
+    """Online-softmax step: q (BG, BD), k/v (T, BD), seen (BG, T) -> updated m, l (BG,), acc (BG, BD)."""
+    if IEEE:  # fp32 inputs: no TF32, so the kernel matches the fp32 reference
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        logits = tl.dot(q, tl.trans(k))
+    logits = tl.where(seen, logits * scaling, float("-inf"))
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head that has seen nothing yet: no NaN
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(logits - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    pool_ptr,
+    slots_ptr,
+    mask_ptr,
+    tail_k_ptr,
+    tail_v_ptr,
+    tail_len_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_sb,
+    stride_sh,
+    stride_mb,
+    stride_mh,
+    stride_tb,
+    stride_th,
+    stride_ts,
+    num_kv_heads,
+    num_loaded,
+    blocks_per_split,
+    num_splits,
+    scaling,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    TAIL_TOKENS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Grid (B * Hkv, num_splits + 1): programs < num_splits take a range of the U loaded blocks,
+    the last one the tail block. Writes partials [b, h*G + g, split]."""
+    row_head = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < G
+    d_ok = d < D
+    heads = h * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :])
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if split < num_splits:
+        start = split * blocks_per_split
+        end = tl.minimum(start + blocks_per_split, num_loaded)
+        t = tl.arange(0, BLOCK_U * S)
+        for first in range(start, end, BLOCK_U):
+            u = first + t // S  # (T,) loaded-block index of each token
+            slot = tl.load(slots_ptr + b * stride_sb + h * stride_sh + u, mask=u < end, other=-1).to(tl.int64)
+            token_ok = slot >= 0
+            base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
+            kv_mask = token_ok[:, None] & d_ok[None, :]
+            k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
+            seen = g_ok[:, None] & token_ok[None, :]
+            if HAS_MASK:
+                allowed = tl.load(
+                    mask_ptr + b * stride_mb + heads[:, None] * stride_mh + u[None, :],
+                    mask=g_ok[:, None] & (u < end)[None, :],
+                    other=0,
+                )
+                seen = seen & (allowed != 0)
+            m, l, acc = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
+    else:
+        t = tl.arange(0, TAIL_TOKENS)
+        token_ok = t < tl.load(tail_len_ptr + b)
+        offsets = b * stride_tb + h * stride_th + t[:, None] * stride_ts + d[None, :]
+        kv_mask = token_ok[:, None] & d_ok[None, :]
+        k = tl.load(tail_k_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(tail_v_ptr + offsets, mask=kv_mask, other=0.0)
+        m, l, acc = _attend(q, k, v, g_ok[:, None] & token_ok[None, :], m, l, acc, scaling, IEEE)
+    part = (b * num_kv_heads * G + heads) * (num_splits + 1) + split  # (BG,) partials are (B, Hq, splits+1)
+    tl.store(part_m_ptr + part, m, mask=g_ok)
+    tl.store(part_l_ptr + part, l, mask=g_ok)
+    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    num_parts,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Grid (B * Hq,): merge one query head's partials into out[b, hq] (contiguous (B, Hq, D))."""
+    head = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    p_ok = p < num_parts
+    m = tl.load(part_m_ptr + head * num_parts + p, mask=p_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + head * num_parts + p, mask=p_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (head * num_parts + p)[:, None] * D + d[None, :],
+        mask=p_ok[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
+    top = tl.max(m, axis=0)
+    weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # empty partials weigh 0
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
+    tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_plan(num_programs: int, num_loaded: int, block_u: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, blocks_per_split): enough programs to fill the GPU, at least a few blocks each."""
+    if num_loaded == 0:
+        return 0, block_u
+    target = PROGRAMS_PER_SM * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
+    splits = max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
+    per_split = triton.cdiv(triton.cdiv(num_loaded, splits), block_u) * block_u  # whole tiles per split
+    return triton.cdiv(num_loaded, per_split), per_split
+
+
+def sparse_decode(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    head_mask: torch.Tensor | None,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`reference.sparse_decode` as two Triton launches (split-K partials, then their merge).
+
+    Args:
+        query: (B, Hq, D) fp16/bf16/fp32, last dim contiguous.
+        pool: (P, 2, S, D) contiguous HBM block cache, same dtype.
+        slots: (B, Hkv, U) pool slot of each loaded block, -1 where unused.
+        head_mask: (B, Hq, U) bool, which loaded blocks each query head sees; None = all.
+        tail_keys, tail_values: (B, Hkv, S, D) views with equal strides (e.g. tail[:, :, 0] / [:, :, 1]).
+        tail_len: (B,) valid tokens of each tail block.
+        scaling: softmax scale.
+        num_splits: programs per (row, KV head) over the loaded blocks; None = enough to fill the GPU.
+    Returns:
+        (B, Hq, D) in the query's dtype. Launches only: no host sync.
+    """
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
+    block_size = pool.shape[2]
+    assert pool.is_contiguous() and pool.dtype == query.dtype == tail_keys.dtype == tail_values.dtype
+    assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
+    assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
+    slots = slots.contiguous()
+    mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
+    block_u = max(1, TILE_TOKENS // block_size)
+    if num_splits is None:
+        num_splits, per_split = _split_plan(batch * num_kv_heads, num_loaded, block_u, query.device)
+    else:
+        per_split = triton.cdiv(triton.cdiv(num_loaded, max(num_splits, 1)), block_u) * block_u
+        num_splits = triton.cdiv(num_loaded, per_split)
+    num_parts = num_splits + 1
+    part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((batch, num_q_heads, num_parts, dim), dtype=torch.float32, device=query.device)
+    group = num_q_heads // num_kv_heads
+    block_d = triton.next_power_of_2(max(dim, 16))  # tl.dot needs every side >= 16
+    _decode_split_kernel[(batch * num_kv_heads, num_parts)](
+        query, pool, slots, mask, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
+        query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
+        mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
+        num_kv_heads, num_loaded, per_split, num_splits, scaling,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        S=block_size,
+        D=dim,
+        BLOCK_D=block_d,
+        BLOCK_U=block_u,
+        TAIL_TOKENS=max(16, block_size),
+        HAS_MASK=head_mask is not None,
+        IEEE=query.dtype == torch.float32,
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty((batch, num_q_heads, dim), dtype=query.dtype, device=query.device)
+    _decode_reduce_kernel[(batch * num_q_heads,)](
+        part_m, part_l, part_acc, out, num_parts, D=dim, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_parts)
+    )
+    return out

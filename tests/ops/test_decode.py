@@ -1,0 +1,104 @@
+"""Triton sparse decode attention against `reference.sparse_decode`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPES, tolerance
+from sparseserve_hf.ops import reference, triton_decode
+
+
+def decode_inputs(batch, kv_heads, group, size, dim, loaded, dtype, unused=2, masked=False):
+    """Random decode inputs: a pool, ragged slot lists (-1 padded), tails of odd lengths, an optional head mask."""
+    num_slots = batch * kv_heads * loaded + 3
+    pool = torch.randn(num_slots, 2, size, dim).to(dtype)
+    slots = torch.randperm(num_slots)[: batch * kv_heads * loaded].view(batch, kv_heads, loaded)
+    if loaded:
+        slots[0, 0, loaded - min(unused, loaded) :] = -1  # a shorter list
+        slots[-1, -1, :] = torch.where(torch.arange(loaded) % 2 == 1, -1, slots[-1, -1, :])  # holes
+    head_mask = torch.rand(batch, kv_heads * group, loaded) > 0.4 if masked else None
+    tail = torch.randn(batch, kv_heads, 2, size, dim).to(dtype)
+    tail_len = torch.randint(1, size + 1, (batch,))
+    tail_len[0] = size  # a full tail
+    query = torch.randn(batch, kv_heads * group, dim).to(dtype)
+    return query, pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], tail_len
+
+
+def run_both(inputs, scaling=0.3, num_splits=None):
+    expected = reference.sparse_decode(*inputs, scaling)
+    on_device = [x.to(DEVICE) if x is not None else None for x in inputs]
+    got = triton_decode.sparse_decode(*on_device, scaling, num_splits=num_splits)
+    return got, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 8)])
+@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
+def test_sparse_decode_matches_reference(poisoned, dtype, kv_heads, group, masked):
+    inputs = decode_inputs(3, kv_heads, group, 8, 16, 11, dtype, masked=masked)
+    got, expected = run_both(inputs, num_splits=3)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("size", [16, 32])
+def test_sparse_decode_head_dims_and_block_sizes(poisoned, dim, size):
+    inputs = decode_inputs(2, 2, 4, size, dim, 5, torch.float16, masked=True)
+    got, expected = run_both(inputs, num_splits=2)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 100])  # one, several, more than there are tiles
+def test_split_count_does_not_change_the_result(poisoned, num_splits):
+    inputs = decode_inputs(2, 1, 4, 8, 16, 19, torch.float32)
+    got, expected = run_both(inputs, num_splits=num_splits)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+def test_only_the_tail_when_nothing_is_loaded(poisoned):
+    inputs = decode_inputs(2, 2, 2, 8, 16, 0, torch.float32)  # U = 0: budget above the sequence length
+    got, expected = run_both(inputs)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+def test_blocks_a_head_may_not_see_are_ignored(poisoned):
+    query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(1, 1, 4, 8, 16, 6, torch.float32, unused=0)
+    head_mask = torch.zeros(1, 4, 6, dtype=torch.bool)
+    head_mask[0, 1, 2] = True
+    pool_poisoned = pool.clone()
+    seen = slots[0, 0, 2]
+    pool_poisoned[torch.arange(pool.shape[0]) != seen] = 1e4  # every block but the one head 1 sees
+    inputs = (query, pool_poisoned, slots, head_mask, tail_k, tail_v, tail_len)
+    got, _ = run_both(inputs)
+    expected = reference.sparse_decode(query, pool, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
+    # Heads 0, 2, 3 see only the tail, head 1 one block + tail: the poisoned blocks change nothing.
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("budget_blocks", [3, 7, 12])  # below, equal to, above the row's 7 full blocks
+def test_selected_blocks_from_select_blocks(poisoned, budget_blocks):
+    """End to end on one layer: select -> union -> decode equals the reference chain."""
+    batch, kv_heads, group, size, dim, full = 2, 2, 4, 8, 16, 7
+    keys = torch.randn(batch, kv_heads, full, 2, size, dim)
+    metadata = reference.block_metadata(keys[:, :, :, 0], "quest")
+    query = torch.randn(batch, kv_heads * group, dim)
+    scores = reference.score_blocks(query, metadata, "quest")
+    picked, valid = reference.select_blocks(scores, torch.tensor([full, 5]), budget_blocks, 1, 1)
+    union, union_valid, head_mask = reference.union_over_group(picked, valid, kv_heads, full)
+    pool = keys.reshape(-1, 2, size, dim)  # slot of block n of (b, h) = (b*Hkv + h)*N + n
+    base = (torch.arange(batch)[:, None, None] * kv_heads + torch.arange(kv_heads)[None, :, None]) * full
+    slots = torch.where(union_valid, base + union, -1)
+    tail = torch.randn(batch, kv_heads, 2, size, dim)
+    inputs = (query, pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], torch.tensor([3, size]))
+    got, expected = run_both(inputs)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sparse_decode_llama_shape_on_the_gpu(dtype):
+    inputs = decode_inputs(4, 8, 4, 32, 128, 64, dtype, masked=False)
+    got, expected = run_both(inputs)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
