@@ -1,7 +1,7 @@
 """Prefill in pieces (generation/prefill.py, DESIGN.md section 1 technique 3) equals `model(ids)`.
 
-Every mode, segment size and chunking, with DynamicCache and SparseServeCache (budget >= length,
-so sparse == dense), on tiny fp32 models: the last-position logits match the one-call forward
+Every mode, segment size and chunking, with DynamicCache, StaticCache and SparseServeCache (budget
+>= length, so sparse == dense), on tiny fp32 models: the last-position logits match the one-call forward
 and the cache then decodes the same greedy tokens as stock `generate`. Layer-segmented prefill
 with a SparseServeCache holds one layer's KV on the device at a time (checked after every layer,
 and by measuring the peak of live tensor bytes as the model gets deeper).
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from conftest import greedy, left_pad, random_ids, tiny_config, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
@@ -60,6 +60,8 @@ def reference_tokens(arch: str, new_tokens: int = 8) -> torch.Tensor:
 def make_cache(kind: str, m: torch.nn.Module, **overrides):
     if kind == "dynamic":
         return DynamicCache(config=m.config)
+    if kind == "static":
+        return StaticCache(config=m.config, max_cache_len=128)
     return SparseServeCache(m.config, SparseServeConfig(block_size=16, token_budget=1024, **overrides))
 
 
@@ -87,7 +89,7 @@ def continue_greedy(m, cache, first_logits: torch.Tensor, steps: int) -> torch.T
 # ---- exactness ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "sparse"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static", "sparse"])
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "mistral"])
 def test_prefill_logits_equal_model_forward(arch, plan, cache_kind):
