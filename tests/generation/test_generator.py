@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from gen_support import prompt, stock_greedy
+
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 LENGTHS = (5, 37, 80, 130, 16, 1)
