@@ -60,6 +60,8 @@ def reference_tokens(arch: str, new_tokens: int = 8) -> torch.Tensor:
 def make_cache(kind: str, m: torch.nn.Module, **overrides):
     if kind == "dynamic":
         return DynamicCache(config=m.config)
+    if kind == "lazy":  # no config: layers appear as they are first written, all of them full-size
+        return DynamicCache()
     if kind == "static":
         return StaticCache(config=m.config, max_cache_len=128)
     return SparseServeCache(m.config, SparseServeConfig(block_size=16, token_budget=1024, **overrides))
@@ -103,7 +105,7 @@ def test_prefill_logits_equal_model_forward(arch, plan, cache_kind):
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("cache_kind", ["dynamic", "sparse"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "lazy", "sparse"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_split_layers_equal_model_forward_core(arch, cache_kind):
     """The fast subset also run on transformers 5.17: layers split into chunks, hidden offloaded."""
