@@ -1,0 +1,115 @@
+"""What the kernel benchmarks share: timing, the run record, the table and the JSON file.
+
+Every script measures its baseline in the same process and records the device, the command
+line and the git commit beside its numbers. `--dry-run` runs tiny shapes on any machine (the
+kernels under TRITON_INTERPRET=1 without a GPU) so the scripts are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def prepare_triton(device: torch.device) -> None:
+    """Without a GPU, run kernels in Triton's interpreter (set before any kernel module is imported)."""
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pick_device(dry_run: bool) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not dry_run:
+        raise SystemExit("this benchmark needs a CUDA device (use --dry-run for a tiny CPU run)")
+    return torch.device("cpu")
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 10, rep: int = 50) -> float:
+    """Median milliseconds of `fn()`: CUDA events with a flushed L2 (triton.testing.do_bench) on a GPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Median wall-clock milliseconds of `fn()` with the device synchronized around each call
+    (for work that ends on CPU threads, which CUDA events do not see)."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_record(device: torch.device) -> dict[str, Any]:
+    """Where and how the numbers were taken."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+        "command": " ".join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
+        "git_commit": commit,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+    }
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
+    return "" if value is None else str(value)
+
+
+def _module_name() -> str:
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else sys.argv[0]
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None

@@ -1,0 +1,162 @@
+"""Decode attention benchmark (target T3): the sparse kernel and select + attend against dense SDPA.
+
+    python -m eval.bench.decode_attention --out eval/results/decode_attention.json   # ~2-3 min on the H200
+
+One layer of one decode step, Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, 32-token blocks),
+budget 2048 tokens: each KV head attends U = 2048/32 - 1 = 63 selected blocks plus its tail.
+Baselines in the same run: SDPA over the whole context (`enable_gqa=True`, PyTorch's fastest
+backend) and a device-to-device copy (the HBM bandwidth the kernel is held to).
+
+Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident blocks;
+`select_ms` Quest scoring of every block straight from the metadata pool + top-k (sink and
+window forced); `select_attend_ms` both (the block-table lookup and misses are T8's business);
+`kernel_gb_per_s` bytes the kernel reads (K/V of the attended blocks and tails) per second;
+`union` rows time the "group_union" worst case (each KV head loads G x 63 distinct blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eval.bench.common import pick_device, prepare_triton, print_table, run_record, time_ms, write_json
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
+DTYPE = torch.bfloat16
+HEADLINE = (131072, 32)  # (context, batch) of the top-level ratios
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--max-dense-gib", type=float, default=40.0, help="skip SDPA where its K/V exceed this")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
+    return parser.parse_args(argv)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + written (the HBM traffic)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / ms / 1e6
+
+
+def decode_inputs(batch: int, context: int, budget: int, group_union: bool, device: torch.device) -> dict[str, Any]:
+    """Query, a pool holding only the selected blocks, their slots, tails, and the metadata pool + table."""
+    num_blocks = context // BLOCK - 1  # full blocks; the rest of the context is the tail
+    loaded = min(budget // BLOCK - 1, num_blocks)
+    if group_union:
+        loaded = min(loaded * (Q_HEADS // KV_HEADS), num_blocks)
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+    pool = torch.randn(batch * KV_HEADS * loaded, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)  # (P, 2, S, D)
+    slots = torch.randperm(pool.shape[0], device=device).view(batch, KV_HEADS, loaded)  # scattered slots
+    tail = torch.randn(batch, KV_HEADS, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)
+    tail_len = torch.randint(1, BLOCK + 1, (batch,), device=device)
+    metadata = torch.randn(batch * KV_HEADS * num_blocks, 2, HEAD_DIM, device=device, dtype=DTYPE)  # (C, M, D)
+    table = torch.randperm(metadata.shape[0], device=device).view(batch, KV_HEADS, num_blocks)  # DRAM ids
+    return dict(
+        query=query, pool=pool, slots=slots, tail=tail, tail_len=tail_len, metadata=metadata, table=table,
+        num_blocks=torch.full((batch,), num_blocks, device=device), loaded=loaded,
+    )  # fmt: skip
+
+
+def measure(batch: int, context: int, args, device: torch.device, group_union: bool) -> dict[str, Any]:
+    from sparseserve_hf.ops import reference, triton_decode, triton_score
+
+    x = decode_inputs(batch, context, args.budget, group_union, device)
+    scale = HEAD_DIM**-0.5
+    topk = min(args.budget // BLOCK - 1, x["table"].shape[2])
+
+    def attend() -> torch.Tensor:
+        tail = x["tail"]
+        return triton_decode.sparse_decode(
+            x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
+        )
+
+    def select() -> torch.Tensor:
+        scores = triton_score.score_table(x["query"], x["metadata"], x["table"], "quest")  # (B, Hq, N)
+        picked, _ = reference.select_blocks(scores, x["num_blocks"], topk, 1, 1)
+        return picked
+
+    def select_attend() -> torch.Tensor:
+        select()
+        return attend()
+
+    row = {"context": context, "batch": batch, "union": group_union, "blocks_per_kv_head": x["loaded"]}
+    row["sparse_ms"] = time_ms(attend, device)
+    row["select_ms"] = time_ms(select, device)
+    row["select_attend_ms"] = time_ms(select_attend, device)
+    read = batch * KV_HEADS * (x["loaded"] + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
+    row["kernel_gb_per_s"] = read / row["sparse_ms"] / 1e6
+    x.clear()  # free the sparse inputs before SDPA allocates the dense K/V
+    row["dense_ms"] = dense_ms(batch, context, args, device)
+    if row["dense_ms"] is not None:
+        row["speedup"] = row["dense_ms"] / row["sparse_ms"]
+        row["select_attend_speedup"] = row["dense_ms"] / row["select_attend_ms"]
+    return row
+
+
+def dense_ms(batch: int, context: int, args, device: torch.device) -> float | None:
+    """SDPA of one decode token over the whole context (None when its K/V would not fit the cap)."""
+    if 2 * batch * KV_HEADS * context * HEAD_DIM * DTYPE.itemsize > args.max_dense_gib * (1 << 30):
+        return None
+    try:
+        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=DTYPE)
+        keys = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=DTYPE)
+        values = torch.randn_like(keys)
+        return time_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True), device)
+    except torch.OutOfMemoryError:  # a backend that expands GQA needs G x the K/V: report, do not die
+        print(f"SDPA out of memory at context={context} batch={batch}")
+        return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)
+    global Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK  # dry run: tiny shapes (set in main() only)
+    if args.dry_run:
+        Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 1, 16, 16
+        args.contexts, args.batches, args.budget = [256], [1, 2], 64
+    copy_gb_per_s = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 20))
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            rows.append(measure(batch, context, args, device, group_union=False))
+    headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
+    rows.append(measure(headline[1], headline[0], args, device, group_union=True))
+    for row in rows:
+        row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
+    columns = ["context", "batch", "union", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
+    print_table(
+        rows, columns + ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
+    )
+    top = next((r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]), {})
+    result = {
+        **run_record(device),
+        "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "dtype": str(DTYPE)},
+        "budget": args.budget,
+        "headline": {"context": headline[0], "batch": headline[1]},
+        "speedup_vs_dense_sdpa": top.get("speedup"),
+        "select_and_attend_speedup": top.get("select_attend_speedup"),
+        "hbm_bandwidth_fraction": top.get("hbm_fraction"),
+        "copy_gb_per_s": copy_gb_per_s,
+        "rows": rows,
+    }
+    print(
+        f"speedup_vs_dense_sdpa={result['speedup_vs_dense_sdpa']} select_and_attend_speedup="
+        f"{result['select_and_attend_speedup']} hbm_bandwidth_fraction={result['hbm_bandwidth_fraction']}"
+    )
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The GPU benchmarks parse their arguments and run end to end at tiny shapes (--dry-run) on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+
+
+@pytest.mark.parametrize("module", ["eval.bench.transfer", "eval.bench.decode_attention"])
+def test_help(module):
+    assert "--out" in run_module(module, "--help").stdout
+
+
+def test_transfer_dry_run_writes_its_ratios(tmp_path):
+    out = tmp_path / "transfer.json"
+    run_module("eval.bench.transfer", "--dry-run", "--block-kib", "16", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert {"device", "command", "h2d_over_bulk", "d2h_over_bulk", "flash_d2h_over_bulk"} <= result.keys()
+    methods = {row["method"] for row in result["rows"]}
+    assert {"bulk", "copy_ per block", "FlashH2D gather", "UVA scatter", "FlashD2H (staged + CPU scatter)"} <= methods
+    assert result["h2d_over_bulk"] > 0 and "--dry-run" in result["command"]
+
+
+def test_decode_attention_dry_run_writes_its_ratios(tmp_path):
+    out = tmp_path / "decode.json"
+    run_module("eval.bench.decode_attention", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    for key in ("speedup_vs_dense_sdpa", "select_and_attend_speedup", "hbm_bandwidth_fraction", "copy_gb_per_s"):
+        assert result[key] > 0, key
+    assert any(row["union"] for row in result["rows"])
