@@ -34,6 +34,7 @@ def _score_kernel(
     BLOCK_D: tl.constexpr,
     G: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    M: tl.constexpr,
     QUEST: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
@@ -45,8 +46,7 @@ def _score_kernel(
     in_table = n < num_blocks
     ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
     valid = ids >= 0
-    vectors = 2 if QUEST else 1
-    rows = meta_ptr + ids[:, None] * (vectors * D) + d[None, :]  # (BLOCK_N, BLOCK_D); pool is (C, M, D)
+    rows = meta_ptr + ids[:, None] * (M * D) + d[None, :]  # (BLOCK_N, BLOCK_D); pool is (C, M, D)
     load_mask = valid[:, None] & (d[None, :] < D)
     first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
     if QUEST:
@@ -104,6 +104,7 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         BLOCK_D=triton.next_power_of_2(dim),
         G=num_q_heads // num_kv_heads,
         BLOCK_N=block_n,
+        M=KINDS[kind],
         QUEST=kind == "quest",
         num_warps=4,
     )
