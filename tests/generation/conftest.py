@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import gen_support
 import pytest
 from gen_support import tiny_model
+
+# tests/integration does `from conftest import ...`; when pytest is given several test folders at once,
+# the `conftest` module it finds may be this one, so this one carries the same helpers.
+globals().update(gen_support.integration_helpers())
 
 
 @pytest.fixture(scope="module")

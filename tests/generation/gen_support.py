@@ -17,7 +17,19 @@ _models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_models)
 
 VOCAB, PAD = _models.VOCAB, _models.PAD
-tiny_model, random_ids = _models.tiny_model, _models.random_ids
+tiny_model, random_ids, tiny_config = _models.tiny_model, _models.random_ids, _models.tiny_config
+greedy, left_pad = _models.greedy, _models.left_pad
+
+
+def integration_helpers() -> dict[str, object]:
+    """The public non-fixture names of tests/integration/conftest.py (see this folder's conftest.py)."""
+    return {
+        name: value
+        for name, value in vars(_models).items()
+        if not name.startswith("_")
+        and "fixture" not in type(value).__name__.lower()
+        and not hasattr(value, "_pytestfixturefunction")
+    }
 
 
 def prompt(length: int, seed: int) -> list[int]:

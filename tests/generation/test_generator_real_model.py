@@ -22,7 +22,9 @@ def test_real_prompts_batch_equals_one_by_one_greedy():
         model, tokenizer = load_default(attn_implementation="sparseserve")
     except ModelNotAvailableError as exc:
         pytest.skip(f"real default model not installed: {exc}")
-    config = SparseServeConfig(token_budget=64, block_size=16, hbm_cache_bytes=16 << 20)  # < the lengths: real selection
+    config = SparseServeConfig(
+        token_budget=64, block_size=16, hbm_cache_bytes=16 << 20
+    )  # < the lengths: real selection
     params = SamplingParams(max_new_tokens=24)
     batch = Generator(model, tokenizer, config).generate(PROMPTS, params)
     for text, out in zip(PROMPTS, batch):
