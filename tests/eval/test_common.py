@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, split_method
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import sparseserve_hf  # noqa: F401  (registers "sparseserve")
-from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, split_method
 from sparseserve_hf import SparseServeConfig
 from toy_tokenizer import word_tokenizer
 
@@ -29,7 +29,9 @@ def _prompts(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.randint(2, VOCAB, (n,), generator=generator) for n in lengths]
 
 
-@pytest.mark.parametrize("method", [Method("dense"), Method("sparse_64", SparseServeConfig(block_size=8, token_budget=64))])
+@pytest.mark.parametrize(
+    "method", [Method("dense"), Method("sparse_64", SparseServeConfig(block_size=8, token_budget=64))]
+)
 def test_batched_answers_equal_single_answers(tiny, method):
     tokenizer = word_tokenizer(vocab_size=VOCAB)
     prompts = _prompts([150, 171, 163])  # ragged: the batch is left-padded

@@ -1,14 +1,10 @@
-"""Fixtures of the Generator tests (tiny random models from tests/integration/conftest.py)."""
+"""Fixtures of the Generator tests (tiny random models from tests/tiny_models.py)."""
 
 from __future__ import annotations
 
-import gen_support
 import pytest
-from gen_support import tiny_model
 
-# tests/integration does `from conftest import ...`; when pytest is given several test folders at once,
-# the `conftest` module it finds may be this one, so this one carries the same helpers.
-globals().update(gen_support.integration_helpers())
+from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

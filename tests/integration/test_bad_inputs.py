@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from conftest import greedy, random_ids, tiny_config, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import greedy, random_ids, tiny_config, tiny_model
 
 
 def snapshot(cache: SparseServeCache) -> tuple:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy, left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import greedy, left_pad, random_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
 

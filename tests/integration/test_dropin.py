@@ -9,8 +9,8 @@ import torch
 from transformers import AttentionInterface, TextStreamer
 
 import sparseserve_hf
-from conftest import PAD, VOCAB, greedy, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import PAD, VOCAB, greedy, random_ids, tiny_model
 from toy_tokenizer import word_tokenizer
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import PAD, greedy, left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import PAD, greedy, left_pad, random_ids, tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 GQA = [(4, 4), (6, 2), (8, 2)]  # ratios 1, 3, 4

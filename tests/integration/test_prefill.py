@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from conftest import greedy, left_pad, random_ids, tiny_config, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation.prefill import DecoderStack, PrefillJob, SegmentedPrefill
+from tiny_models import greedy, left_pad, random_ids, tiny_config, tiny_model
 
 LAYERS = 3  # Gemma-3: sliding, full, sliding
 T = 77  # not a block multiple; longer than Gemma's window (24)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_ids
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.store import TieredBlockStore
 from sparseserve_hf.ops import get_ops
+from tiny_models import random_ids
 
 CONFIG = SparseServeConfig(block_size=16, token_budget=48)
 

@@ -8,8 +8,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from conftest import left_pad, random_ids, tiny_model
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import left_pad, random_ids, tiny_model
 
 BLOCK = 16
 REFERENCE = "selected_blocks_reference"

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from kernel_support import DEVICE
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     assert not any(name.startswith("sparseserve_hf.ops.triton_") for name in sys.modules), (
@@ -26,24 +28,10 @@ if importlib.util.find_spec("triton") is None:
     # No triton (e.g. a venv without the dev extra): nothing here can run; skip the directory.
     collect_ignore_glob = ["test_*.py"]
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# The interpreter mis-handles bf16 tensors (DESIGN.md section 3): bf16 runs on the GPU only.
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
-
 
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
-
-
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
-    """assert_close tolerances for a kernel output in `dtype` against the fp32-accumulating reference."""
-    if dtype == torch.float32:
-        return dict(atol=1e-5, rtol=1e-5)
-    if dtype == torch.float16:
-        return dict(atol=2e-3, rtol=2e-3)
-    return dict(atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.fixture

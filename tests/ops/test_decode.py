@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, tolerance
+from kernel_support import DEVICE, DTYPES, tolerance
 from sparseserve_hf.ops import reference, triton_decode
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU
+from kernel_support import DEVICE, ON_GPU
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.ops import TORCH_OPS, get_ops, resolve_backend
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU
+from kernel_support import DEVICE, ON_GPU
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.cache.store import TieredBlockStore
 from sparseserve_hf.ops import get_ops, reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, ON_GPU
+from kernel_support import DEVICE, DTYPES, ON_GPU
 from sparseserve_hf.ops import reference, triton_transfer
 
 BLOCK_SHAPES = [(2, 8, 16), (2, 4, 6), (2, 32, 128)]  # (2, S, D); D=6 fp16 = 12-byte rows: int32 words still divide

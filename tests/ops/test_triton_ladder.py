@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from conftest import DEVICE
+from kernel_support import DEVICE
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 

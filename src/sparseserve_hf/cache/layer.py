@@ -152,7 +152,10 @@ class SparseServeLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.store, self.device, self.dtype = other.store, other.device, other.dtype
             self.tail, self.tail_len, self.block_ids, self.num_blocks = (
-                other.tail, other.tail_len, other.block_ids, other.num_blocks
+                other.tail,
+                other.tail_len,
+                other.block_ids,
+                other.num_blocks,
             )
             self.is_initialized = True
         else:

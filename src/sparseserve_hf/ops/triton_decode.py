@@ -115,13 +115,14 @@ def _decode_split_kernel(
                 seen = seen & (allowed != 0)
             m, l, acc = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
     else:
-        t = tl.arange(0, TAIL_TOKENS)
-        token_ok = t < tl.load(tail_len_ptr + b)
-        offsets = b * stride_tb + h * stride_th + t[:, None] * stride_ts + d[None, :]
-        kv_mask = token_ok[:, None] & d_ok[None, :]
-        k = tl.load(tail_k_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(tail_v_ptr + offsets, mask=kv_mask, other=0.0)
-        m, l, acc = _attend(q, k, v, g_ok[:, None] & token_ok[None, :], m, l, acc, scaling, IEEE)
+        # Names differ from the branch above: Triton needs a name bound in both branches to keep one type.
+        tail_t = tl.arange(0, TAIL_TOKENS)
+        tail_ok = tail_t < tl.load(tail_len_ptr + b)
+        tail_offsets = b * stride_tb + h * stride_th + tail_t[:, None] * stride_ts + d[None, :]
+        tail_mask = tail_ok[:, None] & d_ok[None, :]
+        tail_k = tl.load(tail_k_ptr + tail_offsets, mask=tail_mask, other=0.0)
+        tail_v = tl.load(tail_v_ptr + tail_offsets, mask=tail_mask, other=0.0)
+        m, l, acc = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
     part = (b * num_kv_heads * G + heads) * (num_splits + 1) + split  # (BG,) partials are (B, Hq, splits+1)
     tl.store(part_m_ptr + part, m, mask=g_ok)
     tl.store(part_l_ptr + part, l, mask=g_ok)
