@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, split_method
+from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, sized_dram_pool, split_method
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import sparseserve_hf  # noqa: F401  (registers "sparseserve")
@@ -54,3 +54,12 @@ def test_batches_and_method_names():
     names = [m.name for m in methods_for([256, 512], SparseServeConfig(metadata="cuboid"), "cuboid")]
     assert names == ["dense", "cuboid_256", "cuboid_512"]
     assert split_method("cuboid_512") == ("cuboid", 512) and split_method("dense") == ("dense", None)
+
+
+def test_sized_dram_pool_holds_every_layer_and_rounds_to_a_power_of_two(tiny):
+    config = sized_dram_pool(SparseServeConfig(block_size=8), tiny.config, tokens=100, itemsize=4)
+    blocks = (100 // 8 + 1) * 2 * 2  # layers x KV heads
+    assert config.dram_bytes == 1 << (blocks * 2 * 8 * 16 * 4 - 1).bit_length()
+    assert config.dram_bytes.bit_count() == 1
+    fixed = SparseServeConfig(dram_bytes=12345)
+    assert sized_dram_pool(fixed, tiny.config, 100, 4) is fixed
