@@ -8,6 +8,7 @@ its output folder: `samples.jsonl` (one JSON line per sample and method), `summa
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -103,6 +104,10 @@ def answer_batch(
     input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    del kwargs, cache
+    # A cache is a reference cycle (its layers call back into it); collect it now, or its pinned
+    # DRAM pool outlives the call and the next batches' pools pile up until pinning fails.
+    gc.collect()
     return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
 
 
