@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import handoff
 from .cache.layer import SparseServeLayer
+from .config import SparseServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +101,44 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     group = q.shape[1] // num_kv_heads
     table = layer.block_ids  # (B, Hkv, N)
     scores = ops.score_table(q, store.metadata, table, config.metadata)  # (B, Hq, N), -inf past a row's blocks
-    if config.selection == "kv_head":
-        scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
-    picked, valid = ops.select_blocks(
-        scores, layer.num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
-    )  # (B, H, K), H = Hq or Hkv
-    head_mask = None  # every query head attends to all blocks its KV head loaded
-    if config.selection != "kv_head":
-        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, table.shape[2])  # (B, Hkv, U)
-        if config.selection == "group_union":
-            head_mask = None
+    picked, valid, head_mask = pick_blocks(ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids)
     layer.last_pick = (picked, valid, head_mask, group)  # expanded per query head only when read
     tail = layer.tail
     out = ops.sparse_decode(q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
     return out.unsqueeze(1)
+
+
+def pick_blocks(
+    ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The blocks each KV head loads and which of them each query head attends, from (B, Hq, N) scores.
+
+    Shared by the decode path and `eval.selection_diagnostics` (which must measure exactly this).
+
+    Args:
+        ops: the backend op set (`ops.reference` or a `BlockOps`).
+        config: the cache's config (selection, group_aggregation, budget, sink/window).
+        scores: (B, Hq, N) block scores, -inf past a row's blocks.
+        num_blocks: (B,) full blocks per row.
+        num_kv_heads: Hkv.
+        capacity: N, the width of the block table.
+    Returns:
+        picked, valid: (B, Hkv, U) block indices each KV head loads and their validity.
+        head_mask: (B, Hq, U) which of them each query head attends; None = all of them.
+    """
+    if config.selection == "kv_head":
+        scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
+    picked, valid = ops.select_blocks(
+        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
+    )  # (B, H, K), H = Hq or Hkv
+    head_mask = None  # every query head attends to all blocks its KV head loaded
+    if config.selection != "kv_head":
+        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, capacity)  # (B, Hkv, U)
+        if config.selection == "group_union":
+            head_mask = None
+    return picked, valid, head_mask
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:
