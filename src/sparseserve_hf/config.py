@@ -29,6 +29,10 @@ class SparseServeConfig:
             densely (no offload, no selection).
         metadata: per-block summary used to score blocks: "quest" (per-channel key
             min/max, an upper bound on q.k) or "cuboid" (per-channel key mean, ArkVale).
+        metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
+            min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
+            scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
+            only the metadata grows (x metadata_sub_blocks). 1 = one summary per block.
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
@@ -69,6 +73,7 @@ class SparseServeConfig:
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = ()
     metadata: str = "quest"
+    metadata_sub_blocks: int = 1
     selection: str = "group_union"
     group_aggregation: str = "max"
     hbm_cache_bytes: int | None = None
@@ -102,6 +107,12 @@ class SparseServeConfig:
         ):
             raise ValueError(f"dense_layers must be a tuple of non-negative ints, got {self.dense_layers!r}")
         _check_choice("metadata", self.metadata, METADATA_KINDS)
+        _check_positive_int("metadata_sub_blocks", self.metadata_sub_blocks)
+        if self.metadata_sub_blocks & (self.metadata_sub_blocks - 1) or self.metadata_sub_blocks > self.block_size:
+            raise ValueError(
+                f"metadata_sub_blocks must be a power of two no larger than block_size ({self.block_size}), "
+                f"got {self.metadata_sub_blocks}"
+            )
         _check_choice("selection", self.selection, SELECTION_GRANULARITIES)
         _check_choice("group_aggregation", self.group_aggregation, GROUP_AGGREGATIONS)
         _check_choice("backend", self.backend, BACKENDS)
@@ -138,6 +149,11 @@ class SparseServeConfig:
     def topk_blocks(self) -> int:
         """Full blocks chosen by score, on top of the always-kept sink and window blocks."""
         return self.selected_full_blocks - self.sink_blocks - self.window_blocks
+
+    @property
+    def metadata_vectors(self) -> int:
+        """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block."""
+        return (2 if self.metadata == "quest" else 1) * self.metadata_sub_blocks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -62,8 +62,7 @@ class TieredBlockStore:
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // self.block_bytes
         self.hbm = HbmBlockCache(num_slots, block_shape, dtype, device, ops.gather_blocks)
         self.saver = FlashD2HSaver(device) if save_path == "flash_d2h" else None
-        num_vectors = 2 if config.metadata == "quest" else 1
-        self.metadata = torch.zeros((0, num_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
+        self.metadata = torch.zeros((0, config.metadata_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
         self.stats = TransferStats()
         self._track_capacity()
 
@@ -82,7 +81,9 @@ class TieredBlockStore:
             self.saver.save(blocks, self.dram.storage, ids)
         else:
             self.ops.scatter_blocks(blocks, self.dram.storage, ids.to(self.device))
-        self.metadata[ids.to(self.device)] = self.ops.block_metadata(blocks[:, 0], self.config.metadata)
+        self.metadata[ids.to(self.device)] = self.ops.block_metadata(
+            blocks[:, 0], self.config.metadata, self.config.metadata_sub_blocks
+        )
         self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return ids.to(self.device)
 

@@ -2,7 +2,7 @@
 
 Dimension letters: B requests (batch rows), Hq query heads, Hkv KV heads, G = Hq // Hkv,
 N blocks of a row's table, K selected blocks, S block_size tokens, D head_dim,
-M metadata vectors per block (2 for quest min/max, 1 for cuboid mean), P pool slots.
+M metadata vectors per block (2 per sub-block for quest min/max, 1 per sub-block for cuboid mean), P pool slots.
 Every op accumulates in fp32 and returns the input dtype where it returns activations.
 """
 
@@ -11,19 +11,38 @@ from __future__ import annotations
 import torch
 
 
-def block_metadata(keys: torch.Tensor, kind: str) -> torch.Tensor:
-    """Summarize each key block for scoring.
+def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.Tensor:
+    """Summarize each key block for scoring, per sub-block of S // sub_blocks consecutive tokens.
 
     Args:
         keys: (..., S, D) keys of full blocks.
         kind: "quest" -> per-channel (min, max); "cuboid" -> per-channel mean.
+        sub_blocks: summaries per block (a divisor of S). Finer summaries bound the keys more
+            tightly (a needle's few tokens are not averaged or boxed with 31 others), at
+            sub_blocks x the metadata; the block is still loaded and attended whole.
     Returns:
-        (..., M, D) in the keys' dtype; M = 2 for quest, 1 for cuboid.
+        (..., M, D) in the keys' dtype: M = 2 * sub_blocks for quest, laid out
+        (min_0, max_0, min_1, max_1, ...); M = sub_blocks for cuboid (mean_0, mean_1, ...).
     """
+    size = keys.shape[-2]
+    if sub_blocks < 1 or size % sub_blocks:
+        raise ValueError(f"sub_blocks must divide the block's {size} tokens, got {sub_blocks}")
+    parts = keys.unflatten(-2, (sub_blocks, size // sub_blocks))  # (..., sub, S / sub, D)
     if kind == "quest":
-        return torch.stack((keys.amin(dim=-2), keys.amax(dim=-2)), dim=-2)
+        return torch.stack((parts.amin(dim=-2), parts.amax(dim=-2)), dim=-2).flatten(-3, -2)  # (..., 2 sub, D)
     if kind == "cuboid":
-        return keys.float().mean(dim=-2, keepdim=True).to(keys.dtype)
+        return parts.float().mean(dim=-2).to(keys.dtype)  # (..., sub, D)
+    raise ValueError(f"unknown metadata kind {kind!r}")
+
+
+def metadata_sub_blocks(kind: str, num_vectors: int) -> int:
+    """Sub-blocks per block of a (..., M, D) metadata tensor of `kind` (see `block_metadata`)."""
+    if kind == "quest":
+        if num_vectors % 2:
+            raise ValueError(f"quest metadata holds (min, max) pairs, got {num_vectors} vectors per block")
+        return num_vectors // 2
+    if kind == "cuboid":
+        return num_vectors
     raise ValueError(f"unknown metadata kind {kind!r}")
 
 
@@ -32,25 +51,27 @@ def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torc
 
     Args:
         query: (B, Hq, D) decode queries (RoPE applied).
-        metadata: (B, Hkv, N, M, D) metadata of each row's block table.
+        metadata: (B, Hkv, N, M, D) metadata of each row's block table (see `block_metadata`).
         kind: "quest" scores the upper bound sum_d max(q_d * min_d, q_d * max_d) of q.k over
-            the block (Quest); "cuboid" scores q . mean(k).
+            the block (Quest); "cuboid" scores q . mean(k). With several sub-blocks per block
+            the block scores the max over its sub-blocks (for quest still an upper bound of q.k
+            over the block, and a tighter one).
     Returns:
         (B, Hq, N) fp32 scores.
     """
     batch, num_q_heads, dim = query.shape
-    num_kv_heads = metadata.shape[1]
+    num_kv_heads, num_blocks, num_vectors = metadata.shape[1:4]
+    sub = metadata_sub_blocks(kind, num_vectors)
     q = query.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)  # (B, Hkv, G, D)
-    meta = metadata.float()
+    meta = metadata.float().flatten(2, 3)  # (B, Hkv, N*M, D): block n's vectors at n*M .. n*M + M - 1
     if kind == "quest":
         # max(q*lo, q*hi) per channel is q*hi where q > 0 and q*lo where q < 0: two matmuls.
-        lo, hi = meta[..., 0, :], meta[..., 1, :]  # (B, Hkv, N, D)
+        lo, hi = meta[..., 0::2, :], meta[..., 1::2, :]  # (B, Hkv, N*sub, D)
         scores = q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)
-    elif kind == "cuboid":
-        scores = q @ meta[..., 0, :].transpose(-1, -2)
     else:
-        raise ValueError(f"unknown metadata kind {kind!r}")
-    return scores.reshape(batch, num_q_heads, -1)  # (B, Hkv, G, N) -> (B, Hq, N)
+        scores = q @ meta.transpose(-1, -2)  # (B, Hkv, G, N*sub)
+    scores = scores.unflatten(-1, (num_blocks, sub)).amax(dim=-1)  # (B, Hkv, G, N): best sub-block
+    return scores.reshape(batch, num_q_heads, num_blocks)  # (B, Hkv, G, N) -> (B, Hq, N)
 
 
 def aggregate_group_scores(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
