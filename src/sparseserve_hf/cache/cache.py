@@ -8,10 +8,11 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..config import SparseServeConfig
-from ..ops import get_ops, resolve_backend
+from ..ops import resolve_backend
 from . import handoff
 from .layer import SparseServeLayer
 from .store import TieredBlockStore
+from .store_slot import StoreSlot
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 
@@ -54,8 +55,8 @@ class SparseServeCache(Cache):
         bad = [i for i in self.config.dense_layers if i >= len(layer_types)]
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
+        self._slot = StoreSlot(self.config, store)  # shared with the layers; refers to no cache (no cycle)
         super().__init__(layers=[self._make_layer(i, kind) for i, kind in enumerate(layer_types)])
-        self.store: TieredBlockStore | None = store
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
@@ -73,13 +74,12 @@ class SparseServeCache(Cache):
             raise NotImplementedError(f"layer {layer_idx} has attention type {kind!r}, which is not supported")
         if layer_idx in self.config.dense_layers:
             return DynamicLayer()
-        return SparseServeLayer(layer_idx, self.config, self._store_for)
+        return SparseServeLayer(layer_idx, self.config, self._slot.get)
 
-    def _store_for(self, key_states: torch.Tensor) -> TieredBlockStore:
-        if self.store is None:
-            ops = get_ops(self.config.backend, key_states.device)
-            self.store = TieredBlockStore(self.config, ops, key_states.shape[-1], key_states.dtype, key_states.device)
-        return self.store
+    @property
+    def store(self) -> TieredBlockStore | None:
+        """The TieredBlockStore of this cache (None until the first `update` when none was given)."""
+        return self._slot.store
 
     def _selection_blocks_per_request(self) -> int:
         """Head-blocks one layer can select for one request (the union over a KV group)."""
