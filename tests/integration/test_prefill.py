@@ -158,18 +158,22 @@ def test_mistral_sliding_window_chunks_with_dynamic_cache(plan):
     torch.testing.assert_close(runner.logits(job), expected, atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SparseServeCache treats a Mistral config's global sliding_window (no layer_types) as full "
-    "attention: its dense path over a stored past ignores the window (stock generate differs too)",
-)
 def test_mistral_sliding_window_chunks_with_sparse_cache():
+    """A global sliding_window without layer_types makes every layer sliding, as in transformers."""
     m = mistral_with_window()
     ids = random_ids(1, T)
     with torch.no_grad():
         expected = m(ids).logits[:, -1]
-    runner, job, _ = prefill(m, ids, make_cache("sparse", m), "split30")
+    cache = make_cache("sparse", m)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer"] * LAYERS
+    runner, job, _ = prefill(m, ids, cache, "split30")
     torch.testing.assert_close(runner.logits(job), expected, atol=ATOL, rtol=ATOL)
+
+
+def test_mistral_sliding_window_generate_with_sparse_cache_equals_stock():
+    m = mistral_with_window()
+    ids = random_ids(1, T)
+    assert torch.equal(greedy(m, ids, make_cache("sparse", m), max_new_tokens=8), greedy(m, ids, max_new_tokens=8))
 
 
 def test_prompt_after_a_past_continues_its_positions():

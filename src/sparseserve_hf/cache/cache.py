@@ -63,9 +63,7 @@ class SparseServeCache(Cache):
     # ---- construction ----------------------------------------------------------------------
 
     def _layer_types(self) -> list[str]:
-        num_layers = self.model_config.num_hidden_layers
-        types = getattr(self.model_config, "layer_types", None)
-        return list(types) if types is not None else ["full_attention"] * num_layers
+        return attention_layer_types(self.model_config)
 
     def _make_layer(self, layer_idx: int, kind: str) -> Any:
         if kind == "sliding_attention":
@@ -212,6 +210,27 @@ class SparseServeCache(Cache):
             "blocks_selected": counters.blocks_selected if counters else 0,
             "dense_read_bytes": counters.dense_read_bytes if counters else 0,
         }
+
+
+def attention_layer_types(text_config: Any) -> list[str]:
+    """Each decoder layer's attention type ("full_attention" / "sliding_attention"), as transformers decides it.
+
+    A config's `layer_types` wins (Gemma-3; Qwen2/3 configs derive theirs from `use_sliding_window`
+    and `max_window_layers`, so `use_sliding_window=False` gives full layers). Without it,
+    transformers makes every layer sliding when `sliding_window` is set: Mistral's forward then
+    builds a sliding-window mask and its attention passes the window on, and `DynamicCache(config=...)`
+    keeps sliding layers (cache_utils `get_layer_types_and_kwargs`). A Qwen-style config that lacks
+    `layer_types` follows the rule its own config class would have applied.
+    """
+    num_layers = text_config.num_hidden_layers
+    types = getattr(text_config, "layer_types", None)
+    if types is not None:
+        return list(types)[:num_layers]
+    window = getattr(text_config, "sliding_window", None)
+    if window is None or getattr(text_config, "use_sliding_window", True) is False:
+        return ["full_attention"] * num_layers
+    first_sliding = getattr(text_config, "max_window_layers", None) or 0  # Qwen: layers below it stay full
+    return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:

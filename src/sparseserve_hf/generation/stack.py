@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from ..cache.cache import attention_layer_types
 from ..compat import cache_kwarg
 
 FULL = "full_attention"
@@ -192,10 +193,7 @@ def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _layer_types(config: Any, num_layers: int) -> list[str]:
-    types = getattr(config, "layer_types", None)
-    if types is None:  # Llama (no window) or Mistral (one window for every layer)
-        types = [SLIDING if getattr(config, "sliding_window", None) else FULL] * num_layers
-    types = list(types)[:num_layers]
+    types = attention_layer_types(config)[:num_layers]  # the rule the cache uses too
     unknown = sorted(set(types) - set(_MASK_FUNCTIONS))
     if unknown:
         raise NotImplementedError(f"DecoderStack supports layer types {sorted(_MASK_FUNCTIONS)}, not {unknown}")
