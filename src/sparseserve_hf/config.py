@@ -10,6 +10,8 @@ SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
 PREFILL_MODES = ("layer_segmented", "chunked", "full")
+TRANSFERS = ("kernel", "copy")
+SAVE_PATHS = ("scatter", "flash_d2h")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,7 +45,8 @@ class SparseServeConfig:
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
         hbm_cache_bytes: bytes of the device block cache shared by all layers and
             requests (LRU). None = unlimited: no selected block is ever evicted.
-        dram_bytes: bytes of the host block pool. None = grow on demand.
+        dram_bytes: bytes of the block pool (host DRAM; device memory with offload=False).
+            None = grow on demand.
         backend: "auto" (fastest available), "torch" (the plain-PyTorch reference),
             "triton" or "flash" (GPU kernels).
         max_batch: most requests one `Generator` iteration decodes (the paper's R_max).
@@ -65,6 +68,21 @@ class SparseServeConfig:
             every mode so that switching `prefill_mode` alone is a fair ablation:
             "layer_segmented" splits a layer whose prompt exceeds it into chunks, "chunked"
             uses chunks of max_inject_tokens // num_layers tokens. None = no cap.
+        offload: True keeps every full block in (pinned) host DRAM and only an LRU cache of
+            selected blocks on the device. False is the "sparse attention without offload"
+            ablation: the block pool itself lives in device memory (sized by `dram_bytes`),
+            selection and sparse attention are unchanged, nothing crosses PCIe (every lookup
+            hits, no H2D bytes) and `stats()` counts those blocks as HBM. There is no separate
+            block cache then, so `hbm_cache_bytes` must be None and `save_path` "scatter".
+        transfer: how blocks move between the tiers: "kernel" (the backend's gather/scatter:
+            FlashH2D and a UVA scatter with Triton, index copies with the torch reference) or
+            "copy" (one `copy_` per block, the paper's per-block cudaMemcpy baseline; DESIGN.md
+            section 3 measured 1.0 / 1.3 GB/s H2D / D2H for it on the H200). "copy" saves
+            through it too, so it needs `save_path="scatter"`.
+        save_path: how new full blocks reach DRAM with transfer="kernel": "scatter" (one
+            GPU-direct UVA scatter launch; 52 GB/s = 0.945 of bulk D2H on the H200,
+            eval/results/transfer.json) or "flash_d2h" (the paper's FlashD2H: one contiguous D2H
+            copy into pinned staging, CPU threads scatter it; 14.9 GB/s = 0.27 of bulk there).
     """
 
     block_size: int = 32
@@ -85,6 +103,9 @@ class SparseServeConfig:
     admission: bool = True
     prefill_mode: str = "layer_segmented"
     max_inject_tokens: int | None = None
+    offload: bool = True
+    transfer: str = "kernel"
+    save_path: str = "scatter"
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -134,6 +155,25 @@ class SparseServeConfig:
         _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
         if self.max_inject_tokens is not None:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)
+        self._check_transfer_fields()
+
+    def _check_transfer_fields(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be a bool, got {self.offload!r}")
+        _check_choice("transfer", self.transfer, TRANSFERS)
+        _check_choice("save_path", self.save_path, SAVE_PATHS)
+        if not self.offload and self.hbm_cache_bytes is not None:
+            raise ValueError(
+                f"hbm_cache_bytes must be None with offload=False (got {self.hbm_cache_bytes}): every block "
+                "already lives in device memory, there is no block cache to size; size the pool with dram_bytes"
+            )
+        if self.save_path == "flash_d2h" and not self.offload:
+            raise ValueError("save_path='flash_d2h' stages saves in host memory; with offload=False use 'scatter'")
+        if self.save_path == "flash_d2h" and self.transfer == "copy":
+            raise ValueError(
+                "save_path='flash_d2h' is a kernel save path, but transfer='copy' saves with one copy_ per block: "
+                "use save_path='scatter'"
+            )
 
     @property
     def budget_blocks(self) -> int:

@@ -63,3 +63,28 @@ def test_frozen_and_round_trips_through_dict():
     assert SparseServeConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown SparseServeConfig fields"):
         SparseServeConfig.from_dict({"token_budgett": 512})
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(offload="no"), "offload"),
+        (dict(transfer="memcpy"), "transfer"),
+        (dict(save_path="d2h"), "save_path"),
+        (dict(offload=False, hbm_cache_bytes=1 << 20), "hbm_cache_bytes"),  # no block cache without offload
+        (dict(offload=False, save_path="flash_d2h"), "save_path"),  # FlashD2H stages through host memory
+        (dict(transfer="copy", save_path="flash_d2h"), "save_path"),  # copy saves block by block itself
+    ],
+)
+def test_ablation_switches_reject_bad_values_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        SparseServeConfig(**overrides)
+
+
+@pytest.mark.core
+def test_ablation_switch_defaults_and_round_trip():
+    config = SparseServeConfig()
+    assert (config.offload, config.transfer, config.save_path) == (True, "kernel", "scatter")
+    ablation = SparseServeConfig(offload=False, transfer="copy", dram_bytes=1 << 20)
+    assert SparseServeConfig.from_dict(ablation.to_dict()) == ablation
