@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per block: (min, max) or (mean,)
+KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 
 
 @triton.jit
@@ -35,9 +35,15 @@ def _score_kernel(
     G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     M: tl.constexpr,
+    SUB: tl.constexpr,
     QUEST: tl.constexpr,
 ):
-    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile].
+
+    A block's M = SUB * (2 or 1) vectors are (min_s, max_s) pairs or means, one per sub-block s;
+    its score is the max over sub-blocks. Each sub-block's metadata is read once for the whole
+    group; the running max lives in `out` (this program alone owns those entries).
+    """
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
@@ -46,21 +52,25 @@ def _score_kernel(
     in_table = n < num_blocks
     ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
     valid = ids >= 0
-    rows = meta_ptr + ids[:, None] * (M * D) + d[None, :]  # (BLOCK_N, BLOCK_D); pool is (C, M, D)
     load_mask = valid[:, None] & (d[None, :] < D)
-    first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
-    if QUEST:
-        second = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)  # per-channel max
-    for g in tl.static_range(G):
-        head = h * G + g
-        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    for s in tl.static_range(SUB):
+        rows = meta_ptr + ids[:, None] * (M * D) + (s * (M // SUB)) * D + d[None, :]  # (BLOCK_N, BLOCK_D)
+        first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
         if QUEST:
-            # Quest's upper bound of q.k over the block: per channel the larger of q*min, q*max.
-            score = tl.sum(tl.maximum(q[None, :] * first, q[None, :] * second), axis=1)
-        else:
-            score = tl.sum(q[None, :] * first, axis=1)
-        score = tl.where(valid, score, float("-inf"))
-        tl.store(out_ptr + b * stride_ob + head * stride_oh + n, score, mask=in_table)
+            second = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)  # per-channel max
+        for g in tl.static_range(G):
+            head = h * G + g
+            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+            if QUEST:
+                # Quest's upper bound of q.k over the (sub-)block: per channel the larger of q*min, q*max.
+                score = tl.sum(tl.maximum(q[None, :] * first, q[None, :] * second), axis=1)
+            else:
+                score = tl.sum(q[None, :] * first, axis=1)
+            score = tl.where(valid, score, float("-inf"))
+            out = out_ptr + b * stride_ob + head * stride_oh + n
+            if s > 0:
+                score = tl.maximum(score, tl.load(out, mask=in_table, other=float("-inf")))
+            tl.store(out, score, mask=in_table)
 
 
 def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
@@ -68,7 +78,8 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
-        metadata: (C, M, D) contiguous metadata pool, same device; M = 2 (quest) or 1 (cuboid).
+        metadata: (C, M, D) contiguous metadata pool, same device; M = 2 (quest) or 1 (cuboid) per
+            sub-block (see `reference.block_metadata`).
         block_ids: (B, Hkv, N) long DRAM ids, -1 where unused.
         kind: "quest" or "cuboid".
     Returns:
@@ -78,7 +89,10 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         raise ValueError(f"unknown metadata kind {kind!r}")
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_blocks = block_ids.shape[1], block_ids.shape[2]
-    assert metadata.is_contiguous() and metadata.shape[1:] == (KINDS[kind], dim), "metadata pool must be (C, M, D)"
+    num_vectors = metadata.shape[1]
+    if num_vectors % KINDS[kind]:
+        raise ValueError(f"{kind} metadata holds {KINDS[kind]} vectors per sub-block, got {num_vectors} per block")
+    assert metadata.is_contiguous() and metadata.shape[2] == dim, "metadata pool must be (C, M, D)"
     assert num_q_heads % num_kv_heads == 0 and query.device == metadata.device == block_ids.device
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
@@ -104,7 +118,8 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         BLOCK_D=triton.next_power_of_2(dim),
         G=num_q_heads // num_kv_heads,
         BLOCK_N=block_n,
-        M=KINDS[kind],
+        M=num_vectors,
+        SUB=num_vectors // KINDS[kind],
         QUEST=kind == "quest",
         num_warps=4,
     )

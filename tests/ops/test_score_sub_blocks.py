@@ -1,0 +1,32 @@
+"""Triton block scoring with sub-block metadata (`metadata_sub_blocks`) against `reference.score_table`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_support import DEVICE, DTYPES, tolerance
+from sparseserve_hf.ops import reference, triton_score
+
+
+@pytest.mark.parametrize("kind", ["quest", "cuboid"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sub_blocks", [2, 4])
+def test_score_table_with_sub_blocks_matches_reference(poisoned, kind, dtype, sub_blocks):
+    kv_heads, group, dim, pool_size = 2, 3, 16, 200
+    keys = torch.randn(pool_size, 8, dim)
+    metadata = reference.block_metadata(keys, kind, sub_blocks).to(dtype)  # (C, M * sub, D)
+    table = torch.randperm(pool_size)[: 2 * kv_heads * 37].view(2, kv_heads, 37)
+    table[1, :, 5:] = -1  # a short row
+    query = torch.randn(2, kv_heads * group, dim).to(dtype)
+    expected = reference.score_table(query, metadata, table, kind)
+    got = triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
+    assert torch.equal(torch.isinf(got).cpu(), table.repeat_interleave(group, 1) < 0)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32 if dtype == torch.float32 else torch.float16))
+
+
+def test_score_table_rejects_an_odd_quest_vector_count():
+    with pytest.raises(ValueError, match="quest metadata holds 2 vectors per sub-block"):
+        triton_score.score_table(
+            torch.zeros(1, 1, 16), torch.zeros(1, 3, 16), torch.zeros(1, 1, 1, dtype=torch.long), "quest"
+        )

@@ -1,0 +1,63 @@
+"""Selection levers: sub-block metadata (`metadata_sub_blocks`), against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.ops import reference
+
+
+def test_quest_sub_block_metadata_by_hand():
+    # One block of 4 tokens, 2 channels, 2 sub-blocks of 2 tokens.
+    keys = torch.tensor([[1.0, -1.0], [3.0, 0.0], [-2.0, 5.0], [0.0, 1.0]])
+    meta = reference.block_metadata(keys, "quest", 2)
+    expected = torch.tensor([[1.0, -1.0], [3.0, 0.0], [-2.0, 1.0], [0.0, 5.0]])  # min_0, max_0, min_1, max_1
+    torch.testing.assert_close(meta, expected)
+    torch.testing.assert_close(reference.block_metadata(keys, "cuboid", 2), torch.tensor([[2.0, -0.5], [-1.0, 3.0]]))
+    # The default (one summary) is the whole block's min/max, as before.
+    torch.testing.assert_close(reference.block_metadata(keys, "quest"), torch.tensor([[-2.0, -1.0], [3.0, 5.0]]))
+
+
+def test_quest_sub_block_score_is_the_max_over_sub_blocks_by_hand():
+    keys = torch.tensor([[1.0, -1.0], [3.0, 0.0], [-2.0, 5.0], [0.0, 1.0]])
+    query = torch.tensor([[[1.0, 1.0]]])  # (B=1, Hq=1, D=2)
+    # Sub-block 0: max(1,3) + max(-1,0) = 3; sub-block 1: max(-2,0) + max(1,5) = 5; block = 5.
+    # Whole block: 3 + 5 = 8 (looser: no single token reaches it; the true max q.k is 3).
+    fine = reference.score_blocks(query, reference.block_metadata(keys, "quest", 2)[None, None, None], "quest")
+    coarse = reference.score_blocks(query, reference.block_metadata(keys, "quest")[None, None, None], "quest")
+    assert fine.item() == 5.0 and coarse.item() == 8.0
+    # Cuboid: sub-block means (2, -0.5) -> 1.5 and (-1, 3) -> 2; block = 2.
+    cuboid = reference.score_blocks(query, reference.block_metadata(keys, "cuboid", 2)[None, None, None], "cuboid")
+    assert cuboid.item() == 2.0
+
+
+@pytest.mark.parametrize("sub_blocks", [1, 2, 4, 8])
+def test_finer_quest_metadata_is_a_tighter_upper_bound(sub_blocks):
+    keys = torch.randn(2, 3, 6, 8, 16)  # (B, Hkv, N, S, D)
+    query = torch.randn(2, 6, 16)
+    fine = reference.score_blocks(query, reference.block_metadata(keys, "quest", sub_blocks), "quest")
+    coarse = reference.score_blocks(query, reference.block_metadata(keys, "quest"), "quest")
+    exact = torch.einsum("bhgd,bhnsd->bhgns", query.view(2, 3, 2, 16), keys).amax(-1).flatten(1, 2)  # (B, Hq, N)
+    assert (fine <= coarse + 1e-5).all() and (fine >= exact - 1e-5).all()
+    if sub_blocks == 8:  # one token per sub-block: the bound is exact
+        torch.testing.assert_close(fine, exact)
+
+
+def test_block_metadata_rejects_a_sub_block_count_that_does_not_divide_the_block():
+    with pytest.raises(ValueError, match="sub_blocks must divide"):
+        reference.block_metadata(torch.randn(8, 16), "quest", 3)
+
+
+@pytest.mark.parametrize("value", [0, 3, 64, -2, 1.0, True])
+def test_config_metadata_sub_blocks_is_validated(value):
+    with pytest.raises(ValueError, match="metadata_sub_blocks"):
+        SparseServeConfig(metadata_sub_blocks=value)
+
+
+def test_config_metadata_vectors():
+    assert SparseServeConfig().metadata_vectors == 2
+    assert SparseServeConfig(metadata_sub_blocks=4).metadata_vectors == 8
+    assert SparseServeConfig(metadata="cuboid", metadata_sub_blocks=4).metadata_vectors == 4
+    assert SparseServeConfig.from_dict(SparseServeConfig(metadata_sub_blocks=2).to_dict()).metadata_sub_blocks == 2
