@@ -1,4 +1,7 @@
-"""DramPool: every full KV head-block lives here, in host memory (pinned when CUDA is present)."""
+"""DramPool: every full KV head-block lives here, in host memory (pinned when CUDA is present).
+
+With `offload=False` (the no-offload ablation) the same pool lives in device memory instead.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +25,23 @@ class DramPool:
         dtype: storage dtype (the model's KV dtype).
         capacity_bytes: fixed size in bytes, or None to grow on demand.
         pin: allocate page-locked memory (needed for fast and asynchronous H2D/D2H).
+        device: where the blocks live: "cpu" (host DRAM), or the model's device when nothing is
+            offloaded. Bookkeeping (free list, reference counts) always stays on the host.
     """
 
     def __init__(
-        self, block_shape: tuple[int, int, int], dtype: torch.dtype, capacity_bytes: int | None, pin: bool
+        self,
+        block_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        capacity_bytes: int | None,
+        pin: bool,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.block_shape = block_shape
         self.dtype = dtype
+        self.device = torch.device(device)
+        if pin and self.device.type != "cpu":
+            raise ValueError(f"pin=True pins host memory; a pool on {self.device} cannot be pinned")
         self.pin = pin
         self.block_bytes = block_shape[0] * block_shape[1] * block_shape[2] * dtype.itemsize
         self.fixed = capacity_bytes is not None
@@ -74,12 +87,12 @@ class DramPool:
         return released
 
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy)."""
-        self.storage[ids.cpu()] = blocks.to("cpu", self.dtype)
+        """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy when the pool is on the host)."""
+        self.storage[ids.to(self.device)] = blocks.to(self.device, self.dtype)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """(n, 2, S, D) host copy of blocks `ids`."""
-        return self.storage[ids.cpu()]
+        """(n, 2, S, D) copy of blocks `ids`, on the pool's device."""
+        return self.storage[ids.to(self.device)]
 
     def _grow(self, needed: int) -> None:
         old = self.capacity
@@ -92,4 +105,4 @@ class DramPool:
         self._free[:0] = range(new - 1, old - 1, -1)
 
     def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, pin_memory=self.pin)
+        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, device=self.device, pin_memory=self.pin)
