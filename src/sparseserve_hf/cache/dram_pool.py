@@ -95,6 +95,18 @@ class DramPool:
         return self.storage[ids.to(self.device)]
 
     def _grow(self, needed: int) -> None:
+        """Reallocate at twice the size (or `needed`) and copy every block over.
+
+        Deliberately simple, and costly for a pinned pool: pinning runs at ~0.5 s per GiB (DESIGN.md
+        section 3), the old and new pools are both pinned during the copy, and torch's pinned-memory
+        caching allocator keeps the old one cached afterwards. Growing in place would need either a
+        chunked pool, which the FlashH2D/UVA kernels cannot address (they take one base pointer and
+        index blocks from it; a chunk table would add a lookup per block and a second pointer to
+        every launch and to the CUDA graph's static inputs), or a reserved virtual range pinned piece
+        by piece (cudaHostRegister over mmap), which has to be proven on the GPU machine for UVA
+        reads first. So the fixed-size pool is the fast path: set `dram_bytes` (eval.common's
+        `sized_dram_pool` does) and the pool is pinned once; growth is for convenience and CPU runs.
+        """
         old = self.capacity
         new = max(2 * old, needed)
         storage = self._empty(new)
