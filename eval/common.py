@@ -45,6 +45,37 @@ def methods_for(budgets: list[int], base: SparseServeConfig | None = None, famil
     return [Method(DENSE)] + [Method(f"{family}_{b}", replace(base, token_budget=b)) for b in budgets]
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """ "quest_s8:metadata_sub_blocks=4:window_blocks=2" -> ("quest_s8", {...}): a method family and its
+    SparseServeConfig overrides (validated by building a config). Values parse as int, float, bool
+    ("true"/"false"), comma-separated ints for `dense_layers`, else str.
+    """
+    family, *parts = text.split(":")
+    if not family or "=" in family:
+        raise ValueError(f"--variant needs FAMILY:field=value[:field=value...], got {text!r}")
+    overrides: dict[str, Any] = {}
+    for part in parts:
+        field, sep, raw = part.partition("=")
+        if not sep:
+            raise ValueError(f"--variant {text!r}: {part!r} is not field=value")
+        overrides[field] = _parse_value(field, raw)
+    SparseServeConfig.from_dict(overrides)  # unknown fields and bad values fail here, naming the field
+    return family, overrides
+
+
+def _parse_value(field: str, raw: str) -> Any:
+    if field == "dense_layers":
+        return tuple(int(x) for x in raw.split(",") if x.strip())
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
 def split_method(name: str) -> tuple[str, int | None]:
     """ "cuboid_512" -> ("cuboid", 512); "dense" -> ("dense", None)."""
     if name == DENSE:

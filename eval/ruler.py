@@ -694,16 +694,27 @@ def _parse_list(text: str, flag: str, kind: type = str) -> list:
         raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
 
 
-def sparse_methods(budgets: list[int], metadata_kinds: list[str]) -> list:
-    """Dense, then every budget for each metadata kind: "sparse_<b>" (quest), "cuboid_<b>"."""
-    from eval.common import methods_for
+def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None) -> list:
+    """Dense, then every budget for each metadata kind ("sparse_<b>" for quest, "cuboid_<b>") and for
+    each `--variant` family ("FAMILY:field=value:..." -> "FAMILY_<b>", other fields at their defaults).
+    """
+    from eval.common import methods_for, parse_variant
     from sparseserve_hf import SparseServeConfig
 
     methods = []
     for kind in metadata_kinds:
         family = "sparse" if kind == "quest" else kind
         methods += methods_for(budgets, SparseServeConfig(metadata=kind), family)
-    return [m for i, m in enumerate(methods) if m.name != "dense" or i == 0]
+    for text in variants or []:
+        family, overrides = parse_variant(text)
+        if family in ("dense", "sparse", *metadata_kinds):
+            raise ValueError(f"--variant family {family!r} clashes with a built-in method family")
+        methods += methods_for(budgets, SparseServeConfig(**overrides), family)
+    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0]
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two methods share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return methods
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -728,6 +739,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--metadata", default="quest", help='block metadata kinds to compare, e.g. "quest,cuboid" (quest is "sparse_*")'
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help='a selection variant as its own method family, repeatable: "FAMILY:field=value[:field=value]", '
+        'e.g. "quest_s8:metadata_sub_blocks=4" -> methods quest_s8_<budget>',
+    )
     return parser.parse_args(argv)
 
 
@@ -750,7 +768,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     lengths = _parse_list(args.lengths, "--lengths", int)
-    methods = sparse_methods(parse_budgets(args.budgets), _parse_list(args.metadata, "--metadata"))
+    methods = sparse_methods(parse_budgets(args.budgets), _parse_list(args.metadata, "--metadata"), args.variant)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,3 +30,23 @@ def test_score_table_rejects_an_odd_quest_vector_count():
         triton_score.score_table(
             torch.zeros(1, 1, 16), torch.zeros(1, 3, 16), torch.zeros(1, 1, 1, dtype=torch.long), "quest"
         )
+
+
+def test_small_budget_triton_equals_torch_backend_with_sub_blocks():
+    """Below the length, with metadata per 4-token sub-block: the Triton path selects as the reference path."""
+    from test_triton_ladder import greedy, random_ids, tiny_llama
+
+    from sparseserve_hf import SparseServeCache, SparseServeConfig
+
+    model = tiny_llama("sparseserve")
+    ids = random_ids(1, 150)
+    caches = {
+        backend: SparseServeCache(
+            model.config, SparseServeConfig(block_size=16, token_budget=64, backend=backend, metadata_sub_blocks=4)
+        )
+        for backend in ("torch", "triton")
+    }
+    tokens = {backend: greedy(model, ids, cache, 6) for backend, cache in caches.items()}
+    assert torch.equal(tokens["triton"], tokens["torch"])
+    for torch_layer, triton_layer in zip(caches["torch"].layers, caches["triton"].layers):
+        assert torch.equal(torch_layer.last_selection, triton_layer.last_selection)

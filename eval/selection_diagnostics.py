@@ -1,0 +1,511 @@
+"""Why does sparse decode lose needles? Block-selection quality against the true attention, per layer and head.
+
+For a few real RULER-style prompts this runs the default model densely: greedy answer tokens,
+then one forward over prompt + answer that records every layer's post-RoPE queries (of the
+decode positions) and keys. At each decode step, layer and query head it then compares the
+blocks a selector picks (the package's own `ops.reference` score/select path and
+`attention.pick_blocks`, so it measures exactly what the sparse path would attend) with the
+oracle: the same number of full blocks, chosen by true attention mass of that query.
+
+Reported, per selector variant (SparseServeConfig overrides) and budget:
+- recall: attention mass of the attended full blocks / mass of the oracle's top blocks;
+- attended: attention mass the sparse step keeps (attended blocks + tail); 1 - attended is what
+  the sparse softmax drops;
+- needle capture: of the attention the dense model puts on the needle's value tokens, the part
+  that lies in attended blocks (summed over heads, so the heads that read the needle weigh most);
+- per (layer, head): dense needle mass and whether the selection kept the needle's blocks.
+
+Every variant is scored on the same recorded queries/keys, so one dense forward per prompt serves
+all of them. Seeded (the RULER sample seed); the command line is recorded in the JSON.
+
+    python -m eval.selection_diagnostics --tasks niah_single_2,niah_single_1 --length 4096 \
+        --samples 3 --budgets 256 --out eval/results/selection_diagnostics
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.attention import pick_blocks
+from sparseserve_hf.ops import reference
+
+CAPTURE = "selection_diagnostics_capture"
+# Selector variants: name -> SparseServeConfig overrides (token_budget from --budgets). "default" is
+# SparseServeConfig() as shipped; the others change one lever each.
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "query_head": dict(selection="query_head"),
+    "kv_head_max": dict(selection="kv_head", group_aggregation="max"),
+    "cuboid": dict(metadata="cuboid"),
+    "sink2_window2": dict(sink_blocks=2, window_blocks=2),
+    # Finer metadata: "_s16" = one summary per 16 tokens (metadata_sub_blocks=2 at block_size 32), etc.
+    "quest_s16": dict(metadata_sub_blocks=2),
+    "quest_s8": dict(metadata_sub_blocks=4),
+    "quest_s4": dict(metadata_sub_blocks=8),
+    "cuboid_s8": dict(metadata="cuboid", metadata_sub_blocks=4),
+    "cuboid_s4": dict(metadata="cuboid", metadata_sub_blocks=8),
+    "quest_s8_query_head": dict(metadata_sub_blocks=4, selection="query_head"),
+}
+NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
+
+
+# --------------------------------------------------------------------------- recording
+
+
+@dataclass
+class Recording:
+    """One prompt's dense decode, as the selectors see it.
+
+    Attributes:
+        queries: per layer (Hq, T, D) fp32 queries of the T decode steps (post-RoPE).
+        keys: per layer (Hkv, L, D) fp32 keys of every position (post-RoPE), L = prompt + T.
+        positions: (T,) position of each decode step's token; step t attends keys [0, positions[t]].
+        needle: (L,) bool, True on the tokens of the needle's value(s).
+        scaling: softmax scale of the model's attention.
+        answer: the dense greedy answer text.
+    """
+
+    queries: list[torch.Tensor]
+    keys: list[torch.Tensor]
+    positions: torch.Tensor
+    needle: torch.Tensor
+    scaling: float
+    answer: str
+
+
+def _register_capture(store: dict) -> None:
+    """An attention backend that records query/key and then runs stock SDPA (so outputs are dense)."""
+
+    def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if store.get("on"):
+            steps = store["steps"]
+            store["q"][module.layer_idx] = query[0, :, -steps:].float().clone()  # (Hq, T, D)
+            store["k"][module.layer_idx] = key[0].float().clone()  # (Hkv, L, D)
+            store["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(CAPTURE, capture)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+
+
+def record(model, tokenizer, prompt: str, references: list[str], steps: int) -> Recording:
+    """Dense greedy `steps` answer tokens, then one capturing forward over prompt + answer."""
+    store: dict = dict(q={}, k={}, steps=steps, on=False)
+    _register_capture(store)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    try:
+        return _record(model, tokenizer, prompt, references, steps, store)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _record(model, tokenizer, prompt: str, references: list[str], steps: int, store: dict) -> Recording:
+    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, return_tensors="pt")
+    ids = enc["input_ids"]
+    with torch.inference_mode():
+        # steps + 1 tokens: the first comes from the prefill (dense in the real path too); decode step t
+        # feeds answer token t and its query picks token t + 1.
+        out = model.generate(ids, max_new_tokens=steps + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        answer_ids = out[0, ids.shape[1] :]
+        if answer_ids.numel() < steps + 1:  # stopped early (EOS): pad with EOS so the step count is fixed
+            pad = answer_ids.new_full((steps + 1 - answer_ids.numel(),), tokenizer.eos_token_id)
+            answer_ids = torch.cat((answer_ids, pad))
+        full = torch.cat((ids[0], answer_ids[:steps]))[None]  # (1, P + T)
+        store["on"] = True
+        model(full)
+    layers = sorted(store["q"])
+    prompt_len = ids.shape[1]
+    positions = torch.arange(prompt_len, prompt_len + steps)  # decode step t's token sits at P + t
+    queries = [store["q"][i] for i in layers]  # (Hq, T, D)
+    return Recording(
+        queries=queries,
+        keys=[store["k"][i] for i in layers],
+        positions=positions,
+        needle=needle_token_mask(enc["offset_mapping"][0], prompt, references, full.shape[1]),
+        scaling=float(store["scaling"]),
+        answer=tokenizer.decode(answer_ids, skip_special_tokens=True),
+    )
+
+
+def needle_token_mask(offsets: torch.Tensor, prompt: str, references: list[str], length: int) -> torch.Tensor:
+    """(length,) True on prompt tokens overlapping any occurrence of a reference string (the needle values)."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    for ref in references:
+        start = prompt.find(ref)
+        while start >= 0:
+            end = start + len(ref)
+            hit = (offsets[:, 0] < end) & (offsets[:, 1] > start)  # (P,)
+            mask[: hit.shape[0]] |= hit
+            start = prompt.find(ref, end)
+    return mask
+
+
+# --------------------------------------------------------------------------- scoring one step
+
+
+def layer_metadata(config: SparseServeConfig, keys: torch.Tensor) -> torch.Tensor:
+    """(Hkv, N, M, D) metadata of every full block of `keys` (Hkv, L, D); a step slices its first blocks."""
+    size = config.block_size
+    num_kv_heads, length, dim = keys.shape
+    num_full = length // size
+    blocks = keys[:, : num_full * size].reshape(num_kv_heads, num_full, size, dim)
+    return reference.block_metadata(blocks, config.metadata, config.metadata_sub_blocks)
+
+
+def attended_blocks(
+    config: SparseServeConfig, layer: int, q: torch.Tensor, meta: torch.Tensor, num_full: int
+) -> torch.Tensor:
+    """(Hq, N) bool: the full blocks each query head attends at one decode step (tail excluded).
+
+    q: (Hq, D) the step's queries; meta: (Hkv, >= N, M, D) block metadata; num_full: N, the
+    full blocks stored at this step. Mirrors the sparse path: with L tokens stored (the current one
+    included) the first (L-1)//S blocks are full, the rest is the tail (always attended).
+    """
+    num_kv_heads = meta.shape[0]
+    if layer in config.dense_layers or num_full <= config.selected_full_blocks:
+        return torch.ones(q.shape[0], num_full, dtype=torch.bool)
+    scores = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)  # (1, Hq, N)
+    picked, valid, head_mask = pick_blocks(
+        reference, config, scores, torch.tensor([num_full]), num_kv_heads, num_full
+    )  # (1, Hkv, U) each, head_mask (1, Hq, U) or None
+    group = q.shape[0] // num_kv_heads
+    use = valid.repeat_interleave(group, dim=1)  # (1, Hq, U)
+    if head_mask is not None:
+        use = use & head_mask
+    out = torch.zeros(q.shape[0], num_full + 1, dtype=torch.bool)
+    index = torch.where(use, picked.repeat_interleave(group, dim=1), num_full)[0]  # (Hq, U); dump slot N
+    out.scatter_(1, index, True)
+    return out[:, :num_full]
+
+
+@dataclass
+class StepMass:
+    """True attention of one decode step (all per query head): what every selector is judged against."""
+
+    block_mass: torch.Tensor  # (Hq, N) attention mass per full block
+    tail_mass: torch.Tensor  # (Hq,) mass on the tail (always attended)
+    needle_blocks: torch.Tensor  # (Hq, N) mass on needle tokens per full block
+    needle_tail: torch.Tensor  # (Hq,)
+    needle_mass: torch.Tensor  # (Hq,) total mass on needle tokens
+
+
+def step_mass(q: torch.Tensor, keys: torch.Tensor, needle: torch.Tensor, scaling: float, size: int) -> StepMass:
+    """Dense attention of q (Hq, D) over keys (Hkv, L, D), summed per block of `size` tokens."""
+    num_kv_heads, length, _ = keys.shape
+    heads = q.shape[0]
+    logits = (q.view(num_kv_heads, heads // num_kv_heads, -1) @ keys.transpose(1, 2)).flatten(0, 1)  # (Hq, L)
+    probs = torch.softmax(logits * scaling, dim=-1)
+    num_full = (length - 1) // size
+    needle_probs = probs * needle[:length]
+    return StepMass(
+        block_mass=probs[:, : num_full * size].reshape(heads, num_full, size).sum(-1),
+        tail_mass=probs[:, num_full * size :].sum(-1),
+        needle_blocks=needle_probs[:, : num_full * size].reshape(heads, num_full, size).sum(-1),
+        needle_tail=needle_probs[:, num_full * size :].sum(-1),
+        needle_mass=needle_probs.sum(-1),
+    )
+
+
+def step_stats(config: SparseServeConfig, mass: StepMass, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per query head (Hq,) recall, attended mass, dense needle mass and captured needle mass of one step."""
+    # Oracle: as many full blocks as the head's own budget, by true mass (group_union may attend more,
+    # so its recall is capped at 1).
+    k = min(config.selected_full_blocks, mass.block_mass.shape[1])
+    oracle = mass.block_mass.topk(k, dim=-1).values.sum(-1)  # (Hq,)
+    kept = (mass.block_mass * chosen).sum(-1)
+    return dict(
+        recall=torch.where(oracle > 0, kept.clamp(max=oracle) / oracle.clamp(min=1e-30), torch.ones_like(oracle)),
+        attended=kept + mass.tail_mass,
+        needle_mass=mass.needle_mass,
+        needle_kept=(mass.needle_blocks * chosen).sum(-1) + mass.needle_tail,
+    )
+
+
+def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) -> dict[str, dict[str, torch.Tensor]]:
+    """variant -> stat -> (layers, Hq, T) tensors over every decode step."""
+    sizes = {c.block_size for c in configs.values()}
+    out: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
+    for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
+        metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
+        per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
+        for t, position in enumerate(rec.positions.tolist()):
+            visible = keys[:, : position + 1]
+            masses = {size: step_mass(queries[:, t], visible, rec.needle, rec.scaling, size) for size in sizes}
+            for name, config in configs.items():
+                mass = masses[config.block_size]
+                num_full = mass.block_mass.shape[1]
+                chosen = attended_blocks(config, layer, queries[:, t], metas[name], num_full)
+                for stat, value in step_stats(config, mass, chosen).items():
+                    per_step[name][stat].append(value)
+        for name in configs:
+            for stat, values in per_step[name].items():
+                out[name][stat].append(torch.stack(values, dim=-1))  # (Hq, T)
+    return {name: {stat: torch.stack(v) for stat, v in stats.items()} for name, stats in out.items()}
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def summarize(stats: dict[str, torch.Tensor]) -> dict:
+    """Scalar and per-layer / per-(layer, head) summaries of one variant's (S, layers, Hq, T) stats."""
+    needle_mass = stats["needle_mass"]  # (S, Ly, Hq, T)
+    reads = needle_mass >= NEEDLE_HEAD_MASS
+    lost = reads & (stats["needle_kept"] < 0.5 * needle_mass)  # a needle-reading head kept < half its needle mass
+    return dict(
+        recall=float(stats["recall"].mean()),
+        attended=float(stats["attended"].mean()),
+        needle_capture=float(stats["needle_kept"].sum() / needle_mass.sum().clamp(min=1e-30)),
+        needle_heads=int(reads.sum()),
+        needle_heads_lost=int(lost.sum()),
+        recall_per_layer=[round(float(x), 4) for x in stats["recall"].mean(dim=(0, 2, 3))],
+        attended_per_layer=[round(float(x), 4) for x in stats["attended"].mean(dim=(0, 2, 3))],
+        needle_capture_per_layer=[
+            round(float(k / m), 4) if m > 0 else None
+            for k, m in zip(stats["needle_kept"].sum(dim=(0, 2, 3)), needle_mass.sum(dim=(0, 2, 3)))
+        ],
+        needle_mass_per_layer_head=needle_mass.mean(dim=(0, 3)).round(decimals=4).tolist(),  # (Ly, Hq)
+        needle_lost_per_layer_head=lost.float().mean(dim=(0, 3)).round(decimals=3).tolist(),
+        recall_per_layer_head=stats["recall"].mean(dim=(0, 3)).round(decimals=3).tolist(),
+    )
+
+
+def worst(summary: dict, key: str, count: int = 5) -> list[tuple[int, float]]:
+    """The `count` layers with the lowest per-layer value of `key` (None entries skipped)."""
+    values = [(i, v) for i, v in enumerate(summary[key]) if v is not None]
+    return sorted(values, key=lambda iv: iv[1])[:count]
+
+
+def markdown(result: dict) -> str:
+    """Tables: one row per (task, budget, variant); then the default's worst layers and needle heads."""
+    lines = [
+        f"Selection diagnostics: {result['meta']['command']}",
+        "",
+        "| task | budget | variant | recall | attended | needle capture | needle heads lost | worst recall layers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, summary in result["summaries"].items():
+        task, budget, variant = key.split("|")
+        bad = ", ".join(f"L{i} {v:.2f}" for i, v in worst(summary, "recall_per_layer", 3))
+        lines.append(
+            f"| {task} | {budget} | {variant} | {summary['recall']:.3f} | {summary['attended']:.3f} | "
+            f"{summary['needle_capture']:.3f} | {summary['needle_heads_lost']}/{summary['needle_heads']} | {bad} |"
+        )
+    lines += [
+        "",
+        "recall: attended full-block mass / oracle top-k mass (same k), mean over steps, heads, layers, samples.",
+        "attended: attention mass the sparse step keeps (attended blocks + tail). needle capture: needle-token",
+        f"mass in attended blocks / dense needle-token mass, summed over heads. needle heads: (sample, layer, head,",
+        f"step) with dense needle mass >= {NEEDLE_HEAD_MASS}; lost: those keeping < half of it.",
+    ]
+    for key, summary in result["summaries"].items():
+        task, budget, variant = key.split("|")
+        if variant != "default":
+            continue
+        mass = torch.tensor(summary["needle_mass_per_layer_head"])  # (Ly, Hq)
+        lost = torch.tensor(summary["needle_lost_per_layer_head"])
+        top = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True)[:8]]
+        lines += ["", f"**{task}, budget {budget}, default selector: the heads that read the needle most**", ""]
+        lines += ["| layer | head | dense needle mass | share of steps lost | recall |", "|---|---|---|---|---|"]
+        recall = summary["recall_per_layer_head"]
+        lines += [
+            f"| {layer} | {head} | {mass[layer, head]:.3f} | {lost[layer, head]:.2f} | {recall[layer][head]:.3f} |"
+            for layer, head in top
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per-layer recall of every variant (one panel per task and budget) and the default's needle heads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(result["summaries"])
+    panels = sorted({tuple(k.split("|")[:2]) for k in keys})
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.2 * len(panels)), squeeze=False)
+    for row, (task, budget) in enumerate(panels):
+        ax = axes[row][0]
+        for key in keys:
+            t, b, variant = key.split("|")
+            if (t, b) == (task, budget):
+                ax.plot(result["summaries"][key]["recall_per_layer"], marker=".", label=variant)
+        ax.set_title(f"{task} budget {budget}: mass recall per layer")
+        ax.set_xlabel("layer")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize="x-small", ncol=2)
+        default = result["summaries"].get(f"{task}|{budget}|default")
+        ax = axes[row][1]
+        if default is not None:
+            mass = torch.tensor(default["needle_mass_per_layer_head"])
+            lost = torch.tensor(default["needle_lost_per_layer_head"])
+            image = ax.imshow((mass * lost).T, aspect="auto", cmap="Reds")
+            fig.colorbar(image, ax=ax)
+            ax.set_title("default: needle mass x share of steps lost")
+            ax.set_xlabel("layer")
+            ax.set_ylabel("query head")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- real sparse path
+
+
+def real_answers(model, tokenizer, samples: list, configs: dict[str, SparseServeConfig], max_new_tokens: int) -> list[dict]:
+    """Greedy answers through the real path (SparseServeCache, sparse decode) vs dense, RULER-scored.
+
+    `configs` maps a method name ("<variant>_<budget>") to its config; samples of one task are
+    answered in one left-padded batch per method (`eval.common.answer_batch`).
+    """
+    from eval.common import DENSE, Method, answer_batch
+    from eval.ruler import score
+
+    methods = [Method(DENSE)] + [Method(name, config) for name, config in configs.items()]
+    by_task: dict[str, list] = defaultdict(list)
+    for sample in samples:
+        by_task[sample.task].append(sample)
+    rows = []
+    for task, group in by_task.items():
+        prompts = [tokenizer(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0] for s in group]
+        for method in methods:
+            start = time.time()
+            predictions = answer_batch(model, tokenizer, prompts, method, max_new_tokens)
+            rows += [
+                dict(task=task, index=s.index, method=method.name, score=score(s, text), prediction=text)
+                for s, text in zip(group, predictions)
+            ]
+            print(f"  {task} {method.name}: {[round(r['score']) for r in rows[-len(group):]]} ({time.time() - start:.0f} s)")
+    return rows
+
+
+def answers_markdown(rows: list[dict]) -> str:
+    """Mean RULER score per (method, task) of the real-path answers."""
+    tasks = sorted({r["task"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for method in methods:
+        cells = []
+        for task in tasks:
+            scores = [r["score"] for r in rows if r["method"] == method and r["task"] == task]
+            cells.append(f"{sum(scores) / len(scores):.0f} (n={len(scores)})")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def variant_configs(names: list[str], budget: int) -> dict[str, SparseServeConfig]:
+    """name -> SparseServeConfig at `budget`; a name may also be "name=field:value;field:value" (ints parsed)."""
+    configs = {}
+    for name in names:
+        if name in VARIANTS:
+            overrides = VARIANTS[name]
+        elif "=" in name:
+            name, spec = name.split("=", 1)
+            overrides = dict(_parse_override(part) for part in spec.split(";") if part)
+        else:
+            raise ValueError(f"--variants: unknown variant {name!r}; known: {sorted(VARIANTS)} or name=field:value")
+        configs[name] = replace(SparseServeConfig(token_budget=budget), **overrides)
+    return configs
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    field, _, raw = text.partition(":")
+    if field == "dense_layers":
+        return field, tuple(int(x) for x in raw.split(",") if x)
+    try:
+        return field, int(raw)
+    except ValueError:
+        try:
+            return field, float(raw)
+        except ValueError:
+            return field, raw
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="niah_single_2,niah_single_1")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=3, help="samples per task (RULER sample indices 0..n-1)")
+    parser.add_argument("--seed", type=int, default=42, help="RULER suite seed")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps (answer tokens) per prompt")
+    parser.add_argument("--budgets", default="256")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (see VARIANTS); ',' inside a spec: use '+'")
+    parser.add_argument("--out", type=Path, default=Path("eval/results/selection_diagnostics"))
+    parser.add_argument("--skip-diagnostics", action="store_true", help="only the real-path answers")
+    parser.add_argument("--answers", type=int, default=0, help="samples per task answered through the real sparse path (0: none)")
+    parser.add_argument("--answer-variants", default=None, help="variants for the real-path answers (default: --variants)")
+    parser.add_argument("--answer-budgets", default=None, help="budgets for the real-path answers (default: --budgets)")
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="answer tokens of the real-path check")
+    args = parser.parse_args(argv)
+    command = "python -m eval.selection_diagnostics " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    from eval.ruler import generate_sample
+    from sparseserve_hf.models import load_default
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_default(torch.float32, attn_implementation="sparseserve", device="cpu")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    names = [n.replace("+", ",") for n in args.variants.split(",") if n]
+    per_key: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    answers, start = [], time.time()
+    for task in args.tasks.split(",") if not args.skip_diagnostics else []:
+        for index in range(args.samples):
+            sample = generate_sample(task, tokenizer, args.length, index, args.seed)
+            rec = record(model, tokenizer, sample.prompt, sample.references, args.steps)
+            answers.append(dict(task=task, index=index, answer=rec.answer, references=sample.references,
+                                needle_tokens=int(rec.needle.sum()), prompt_tokens=int(rec.positions[0])))
+            print(f"{task}#{index}: dense answer {rec.answer!r} refs {sample.references} ({time.time() - start:.0f} s)")
+            for budget in budgets:
+                for name, stats in evaluate_recording(rec, variant_configs(names, budget)).items():
+                    for stat, value in stats.items():
+                        per_key[f"{task}|{budget}|{name}"][stat].append(value)
+    summaries = {key: summarize({s: torch.stack(v) for s, v in stats.items()}) for key, stats in per_key.items()}
+    real_rows = []
+    if args.answers:
+        samples = [generate_sample(t, tokenizer, args.length, i, args.seed) for t in args.tasks.split(",") for i in range(args.answers)]
+        answer_names = [n.replace("+", ",") for n in (args.answer_variants or args.variants).split(",") if n]
+        configs = {
+            f"{name}_{budget}": config
+            for budget in [int(b) for b in (args.answer_budgets or args.budgets).split(",")]
+            for name, config in variant_configs(answer_names, budget).items()
+        }
+        real_rows = real_answers(model, tokenizer, samples, configs, args.max_new_tokens)
+    result = dict(
+        meta=dict(command=command, seed=args.seed, length=args.length, steps=args.steps, samples=args.samples,
+                  device=platform.processor() or "cpu", dtype="float32", torch=torch.__version__,
+                  seconds=round(time.time() - start, 1), variants={n: variant_configs([n], budgets[0])[n.split("=")[0]].to_dict() for n in names}),
+        answers=answers,
+        summaries=summaries,
+        real_answers=real_rows,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "diagnostics.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result) if summaries else f"Selection diagnostics: {command}\n"
+    if real_rows:
+        text += "\n**Real sparse path (SparseServeCache), RULER score**\n\n" + answers_markdown(real_rows)
+    (args.out / "diagnostics.md").write_text(text)
+    if summaries:
+        plot(result, args.out / "recall_per_layer.png")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
