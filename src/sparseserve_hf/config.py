@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METADATA_KINDS = ("quest", "cuboid")
+METADATA_KINDS = ("quest", "cuboid", "hybrid")
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
@@ -30,7 +30,10 @@ class SparseServeConfig:
         dense_layers: layer indices that keep all their KV in device memory and attend
             densely (no offload, no selection).
         metadata: per-block summary used to score blocks: "quest" (per-channel key
-            min/max, an upper bound on q.k) or "cuboid" (per-channel key mean, ArkVale).
+            min/max, an upper bound on q.k), "cuboid" (per-channel key mean, ArkVale) or
+            "hybrid" (the block's quest min/max plus the cuboid mean of each sub-block; the
+            two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
+            the few tokens a retrieval head reads; eval/results/selection_diagnostics.md).
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
@@ -193,6 +196,8 @@ class SparseServeConfig:
     @property
     def metadata_vectors(self) -> int:
         """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block."""
+        if self.metadata == "hybrid":
+            return 2 + self.metadata_sub_blocks
         return (2 if self.metadata == "quest" else 1) * self.metadata_sub_blocks
 
     def to_dict(self) -> dict[str, Any]:

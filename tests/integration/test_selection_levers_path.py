@@ -26,7 +26,7 @@ def expected_selection(layer, query: torch.Tensor, config: SparseServeConfig) ->
     return torch.where(use, picked.repeat_interleave(group, 1), -1)[0]
 
 
-@pytest.mark.parametrize("metadata", ["quest", "cuboid"])
+@pytest.mark.parametrize("metadata", ["quest", "cuboid", "hybrid"])
 @pytest.mark.parametrize("sub_blocks", [2, 4])
 def test_sub_block_selection_in_the_cache_matches_the_spec(llama, metadata, sub_blocks):
     config = SparseServeConfig(

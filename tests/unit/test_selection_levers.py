@@ -61,3 +61,39 @@ def test_config_metadata_vectors():
     assert SparseServeConfig(metadata_sub_blocks=4).metadata_vectors == 8
     assert SparseServeConfig(metadata="cuboid", metadata_sub_blocks=4).metadata_vectors == 4
     assert SparseServeConfig.from_dict(SparseServeConfig(metadata_sub_blocks=2).to_dict()).metadata_sub_blocks == 2
+
+
+def test_hybrid_metadata_layout_by_hand():
+    keys = torch.tensor([[1.0, -1.0], [3.0, 0.0], [-2.0, 5.0], [0.0, 1.0]])
+    meta = reference.block_metadata(keys, "hybrid", 2)  # whole-block min, max, then the 2 sub-block means
+    expected = torch.tensor([[-2.0, -1.0], [3.0, 5.0], [2.0, -0.5], [-1.0, 3.0]])
+    torch.testing.assert_close(meta, expected)
+    assert reference.metadata_sub_blocks("hybrid", 4) == 2
+    with pytest.raises(ValueError, match="hybrid metadata"):
+        reference.metadata_sub_blocks("hybrid", 2)
+
+
+def test_combine_by_rank_interleaves_the_two_rankings_by_hand():
+    first = torch.tensor([[[5.0, 4.0, 3.0, 2.0, 1.0, float("-inf")]]])  # ranks 0 1 2 3 4 (last unused)
+    second = torch.tensor([[[0.0, 1.0, 2.0, 9.0, 8.0, float("-inf")]]])  # ranks 4 3 2 0 1
+    combined = reference.combine_by_rank(first, second)
+    # min ranks: 0 (first), 1 (first), 2 (tie -> first), 0 (second), 1 (second) -> -(2*min + [second won])
+    assert combined.tolist() == [[[-0.0, -2.0, -4.0, -1.0, -3.0, float("-inf")]]]
+    top = combined.topk(4, dim=-1).indices.sort().values.tolist()
+    assert top == [[[0, 1, 3, 4]]]  # the two best of each ranking
+
+
+def test_hybrid_score_table_ignores_unused_entries():
+    keys = torch.randn(10, 8, 16)
+    meta = reference.block_metadata(keys, "hybrid", 2)  # (C, 4, D)
+    query = torch.randn(1, 2, 16)
+    table = torch.tensor([[[3, 7, 1, -1, -1]]])
+    padded = reference.score_table(query, meta, table, "hybrid")
+    short = reference.score_table(query, meta, table[..., :3], "hybrid")
+    torch.testing.assert_close(padded[..., :3], short)
+    assert torch.isneginf(padded[..., 3:]).all()
+
+
+def test_config_hybrid_vectors():
+    assert SparseServeConfig(metadata="hybrid").metadata_vectors == 3
+    assert SparseServeConfig(metadata="hybrid", metadata_sub_blocks=4).metadata_vectors == 6

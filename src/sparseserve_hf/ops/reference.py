@@ -16,13 +16,15 @@ def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.
 
     Args:
         keys: (..., S, D) keys of full blocks.
-        kind: "quest" -> per-channel (min, max); "cuboid" -> per-channel mean.
+        kind: "quest" -> per-channel (min, max); "cuboid" -> per-channel mean; "hybrid" -> the
+            whole block's quest (min, max) followed by the cuboid mean of each sub-block.
         sub_blocks: summaries per block (a divisor of S). Finer summaries bound the keys more
             tightly (a needle's few tokens are not averaged or boxed with 31 others), at
             sub_blocks x the metadata; the block is still loaded and attended whole.
     Returns:
         (..., M, D) in the keys' dtype: M = 2 * sub_blocks for quest, laid out
-        (min_0, max_0, min_1, max_1, ...); M = sub_blocks for cuboid (mean_0, mean_1, ...).
+        (min_0, max_0, min_1, max_1, ...); M = sub_blocks for cuboid (mean_0, mean_1, ...);
+        M = 2 + sub_blocks for hybrid (min, max, mean_0, mean_1, ...).
     """
     size = keys.shape[-2]
     if sub_blocks < 1 or size % sub_blocks:
@@ -32,6 +34,9 @@ def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.
         return torch.stack((parts.amin(dim=-2), parts.amax(dim=-2)), dim=-2).flatten(-3, -2)  # (..., 2 sub, D)
     if kind == "cuboid":
         return parts.float().mean(dim=-2).to(keys.dtype)  # (..., sub, D)
+    if kind == "hybrid":
+        # Quest's (min, max) of the whole block, then the cuboid mean of each sub-block.
+        return torch.cat((block_metadata(keys, "quest"), block_metadata(keys, "cuboid", sub_blocks)), dim=-2)
     raise ValueError(f"unknown metadata kind {kind!r}")
 
 
@@ -43,6 +48,10 @@ def metadata_sub_blocks(kind: str, num_vectors: int) -> int:
         return num_vectors // 2
     if kind == "cuboid":
         return num_vectors
+    if kind == "hybrid":
+        if num_vectors < 3:
+            raise ValueError(f"hybrid metadata holds (min, max) + at least one mean, got {num_vectors} vectors")
+        return num_vectors - 2
     raise ValueError(f"unknown metadata kind {kind!r}")
 
 
@@ -55,10 +64,14 @@ def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torc
         kind: "quest" scores the upper bound sum_d max(q_d * min_d, q_d * max_d) of q.k over
             the block (Quest); "cuboid" scores q . mean(k). With several sub-blocks per block
             the block scores the max over its sub-blocks (for quest still an upper bound of q.k
-            over the block, and a tighter one).
+            over the block, and a tighter one). "hybrid" ranks the blocks by both (quest over
+            the whole block, cuboid over sub-blocks) and interleaves the two rankings (see
+            `combine_by_rank`): half the top-k by each, without double-counting.
     Returns:
-        (B, Hq, N) fp32 scores.
+        (B, Hq, N) fp32 scores (for hybrid: minus the combined rank, higher is better).
     """
+    if kind == "hybrid":
+        return combine_by_rank(*(score_blocks(query, part, k) for k, part in hybrid_parts(metadata)))
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_blocks, num_vectors = metadata.shape[1:4]
     sub = metadata_sub_blocks(kind, num_vectors)
@@ -194,6 +207,28 @@ def sparse_decode(
     return out.reshape(batch, num_q_heads, dim).to(query.dtype)
 
 
+def hybrid_parts(metadata: torch.Tensor) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    """Hybrid (..., 2 + sub, D) metadata -> ("quest", (..., 2, D)) and ("cuboid", (..., sub, D)) views."""
+    return ("quest", metadata[..., :2, :]), ("cuboid", metadata[..., 2:, :])
+
+
+def combine_by_rank(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Interleave two block rankings: (B, H, N) scores -> (B, H, N) scores whose top-k is the union of
+    both rankings' top blocks, taken alternately (first's j-th, second's j-th, first's j+1-th, ...).
+
+    Why: Quest's bound keeps the mass of diffuse early layers, the sub-block mean finds the few
+    tokens a retrieval head reads (eval/results/selection_diagnostics.md); either alone loses what
+    the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
+    (ties go to `first`); -inf stays -inf (unused table entries).
+    """
+    def rank(scores: torch.Tensor) -> torch.Tensor:  # 0 = best; -inf entries rank last
+        return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+
+    rank1, rank2 = rank(first), rank(second)
+    combined = -(2 * torch.minimum(rank1, rank2) + (rank2 < rank1).long()).float()
+    return combined.masked_fill(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
+
+
 def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
     """Score each row's block table straight from the metadata pool (no gathered copy).
 
@@ -201,10 +236,12 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         query: (B, Hq, D) decode queries.
         metadata: (C, M, D) metadata of every DRAM block, indexed by DRAM id.
         block_ids: (B, Hkv, N) DRAM ids of each row's blocks, -1 where the table is unused.
-        kind: "quest" or "cuboid", as in `score_blocks`.
+        kind: "quest", "cuboid" or "hybrid", as in `score_blocks`.
     Returns:
         (B, Hq, N) fp32 scores; -inf where the id is -1.
     """
+    if kind == "hybrid":  # rank only real blocks: unused entries are -inf before ranking
+        return combine_by_rank(*(score_table(query, part, block_ids, k) for k, part in hybrid_parts(metadata)))
     scores = score_blocks(query, metadata[block_ids.clamp(min=0)], kind)  # (B, Hq, N)
     group = query.shape[1] // block_ids.shape[1]
     unused = (block_ids < 0).repeat_interleave(group, dim=1)  # (B, Hq, N)

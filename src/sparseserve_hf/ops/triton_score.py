@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
+
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 
 
@@ -28,6 +30,7 @@ def _score_kernel(
     stride_ih,
     stride_ob,
     stride_oh,
+    stride_mc,
     num_blocks,
     num_kv_heads,
     D: tl.constexpr,
@@ -54,7 +57,7 @@ def _score_kernel(
     valid = ids >= 0
     load_mask = valid[:, None] & (d[None, :] < D)
     for s in tl.static_range(SUB):
-        rows = meta_ptr + ids[:, None] * (M * D) + (s * (M // SUB)) * D + d[None, :]  # (BLOCK_N, BLOCK_D)
+        rows = meta_ptr + ids[:, None] * stride_mc + (s * (M // SUB)) * D + d[None, :]  # (BLOCK_N, BLOCK_D)
         first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
         if QUEST:
             second = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)  # per-channel max
@@ -78,13 +81,16 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
-        metadata: (C, M, D) contiguous metadata pool, same device; M = 2 (quest) or 1 (cuboid) per
+        metadata: (C, M, D) metadata pool (rows may be strided, each row's (M, D) contiguous), same device; M = 2 (quest) or 1 (cuboid) per
             sub-block (see `reference.block_metadata`).
         block_ids: (B, Hkv, N) long DRAM ids, -1 where unused.
-        kind: "quest" or "cuboid".
+        kind: "quest", "cuboid" or "hybrid" (both rankings, combined by `reference.combine_by_rank`).
     Returns:
         (B, Hq, N) fp32; -inf where the id is -1.
     """
+    if kind == "hybrid":  # two kernel passes over views of the pool, rankings combined on the device
+        parts = [score_table(query, part, block_ids, k) for k, part in reference.hybrid_parts(metadata)]
+        return reference.combine_by_rank(*parts)
     if kind not in KINDS:
         raise ValueError(f"unknown metadata kind {kind!r}")
     batch, num_q_heads, dim = query.shape
@@ -92,7 +98,7 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
     num_vectors = metadata.shape[1]
     if num_vectors % KINDS[kind]:
         raise ValueError(f"{kind} metadata holds {KINDS[kind]} vectors per sub-block, got {num_vectors} per block")
-    assert metadata.is_contiguous() and metadata.shape[2] == dim, "metadata pool must be (C, M, D)"
+    assert metadata.stride(2) == 1 and metadata.stride(1) == dim and metadata.shape[2] == dim, "pool rows must be (M, D)"
     assert num_q_heads % num_kv_heads == 0 and query.device == metadata.device == block_ids.device
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
@@ -112,6 +118,7 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         block_ids.stride(1),
         out.stride(0),
         out.stride(1),
+        metadata.stride(0),
         num_blocks,
         num_kv_heads,
         D=dim,
