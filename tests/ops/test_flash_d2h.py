@@ -60,9 +60,11 @@ def test_a_failed_scatter_is_reported_by_wait(saver):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("save_path", ["scatter", "flash_d2h"])
 def test_store_saves_reads_and_fetches_through_the_backend(backend, save_path):
-    config = SparseServeConfig(block_size=SHAPE[1], token_budget=64, hbm_cache_bytes=6 * 2 * 8 * 16 * 4)
+    config = SparseServeConfig(
+        block_size=SHAPE[1], token_budget=64, hbm_cache_bytes=6 * 2 * 8 * 16 * 4, save_path=save_path
+    )
     ops = get_ops(backend, DEVICE)
-    store = TieredBlockStore(config, ops, SHAPE[2], torch.float32, DEVICE, save_path=save_path)
+    store = TieredBlockStore(config, ops, SHAPE[2], torch.float32, DEVICE)
     blocks = torch.randn((300, *SHAPE), device=DEVICE)  # > the pool's initial 256 blocks: it grows mid-run
     ids = torch.cat([store.save(blocks[i : i + 50]) for i in range(0, 300, 50)])
     assert torch.equal(store.read(ids), blocks)

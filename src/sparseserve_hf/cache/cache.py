@@ -180,6 +180,8 @@ class SparseServeCache(Cache):
         its parts hbm_block_cache_bytes, hbm_metadata_bytes, hbm_tail_bytes, hbm_dense_layer_bytes;
         dram_bytes (host blocks in use); hits, misses, hit_rate (over blocks looked up in the HBM
         cache); h2d_bytes (== misses x head-block bytes); d2h_bytes (blocks saved to DRAM);
+        with offload=False every live block counts in hbm_block_cache_bytes, none in dram_bytes,
+        and every lookup hits (no h2d_bytes, no d2h_bytes);
         blocks_selected (unique head-blocks selected, summed over layers and steps);
         dense_read_bytes (blocks read back for dense prefill over a past).
         """
@@ -201,7 +203,7 @@ class SparseServeCache(Cache):
             "hbm_metadata_bytes": metadata,
             "hbm_tail_bytes": tails,
             "hbm_dense_layer_bytes": dense,
-            "dram_bytes": store.dram.num_used * store.block_bytes if store else 0,
+            "dram_bytes": store.dram_bytes() if store else 0,
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,

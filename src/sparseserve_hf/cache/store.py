@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SparseServeConfig
-from ..ops import BlockOps
+from ..ops import BlockOps, block_copy
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
 from .grow import grown
+from .resident import ResidentBlocks
 
 
 @dataclass
@@ -32,13 +33,14 @@ class TieredBlockStore:
 
     Transfers go through the backend's ops: misses load with `ops.gather_blocks` (FlashH2D with
     Triton), saves with `ops.scatter_blocks` (a UVA scatter with Triton) or, with
-    `save_path="flash_d2h"`, through a `FlashD2HSaver` (one D2H copy + CPU-thread scatter).
+    `config.save_path="flash_d2h"`, through a `FlashD2HSaver` (one D2H copy + CPU-thread scatter).
+    `config.transfer="copy"` swaps in one `copy_` per block for both. With `config.offload=False`
+    the pool itself is on the device and `hbm` is a `ResidentBlocks`: every lookup hits.
 
     Args:
-        config: the cache's SparseServeConfig.
+        config: the cache's SparseServeConfig (offload, transfer and save_path are read here).
         ops: the backend op set.
         head_dim, dtype, device: of the model's KV.
-        save_path: "scatter" (`ops.scatter_blocks`) or "flash_d2h".
     """
 
     def __init__(
@@ -48,23 +50,28 @@ class TieredBlockStore:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        save_path: str = "scatter",
     ) -> None:
-        if save_path not in ("scatter", "flash_d2h"):
-            raise ValueError(f"save_path must be 'scatter' or 'flash_d2h', got {save_path!r}")
         self.config = config
-        self.ops = ops
+        self.ops = block_copy.with_copy_transfers(ops) if config.transfer == "copy" else ops
         self.dtype = dtype
         self.device = device
         block_shape = (2, config.block_size, head_dim)
-        self.dram = DramPool(block_shape, dtype, config.dram_bytes, pin=device.type == "cuda")
+        self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
-        num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // self.block_bytes
-        self.hbm = HbmBlockCache(num_slots, block_shape, dtype, device, ops.gather_blocks)
-        self.saver = FlashD2HSaver(device) if save_path == "flash_d2h" else None
+        self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self.metadata = torch.zeros((0, config.metadata_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
         self.stats = TransferStats()
         self._track_capacity()
+
+    def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
+        """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
+        config, device = self.config, self.device
+        if not config.offload:
+            dram = DramPool(block_shape, self.dtype, config.dram_bytes, pin=False, device=device)
+            return dram, ResidentBlocks(dram)
+        dram = DramPool(block_shape, self.dtype, config.dram_bytes, pin=device.type == "cuda")
+        num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes
+        return dram, HbmBlockCache(num_slots, block_shape, self.dtype, device, self.ops.gather_blocks)
 
     def save(self, blocks: torch.Tensor) -> torch.Tensor:
         """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,)."""
@@ -84,7 +91,8 @@ class TieredBlockStore:
         self.metadata[ids.to(self.device)] = self.ops.block_metadata(
             blocks[:, 0], self.config.metadata, self.config.metadata_sub_blocks
         )
-        self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
+        if self.config.offload:  # without offload the blocks never left the device
+            self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return ids.to(self.device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
@@ -120,8 +128,12 @@ class TieredBlockStore:
         self.hbm.invalidate(released)
 
     def block_cache_bytes(self) -> int:
-        """Bytes of the blocks resident in the HBM cache."""
+        """Bytes of blocks in device memory: the HBM cache's, or every live block's with offload=False."""
         return self.hbm.num_resident * self.block_bytes
+
+    def dram_bytes(self) -> int:
+        """Bytes of live blocks in host DRAM (0 with offload=False: the pool is on the device)."""
+        return self.dram.num_used * self.block_bytes if self.config.offload else 0
 
     def metadata_bytes(self) -> int:
         """Bytes of the device metadata of every live block."""

@@ -52,7 +52,8 @@ class Generator:
         tokenizer: needed for string prompts, text output and stop strings; may be None.
         config: the SparseServeConfig (block sizes, budget, `hbm_cache_bytes`, `dram_bytes`,
             `max_batch`, `max_batch_tokens`, `working_set_window`, `admission`,
-            `prefill_mode`, `max_inject_tokens`).
+            `prefill_mode`, `max_inject_tokens`, and the ablation switches `offload`, `transfer`,
+            `save_path`, which the engine's one store is built from).
         metrics_file: a path or text handle that gets one JSON line per finished request.
 
     Example:
@@ -196,8 +197,8 @@ class Generator:
         return self.store.block_cache_bytes() + self.store.metadata_bytes() + tails
 
     def dram_bytes_in_use(self) -> int:
-        """Host bytes of live KV blocks."""
-        return self.store.dram.num_used * self.store.block_bytes
+        """Host bytes of live KV blocks (0 with offload=False: they are in `hbm_bytes_in_use`)."""
+        return self.store.dram_bytes()
 
     def metrics(self) -> dict[str, Any]:
         """{"requests": {id: per-request dict}, "totals": engine totals}; see `MetricsRecorder`."""
