@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ..ops import reference
+from . import lru
 from .dram_pool import DramPool
 from .grow import grown
 
@@ -16,16 +17,19 @@ UNLIMITED_INITIAL_SLOTS = 256
 class HbmBlockCache:
     """An LRU cache of DRAM head-blocks in device memory, shared by all layers and requests.
 
-    Residency is kept as tensors on the device (block -> slot, slot -> block, slot -> last use)
-    so that lookups and victim choice are tensor ops.
+    Residency (block -> slot, slot -> block, slot -> last use), the clock and the hit/miss
+    counters are device tensors, and a lookup is a fixed-shape chain of tensor ops (`lru.lookup_`)
+    plus one FlashH2D launch: no host sync, so a decode step can run ahead of the host and be
+    captured in a CUDA graph. Counters are read (one sync) only by `counts()`.
 
     Args:
         num_slots: fixed number of slots, or None for an unlimited cache that grows and never
-            evicts.
+            evicts: it keeps at least as many slots as there are live DRAM blocks, a bound known
+            on the host, so no lookup has to count its misses to know whether to grow.
         block_shape: (2, S, D).
         dtype, device: of the slot pool.
         gather_blocks: the backend's block copy (`ops.gather_blocks`), used to load misses from
-            the DRAM pool: one FlashH2D launch with the Triton backend.
+            the DRAM pool: one FlashH2D launch with the Triton backend (entries of -1 skipped).
     """
 
     def __init__(
@@ -42,14 +46,32 @@ class HbmBlockCache:
         self.device = device
         slots = UNLIMITED_INITIAL_SLOTS if num_slots is None else num_slots
         self.pool = torch.zeros((slots, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
-        self.slot_block = torch.full((slots,), -1, dtype=torch.long, device=device)
-        self.slot_tick = torch.full((slots,), -1, dtype=torch.long, device=device)
-        self.block_slot = torch.full((0,), -1, dtype=torch.long, device=device)  # indexed by DRAM id
-        self.tick = 0
+        # Each table has one dump entry at its end that absorbs masked writes (see `lru`).
+        self._slot_block = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
+        self._slot_tick = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
+        self._block_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # indexed by DRAM id
+        self._slot_index = torch.arange(slots, device=device)
+        self.clock = torch.zeros(1, dtype=torch.long, device=device)
+        self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
 
     @property
     def num_slots(self) -> int:
         return self.pool.shape[0]
+
+    @property
+    def slot_block(self) -> torch.Tensor:
+        """(P,) DRAM id held by each slot, -1 free (a view: no dump entry)."""
+        return self._slot_block[:-1]
+
+    @property
+    def slot_tick(self) -> torch.Tensor:
+        """(P,) clock of each slot's last use, -1 free."""
+        return self._slot_tick[:-1]
+
+    @property
+    def block_slot(self) -> torch.Tensor:
+        """(C,) slot of each tracked DRAM id, -1 when not resident."""
+        return self._block_slot[:-1]
 
     @property
     def num_resident(self) -> int:
@@ -57,61 +79,62 @@ class HbmBlockCache:
 
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""
-        self.block_slot = grown(self.block_slot, capacity, fill=-1)
+        self._block_slot = _grown_with_dump(self._block_slot, capacity)
 
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, int]:
-        """Slots holding `block_ids` (U,) unique DRAM ids, loading the misses from `dram`.
+    def check_fits(self, num_entries: int) -> None:
+        """Raise ValueError when a selection of `num_entries` could need more slots than exist.
 
-        Returns (slots (U,), number of misses). Slots used in this lookup are never chosen as
-        victims for its own misses, so the caller must not ask for more blocks than slots.
+        Decided from the selection's shape, not its content (that would need a host sync): a
+        lookup never evicts the blocks it uses itself, so every entry may need its own slot.
         """
-        self.tick += 1
-        slots = self.block_slot[block_ids]
-        missing = slots < 0
-        self.slot_tick[slots[~missing]] = self.tick
-        miss_ids = block_ids[missing]
-        num_misses = miss_ids.numel()
-        if num_misses:
-            victims = self._victims(num_misses)
-            self._load(miss_ids, victims, dram)
-            slots = slots.masked_scatter(missing, victims)
-        return slots, num_misses
+        if not self.unlimited and num_entries > self.num_slots:
+            raise ValueError(
+                f"the HBM block cache has {self.num_slots} slots but one layer's selection can need {num_entries}; "
+                "raise hbm_cache_bytes or lower token_budget / batch size"
+            )
+
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots holding `block_ids` (any shape, -1 = unused; duplicates allowed), loading the misses.
+
+        Launches only (no host sync). Returns (slots, same shape as `block_ids`, -1 where unused;
+        number of misses as a (1,) device tensor). The counters `counts()` reads are updated too.
+        """
+        self.check_fits(block_ids.numel())
+        if self.unlimited:
+            self._grow(max(dram.num_used, block_ids.numel()))  # host-known bound: never evicts
+        result = lru.lookup_(
+            block_ids.to(self.device), self._block_slot, self._slot_block, self._slot_tick, self.clock, self._slot_index
+        )
+        self.gather_blocks(dram.storage, result.load_ids, self.pool, result.load_slots)  # the H2D copy
+        self._counts += torch.cat((result.num_unique, result.num_misses))
+        return result.slots, result.num_misses
+
+    def counts(self) -> tuple[int, int]:
+        """(blocks looked up, misses) since the last call, then zeroed: the one place that syncs."""
+        looked_up, misses = self._counts.tolist()
+        self._counts.zero_()
+        return looked_up, misses
 
     def invalidate(self, block_ids: torch.Tensor) -> None:
         """Forget blocks whose DRAM ids are being freed (their ids will be reused)."""
         if block_ids.numel() == 0:
             return
-        block_ids = block_ids.to(self.device)
-        slots = self.block_slot[block_ids]
-        slots = slots[slots >= 0]
-        self.slot_block[slots] = -1
-        self.slot_tick[slots] = -1
-        self.block_slot[block_ids] = -1
-
-    def _victims(self, count: int) -> torch.Tensor:
-        evictable = self.slot_tick < self.tick
-        if self.unlimited and int((self.slot_block < 0).sum()) < count:
-            self._grow(self.num_resident + count)
-            evictable = self.slot_tick < self.tick
-        if int(evictable.sum()) < count:
-            raise ValueError(
-                f"the HBM block cache has {self.num_slots} slots but one layer's selection needs "
-                f"{count} more than it can free; raise hbm_cache_bytes or lower token_budget / batch size"
-            )
-        # Free slots carry tick -1, so they go first; then least recently used.
-        ranked = torch.where(evictable, self.slot_tick, torch.iinfo(torch.long).max)
-        return ranked.topk(count, largest=False).indices
-
-    def _load(self, block_ids: torch.Tensor, slots: torch.Tensor, dram: DramPool) -> None:
-        evicted = self.slot_block[slots]
-        self.block_slot[evicted[evicted >= 0]] = -1
-        self.gather_blocks(dram.storage, block_ids, self.pool, slots)  # the H2D copy
-        self.slot_block[slots] = block_ids
-        self.slot_tick[slots] = self.tick
-        self.block_slot[block_ids] = slots
+        lru.invalidate_(block_ids.to(self.device).reshape(-1), self._block_slot, self._slot_block, self._slot_tick)
 
     def _grow(self, needed: int) -> None:
+        if needed <= self.num_slots:
+            return
         new = max(2 * self.num_slots, needed)
         self.pool = grown(self.pool, new)
-        self.slot_block = grown(self.slot_block, new, fill=-1)
-        self.slot_tick = grown(self.slot_tick, new, fill=-1)
+        self._slot_block = _grown_with_dump(self._slot_block, new)
+        self._slot_tick = _grown_with_dump(self._slot_tick, new)
+        self._slot_index = torch.arange(new, device=self.device)
+
+
+def _grown_with_dump(table: torch.Tensor, size: int) -> torch.Tensor:
+    """A (size + 1,) table: the old real entries, -1 for the new ones and for the dump entry."""
+    if size + 1 <= table.shape[0]:
+        return table
+    out = table.new_full((size + 1,), -1)
+    out[: table.shape[0] - 1] = table[:-1]
+    return out

@@ -47,6 +47,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
         self.last_pick: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
@@ -259,8 +260,10 @@ class SparseServeLayer(CacheLayerMixin):
         Saving a full tail only when the next token arrives keeps the current token in the
         tail, which sparse decode always attends.
         """
-        full_rows = (self.tail_len == self.config.block_size).nonzero().flatten()
-        if full_rows.numel():
+        lengths = self._host_tail_len()
+        full = [row for row, length in enumerate(lengths) if length == self.config.block_size]
+        if full:  # host work (DRAM allocation), once per block_size tokens of a row
+            full_rows = torch.tensor(full, device=self.device)
             num_kv_heads = self.tail.shape[1]
             ids = self.store.save(self.tail[full_rows].flatten(0, 1))  # (R*Hkv,)
             self._ensure_capacity(int(self.num_blocks.max()) + 1)
@@ -270,6 +273,24 @@ class SparseServeLayer(CacheLayerMixin):
         rows = torch.arange(keys.shape[0], device=self.device)
         self.tail[rows, :, :, self.tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
         self.tail_len += 1
+        self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
+
+    def _host_tail_len(self) -> list[int]:
+        """Each row's tail length, known on the host without a device sync in steady decode.
+
+        The decode fast path keeps a host copy; it is trusted only while `tail_len` is the same
+        tensor at the same in-place version as when the copy was made, so any other change
+        (prefill, row moves, crop) makes the next decode step read the lengths back once.
+        """
+        mirror = self._tail_len_mirror
+        version = _version(self.tail_len)
+        if mirror is not None and mirror[0] is self.tail_len and version is not None and mirror[1] == version:
+            return mirror[2]
+        return self.tail_len.tolist()
+
+    def _remember_tail_len(self, before: list[int]) -> None:
+        """Record the lengths after a decode append (`before` + 1) at the tensor's current version."""
+        self._tail_len_mirror = (self.tail_len, _version(self.tail_len), [length + 1 for length in before])
 
     def _append_row(self, row: int, new: torch.Tensor) -> None:
         """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail."""
@@ -305,3 +326,11 @@ class SparseServeLayer(CacheLayerMixin):
         have = self.block_ids.shape[2]
         if blocks > have:
             self.block_ids = grown(self.block_ids, max(blocks, 2 * have, 16), fill=-1, dim=2)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter; None for inference-mode tensors, which keep none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

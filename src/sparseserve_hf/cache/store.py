@@ -60,7 +60,7 @@ class TieredBlockStore:
         self.block_bytes = self.dram.block_bytes
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self.metadata = torch.zeros((0, config.metadata_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
-        self.stats = TransferStats()
+        self._stats = TransferStats()
         self._track_capacity()
 
     def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
@@ -92,12 +92,12 @@ class TieredBlockStore:
             blocks[:, 0], self.config.metadata, self.config.metadata_sub_blocks
         )
         if self.config.offload:  # without offload the blocks never left the device
-            self.stats.d2h_bytes += blocks.shape[0] * self.block_bytes
+            self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return ids.to(self.device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
-        self.stats.dense_read_bytes += ids.numel() * self.block_bytes
+        self._stats.dense_read_bytes += ids.numel() * self.block_bytes
         self._wait_for_saves()
         ids = ids.reshape(-1).to(self.device)
         out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.dtype, device=self.device)
@@ -105,18 +105,29 @@ class TieredBlockStore:
         return out
 
     def fetch(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """HBM slots for a selection (any shape, -1 = unused), loading misses; same shape."""
-        used = block_ids >= 0
-        unique, inverse = torch.unique(block_ids[used], return_inverse=True)
+        """HBM slots for a selection (any shape, -1 = unused; rows may share blocks), loading misses.
+
+        Same shape out. Launches only, no host sync (`HbmBlockCache.lookup`); the hit/miss
+        counters stay on the device until `stats` is read.
+        """
         self._wait_for_saves()
-        slots, num_misses = self.hbm.lookup(unique, self.dram)
-        self.stats.blocks_selected += unique.numel()
-        self.stats.misses += num_misses
-        self.stats.hits += unique.numel() - num_misses
-        self.stats.h2d_bytes += num_misses * self.block_bytes
-        out = torch.full_like(block_ids, -1)
-        out[used] = slots[inverse]
-        return out
+        slots, _ = self.hbm.lookup(block_ids, self.dram)
+        return slots
+
+    @property
+    def stats(self) -> TransferStats:
+        """The counters; reading them folds in the device-side lookup counters (one host sync)."""
+        looked_up, misses = self.hbm.counts()
+        self._stats.blocks_selected += looked_up
+        self._stats.misses += misses
+        self._stats.hits += looked_up - misses
+        self._stats.h2d_bytes += misses * self.block_bytes
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: TransferStats) -> None:
+        self.hbm.counts()  # drop what the device counted so far: `value` starts afresh
+        self._stats = value
 
     def retain(self, ids: torch.Tensor) -> None:
         """One more reference to each block in `ids` (-1 entries ignored)."""
