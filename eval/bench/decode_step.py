@@ -1,0 +1,225 @@
+"""Decode step benchmark (target T8): one full decode step, dense DynamicCache vs SparseServeCache.
+
+    python -m eval.bench.decode_step --out eval/results/decode_step.json   # ~4-6 min on the H200
+    python -m eval.bench.decode_step --dry-run                             # tiny shapes on CPU
+
+Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32720: the DRAM pool then
+holds every block the run saves in exactly 64 GiB of pinned memory, a power of two as the
+caching host allocator rounds), token budget 2048, 32-token blocks. Baseline in the same run:
+stock `model(...)` with SDPA and a `DynamicCache` (64 GiB of KV on the device).
+
+The KV is random and written straight into the caches (`decode_step_setup`; no 16 x 32K
+prefill); tokens are the model's own greedy picks from a random start. Selection is real
+Quest selection on the model's queries, but over random keys: step-to-step locality (hence
+the hit rate) is what random KV gives, not what a real prompt would.
+
+Reported: ms/step of both (wall clock over `--steps` steady steps after `--warmup` steps, so
+the LRU cache holds the recent selections); a breakdown of the sparse step from a separate
+instrumented pass (CUDA events around scoring, top-k, table lookup, FlashH2D transfer,
+attention; `other` = the rest: projections, MLPs, launches); the hit rate; and the step's floor
+as T8 defines it: (weights + selected KV + metadata bytes) / HBM copy bandwidth + missed-block
+bytes / PCIe H2D bandwidth, both bandwidths measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from typing import Any
+
+import torch
+
+from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, time_ms, write_json
+from eval.bench.decode_step_setup import RegionTimer, build_model, dense_cache, instrument, sparse_cache
+from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
+
+GIB = 1 << 30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=32720)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--hbm-cache-gib", type=float, default=40.0)
+    parser.add_argument("--warmup", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--breakdown-steps", type=int, default=8)
+    parser.add_argument("--dense-steps", type=int, default=5)
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
+    return parser.parse_args(argv)
+
+
+def bandwidths(device: torch.device) -> dict[str, float]:
+    """HBM copy GB/s (bytes read + written) and bulk pinned H2D GB/s, 1 GiB each (1 MiB on CPU)."""
+    nbytes = GIB if device.type == "cuda" else 1 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    h2d_ms = time_ms(lambda: dst.copy_(host, non_blocking=True), device)
+    return {"hbm_copy_gb_per_s": 2 * nbytes / copy_ms / 1e6, "pcie_h2d_gb_per_s": nbytes / h2d_ms / 1e6}
+
+
+def run_steps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
+    """Greedy decode `steps` tokens (kept on the device); returns (ms per step, last tokens)."""
+    kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    sync(tokens.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)  # (B, 1)
+    sync(tokens.device)
+    return (time.perf_counter() - start) * 1e3 / max(steps, 1), tokens
+
+
+def measure_dense(args, device, dtype, shape: str) -> float:
+    model = build_model(shape, "sdpa", device, dtype, args.context + 1024)
+    cache = dense_cache(model, args.batch, args.context)
+    tokens = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
+    _, tokens = run_steps(model, cache, tokens, 2)
+    ms, _ = run_steps(model, cache, tokens, args.dense_steps)
+    del model, cache
+    _free(device)
+    return ms
+
+
+def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -> dict[str, Any]:
+    model = build_model(shape, "sparseserve", device, dtype, args.context + 1024)
+    total_steps = args.warmup + args.steps + args.breakdown_steps
+    filled = time.perf_counter()
+    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=total_steps // config.block_size + 2)
+    fill_s = time.perf_counter() - filled
+    store = cache.store
+    tokens = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
+    _, tokens = run_steps(model, cache, tokens, args.warmup)
+    store.stats = type(store.stats)()  # count the steady steps only
+    ms, tokens = run_steps(model, cache, tokens, args.steps)
+    stats = store.stats
+    looked_up = stats.hits + stats.misses
+    result = {
+        "sparse_ms": ms,
+        "hit_rate": stats.hits / looked_up if looked_up else 0.0,
+        "miss_bytes_per_step": stats.h2d_bytes / args.steps,
+        "fill_seconds": fill_s,
+        "dram_pool_bytes": store.dram.capacity * store.block_bytes,
+        "hbm_cache_slots": store.hbm.num_slots,
+    }
+    result |= step_bytes(model, cache)
+    timer = RegionTimer(device)
+    instrument(store, timer)
+    step_ms, _ = run_steps(model, cache, tokens, args.breakdown_steps)
+    parts = {k: v / args.breakdown_steps for k, v in timer.totals_ms().items()}
+    parts["table"] = parts.get("fetch", 0.0) - parts.get("transfer", 0.0)
+    named = ("scoring", "topk", "table", "transfer", "attention")
+    breakdown = {k: parts.get(k, 0.0) for k in named}
+    breakdown["other"] = step_ms - sum(breakdown.values())
+    result["breakdown_ms"] = breakdown | {"instrumented_step": step_ms}
+    del model, cache, store
+    _free(device)
+    return result
+
+
+def step_bytes(model, cache) -> dict[str, int]:
+    """Bytes one decode step must read from HBM: weights (not the embedding table: it reads B rows),
+    the K/V of the blocks each KV head loaded at the last step plus the tails, and the metadata of
+    every block scored."""
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    store = cache.store
+    meta_per_block = store.metadata[:1].numel() * store.metadata.element_size()
+    selected = metadata = 0
+    for layer in cache.layers:
+        valid = layer.last_pick[1]  # (B, Hkv, U)
+        selected += int(valid.sum()) * store.block_bytes + layer.tail.numel() * layer.tail.element_size()
+        metadata += int((layer.block_ids >= 0).sum()) * meta_per_block
+    return {"weight_bytes": weights, "selected_kv_bytes": selected, "metadata_bytes": metadata}
+
+
+def floor_ms(sparse: dict[str, Any], bw: dict[str, float]) -> float:
+    """T8's floor: HBM bytes over the copy bandwidth plus missed-block bytes over PCIe."""
+    hbm = sparse["weight_bytes"] + sparse["selected_kv_bytes"] + sparse["metadata_bytes"]
+    return hbm / (bw["hbm_copy_gb_per_s"] * 1e6) + sparse["miss_bytes_per_step"] / (bw["pcie_h2d_gb_per_s"] * 1e6)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)
+    shape, dtype = "llama3-8b", torch.bfloat16
+    block_size = 32
+    if args.dry_run:
+        shape, dtype, block_size = "tiny", torch.float32, 16
+        args.batch, args.context, args.budget, args.hbm_cache_gib = 2, 200, 64, 1 / 1024
+        args.warmup, args.steps, args.breakdown_steps, args.dense_steps = 2, 3, 2, 2
+    if device.type != "cuda":
+        dtype = torch.float32  # CPU: no bf16 matmuls worth timing; the Triton interpreter mis-handles bf16
+    config = SparseServeConfig(
+        block_size=block_size, token_budget=args.budget, hbm_cache_bytes=int(args.hbm_cache_gib * GIB),
+        dram_bytes=dram_bytes(args, block_size, shape, dtype), backend="auto", max_batch=args.batch,
+    )  # fmt: skip
+    _check_ram(config.dram_bytes)
+    bw = bandwidths(device)
+    _free(device)
+    dense = None if args.skip_dense else measure_dense(args, device, dtype, shape)
+    sparse = measure_sparse(args, device, dtype, shape, config)
+    floor = floor_ms(sparse, bw)
+    result = {
+        **run_record(device),
+        "step_over_floor": sparse["sparse_ms"] / floor,
+        "hit_rate": sparse["hit_rate"],
+        "dense_ms": dense,
+        "sparse_ms": sparse["sparse_ms"],
+        "floor_ms": floor,
+        "speedup_vs_dense": dense / sparse["sparse_ms"] if dense else None,
+        "shape": shape,
+        "dtype": str(dtype),
+        "workload": {k: v for k, v in vars(args).items() if k != "out"} | {"block_size": block_size},
+        "kv_setup": "random K/V written straight into both caches (DynamicCache.update per layer; "
+        "TieredBlockStore.save of random head-blocks + block tables for SparseServeCache), no prefill; "
+        "random start token, then the model's greedy tokens; real Quest selection over random keys",
+        "config": config.to_dict(),
+        **bw,
+        **sparse,
+    }
+    print_table([result], ["dense_ms", "sparse_ms", "floor_ms", "step_over_floor", "hit_rate"])
+    print_table([result["breakdown_ms"]], list(result["breakdown_ms"]))
+    print(f"step_over_floor={result['step_over_floor']:.3f} hit_rate={result['hit_rate']:.3f}")
+    write_json(args.out, result)
+    return result
+
+
+def dram_bytes(args, block_size: int, shape: str, dtype: torch.dtype) -> int:
+    """The host pool for every block the run saves, rounded up to a power of two (what pinning costs)."""
+    from eval.bench.decode_step_setup import SHAPES
+
+    dims = SHAPES[shape]
+    tokens = args.context + args.warmup + args.steps + args.breakdown_steps + 2
+    blocks = dims["num_hidden_layers"] * args.batch * dims["num_key_value_heads"] * (tokens // block_size + 1)
+    need = blocks * 2 * block_size * dims["head_dim"] * dtype.itemsize
+    return 1 << (need - 1).bit_length()
+
+
+def _check_ram(pool_bytes: int) -> None:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pool_bytes > 0.8 * ram:
+        raise SystemExit(
+            f"the DRAM pool would be {pool_bytes / GIB:.0f} GiB of {ram / GIB:.0f} GiB RAM: lower --context/--batch"
+        )
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # hand cached pinned host blocks back before the 64 GiB pool
+            torch._C._host_emptyCache()
+
+
+if __name__ == "__main__":
+    main()
