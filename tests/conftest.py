@@ -11,6 +11,13 @@ import torch
 
 torch.set_num_threads(os.cpu_count() or 1)
 
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter must be on before anything imports triton: `import transformers`
+    # does (tests in every folder), and triton.language's own @jit helpers (tl.zeros...) made before
+    # the switch fail inside interpreted kernels. tests/ops/conftest.py alone was too late whenever
+    # another folder ran first in the same pytest process. `import torch` does not import triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu`-marked tests when CUDA is unavailable."""
