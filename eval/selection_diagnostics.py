@@ -58,6 +58,9 @@ VARIANTS: dict[str, dict] = {
     "cuboid_s8": dict(metadata="cuboid", metadata_sub_blocks=4),
     "cuboid_s4": dict(metadata="cuboid", metadata_sub_blocks=8),
     "quest_s8_query_head": dict(metadata_sub_blocks=4, selection="query_head"),
+    "hybrid": dict(metadata="hybrid"),
+    "hybrid_s8": dict(metadata="hybrid", metadata_sub_blocks=4),
+    "hybrid_s4": dict(metadata="hybrid", metadata_sub_blocks=8),
 }
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -92,8 +95,8 @@ def _register_capture(store: dict) -> None:
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if store.get("on"):
             steps = store["steps"]
-            store["q"][module.layer_idx] = query[0, :, -steps:].float().clone()  # (Hq, T, D)
-            store["k"][module.layer_idx] = key[0].float().clone()  # (Hkv, L, D)
+            store["q"][module.layer_idx] = query[0, :, -steps:].float().cpu().clone()  # (Hq, T, D)
+            store["k"][module.layer_idx] = key[0].float().cpu().clone()  # (Hkv, L, D)
             store["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -115,16 +118,16 @@ def record(model, tokenizer, prompt: str, references: list[str], steps: int) -> 
 
 def _record(model, tokenizer, prompt: str, references: list[str], steps: int, store: dict) -> Recording:
     enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, return_tensors="pt")
-    ids = enc["input_ids"]
+    ids = enc["input_ids"].to(model.device)
     with torch.inference_mode():
         # steps + 1 tokens: the first comes from the prefill (dense in the real path too); decode step t
         # feeds answer token t and its query picks token t + 1.
         out = model.generate(ids, max_new_tokens=steps + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        answer_ids = out[0, ids.shape[1] :]
+        answer_ids = out[0, ids.shape[1] :].cpu()
         if answer_ids.numel() < steps + 1:  # stopped early (EOS): pad with EOS so the step count is fixed
             pad = answer_ids.new_full((steps + 1 - answer_ids.numel(),), tokenizer.eos_token_id)
             answer_ids = torch.cat((answer_ids, pad))
-        full = torch.cat((ids[0], answer_ids[:steps]))[None]  # (1, P + T)
+        full = torch.cat((ids[0].cpu(), answer_ids[:steps]))[None].to(model.device)  # (1, P + T)
         store["on"] = True
         model(full)
     layers = sorted(store["q"])
@@ -152,6 +155,18 @@ def needle_token_mask(offsets: torch.Tensor, prompt: str, references: list[str],
             mask[: hit.shape[0]] |= hit
             start = prompt.find(ref, end)
     return mask
+
+
+def cached_record(cache_dir: Path | None, model, tokenizer, sample, steps: int) -> Recording:
+    """`record` of a RulerSample, read from / written to `cache_dir` (keyed by task, index, length, steps)."""
+    path = None if cache_dir is None else cache_dir / f"{sample.task}_{sample.length}_{sample.index}_{steps}.pt"
+    if path is not None and path.is_file():
+        return Recording(**torch.load(path))
+    rec = record(model, tokenizer, sample.prompt, sample.references, steps)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rec.__dict__, path)
+    return rec
 
 
 # --------------------------------------------------------------------------- scoring one step
@@ -448,6 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budgets", default="256")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (see VARIANTS); ',' inside a spec: use '+'")
     parser.add_argument("--out", type=Path, default=Path("eval/results/selection_diagnostics"))
+    parser.add_argument("--device", default="cpu", help="where the model runs (fp32); the analysis runs on the CPU")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="keep recordings (~100 MB per 4K prompt) here")
     parser.add_argument("--skip-diagnostics", action="store_true", help="only the real-path answers")
     parser.add_argument("--answers", type=int, default=0, help="samples per task answered through the real sparse path (0: none)")
     parser.add_argument("--answer-variants", default=None, help="variants for the real-path answers (default: --variants)")
@@ -460,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     from sparseserve_hf.models import load_default
 
     torch.manual_seed(args.seed)
-    model, tokenizer = load_default(torch.float32, attn_implementation="sparseserve", device="cpu")
+    model, tokenizer = load_default(torch.float32, attn_implementation="sparseserve", device=args.device)
     budgets = [int(b) for b in args.budgets.split(",")]
     names = [n.replace("+", ",") for n in args.variants.split(",") if n]
     per_key: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -468,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
     for task in args.tasks.split(",") if not args.skip_diagnostics else []:
         for index in range(args.samples):
             sample = generate_sample(task, tokenizer, args.length, index, args.seed)
-            rec = record(model, tokenizer, sample.prompt, sample.references, args.steps)
+            rec = cached_record(args.cache_dir, model, tokenizer, sample, args.steps)
             answers.append(dict(task=task, index=index, answer=rec.answer, references=sample.references,
                                 needle_tokens=int(rec.needle.sum()), prompt_tokens=int(rec.positions[0])))
             print(f"{task}#{index}: dense answer {rec.answer!r} refs {sample.references} ({time.time() - start:.0f} s)")
@@ -489,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
         real_rows = real_answers(model, tokenizer, samples, configs, args.max_new_tokens)
     result = dict(
         meta=dict(command=command, seed=args.seed, length=args.length, steps=args.steps, samples=args.samples,
-                  device=platform.processor() or "cpu", dtype="float32", torch=torch.__version__,
+                  device=args.device if args.device != "cpu" else (platform.processor() or "cpu"), dtype="float32", torch=torch.__version__,
                   seconds=round(time.time() - start, 1), variants={n: variant_configs([n], budgets[0])[n.split("=")[0]].to_dict() for n in names}),
         answers=answers,
         summaries=summaries,

@@ -61,3 +61,23 @@ def test_variant_configs():
     assert configs["x"].metadata_sub_blocks == 2
     with pytest.raises(ValueError, match="unknown variant"):
         variant_configs(["nope"], 256)
+
+
+@pytest.mark.slow
+def test_diagnostics_cli_end_to_end_on_the_default_model(tmp_path):
+    """One niah_single_1 prompt at ~1K tokens, 2 decode steps, two variants, and the real-path answer check."""
+    pytest.importorskip("long_context_eval")
+    from eval.selection_diagnostics import main
+
+    argv = ["--tasks", "niah_single_1", "--length", "1024", "--samples", "1", "--steps", "2", "--budgets", "128"]
+    argv += ["--variants", "default,hybrid_s8", "--answers", "1", "--max-new-tokens", "8", "--out", str(tmp_path)]
+    result = main(argv + ["--cache-dir", str(tmp_path / "rec")])
+    assert set(result["summaries"]) == {"niah_single_1|128|default", "niah_single_1|128|hybrid_s8"}
+    for summary in result["summaries"].values():
+        assert 0 < summary["recall"] <= 1 and 0 < summary["attended"] <= 1 + 1e-6
+        assert len(summary["recall_per_layer"]) == 30
+    assert {r["method"] for r in result["real_answers"]} == {"dense", "default_128", "hybrid_s8_128"}
+    for name in ("diagnostics.json", "diagnostics.md", "recall_per_layer.png"):
+        assert (tmp_path / name).is_file()
+    again = main(argv + ["--cache-dir", str(tmp_path / "rec")])  # from the cached recording: same numbers
+    assert again["summaries"] == result["summaries"]
