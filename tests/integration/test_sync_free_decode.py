@@ -85,3 +85,17 @@ def test_decode_under_inference_mode_equals_stock():
     cache = SparseServeCache(model.config, SparseServeConfig(block_size=BLOCK, token_budget=4096))
     with torch.inference_mode():
         assert torch.equal(greedy(model, ids, cache), greedy(sdpa, ids))
+
+
+def test_stats_and_a_second_generate_outside_inference_mode():
+    """A cache first used under inference_mode still reports stats and decodes outside it (examples/demo.py)."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 70)
+    cache = SparseServeCache(
+        model.config, SparseServeConfig(block_size=BLOCK, token_budget=4 * BLOCK, hbm_cache_bytes=1 << 20)
+    )
+    with torch.inference_mode():
+        greedy(model, ids, cache, max_new_tokens=4)
+    first = cache.stats()
+    assert first["hits"] + first["misses"] > 0
+    assert cache.stats()["hits"] == first["hits"]  # counters folded in once, not twice

@@ -112,7 +112,9 @@ class HbmBlockCache:
     def counts(self) -> tuple[int, int]:
         """(blocks looked up, misses) since the last call, then zeroed: the one place that syncs."""
         looked_up, misses = self._counts.tolist()
-        self._counts.zero_()
+        # A fresh tensor, not zero_(): the counters may be an inference tensor (first lookup under
+        # torch.inference_mode), which cannot be updated in place outside inference mode.
+        self._counts = torch.zeros_like(self._counts)
         return looked_up, misses
 
     def invalidate(self, block_ids: torch.Tensor) -> None:
