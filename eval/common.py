@@ -19,6 +19,7 @@ import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.generation.sizing import EngineSizes
 
 DENSE = "dense"
 
@@ -129,7 +130,7 @@ def answer_batch(
     if method.config is not None:
         if cache is None:
             tokens = len(prompts) * (input_ids.shape[1] + max_new_tokens)
-            config = sized_dram_pool(method.config, model.config, tokens, model.dtype.itemsize)
+            config = sized_dram_pool(method.config, model.config, tokens, model.dtype)
             cache = SparseServeCache(model.config, config)
         kwargs[cache_kwarg(model)] = cache
     input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
@@ -142,7 +143,7 @@ def answer_batch(
     return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
 
 
-def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, itemsize: int) -> SparseServeConfig:
+def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, dtype: torch.dtype) -> SparseServeConfig:
     """`config` with a fixed DRAM pool that holds `tokens` positions of every layer (a power of two bytes).
 
     A growing pool re-pins and copies host memory at every doubling (~0.5 s per GiB pinned); one
@@ -151,10 +152,8 @@ def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, itemsi
     """
     if config.dram_bytes is not None:
         return config
-    text = model_config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    blocks = (tokens // config.block_size + 1) * text.num_hidden_layers * text.num_key_value_heads
-    needed = blocks * 2 * config.block_size * head_dim * itemsize
+    sizes = EngineSizes(model_config, config, dtype)
+    needed = sizes.lifetime_dram_blocks(tokens) * sizes.block_bytes
     return replace(config, dram_bytes=1 << (needed - 1).bit_length())
 
 

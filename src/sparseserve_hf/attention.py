@@ -134,10 +134,9 @@ def pick_blocks(
         scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
     )  # (B, H, K), H = Hq or Hkv
     head_mask = None  # every query head attends to all blocks its KV head loaded
-    if config.selection != "kv_head":
-        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, capacity)  # (B, Hkv, U)
-        if config.selection == "group_union":
-            head_mask = None
+    if config.selection != "kv_head":  # (B, Hkv, U); group_union needs no per-head mask
+        with_mask = config.selection == "query_head"
+        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, capacity, with_mask)
     return picked, valid, head_mask
 
 

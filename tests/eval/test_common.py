@@ -57,9 +57,9 @@ def test_batches_and_method_names():
 
 
 def test_sized_dram_pool_holds_every_layer_and_rounds_to_a_power_of_two(tiny):
-    config = sized_dram_pool(SparseServeConfig(block_size=8), tiny.config, tokens=100, itemsize=4)
+    config = sized_dram_pool(SparseServeConfig(block_size=8), tiny.config, tokens=100, dtype=torch.float32)
     blocks = (100 // 8 + 1) * 2 * 2  # layers x KV heads
     assert config.dram_bytes == 1 << (blocks * 2 * 8 * 16 * 4 - 1).bit_length()
     assert config.dram_bytes.bit_count() == 1
     fixed = SparseServeConfig(dram_bytes=12345)
-    assert sized_dram_pool(fixed, tiny.config, 100, 4) is fixed
+    assert sized_dram_pool(fixed, tiny.config, 100, torch.float32) is fixed

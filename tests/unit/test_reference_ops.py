@@ -98,3 +98,5 @@ def test_union_over_group_matches_sets():
     for head in range(4):
         own = set(index[0, head][valid[0, head]].tolist())
         assert set(union[0, head // 2][head_mask[0, head]].tolist()) == own
+    bare = reference.union_over_group(index, valid, num_kv_heads=2, capacity=8, with_head_mask=False)
+    assert torch.equal(bare[0], union) and torch.equal(bare[1], union_valid) and bare[2] is None

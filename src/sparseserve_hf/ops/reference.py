@@ -133,18 +133,20 @@ def select_blocks(
 
 
 def union_over_group(
-    index: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index: torch.Tensor, valid: torch.Tensor, num_kv_heads: int, capacity: int, with_head_mask: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-query-head selections -> the blocks each KV head loads (their union) and who uses which.
 
     Args:
         index, valid: (B, Hq, K) as returned by `select_blocks`.
         num_kv_heads: Hkv.
         capacity: N, the width of the block table the indices point into.
+        with_head_mask: False skips the per-head mask (group_union attends the whole union).
     Returns:
         union: (B, Hkv, U) block indices, ascending among valid entries, U = min(G*K, N).
         union_valid: (B, Hkv, U).
-        head_mask: (B, Hq, U) True where the query head itself selected that union block.
+        head_mask: (B, Hq, U) True where the query head itself selected that union block; None
+            without `with_head_mask`.
     """
     batch, num_q_heads, _ = index.shape
     group = num_q_heads // num_kv_heads
@@ -158,6 +160,8 @@ def union_over_group(
     key, union = key.topk(min(group * index.shape[-1], width), dim=-1, largest=False)
     union_valid = key < width
     union = torch.where(union_valid, union, 0)
+    if not with_head_mask:
+        return union, union_valid, None
     head_mask = torch.gather(own, 2, union.repeat_interleave(group, dim=1)) > 0  # (B, Hq, U)
     return union, union_valid, head_mask & union_valid.repeat_interleave(group, dim=1)
 
@@ -221,6 +225,7 @@ def combine_by_rank(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
     (ties go to `first`); -inf stays -inf (unused table entries).
     """
+
     def rank(scores: torch.Tensor) -> torch.Tensor:  # 0 = best; -inf entries rank last
         return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
 
