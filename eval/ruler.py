@@ -710,7 +710,7 @@ def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list
         if family in ("dense", "sparse", *metadata_kinds):
             raise ValueError(f"--variant family {family!r} clashes with a built-in method family")
         methods += methods_for(budgets, SparseServeConfig(**overrides), family)
-    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0]
+    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0] or methods_for([])
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"two methods share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -737,7 +737,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="cap on answer tokens (default: RULER's per task)")
     parser.add_argument("--batch-size", type=int, default=1, help="samples of one task and length per generate call")
     parser.add_argument(
-        "--metadata", default="quest", help='block metadata kinds to compare, e.g. "quest,cuboid" (quest is "sparse_*")'
+        "--metadata", default="quest", help='block metadata kinds to compare, e.g. "quest,cuboid" (quest is "sparse_*"); '
+        '"none": only dense and the --variant families'
     )
     parser.add_argument(
         "--variant",
@@ -768,7 +769,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     lengths = _parse_list(args.lengths, "--lengths", int)
-    methods = sparse_methods(parse_budgets(args.budgets), _parse_list(args.metadata, "--metadata"), args.variant)
+    kinds = [] if args.metadata == "none" else _parse_list(args.metadata, "--metadata")
+    methods = sparse_methods(parse_budgets(args.budgets), kinds, args.variant)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

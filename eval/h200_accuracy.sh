@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The accuracy sweep behind eval/results/accuracy.md, in parts that each fit one 10-minute GPU call.
+#
+#   bash eval/h200_accuracy.sh PART OUT_DIR SAMPLES_DIR
+#
+# SAMPLES_DIR holds the fixed, seeded sample files built on the CPU machine (the GPU machine has no
+# data packages and no `datasets`):
+#   python -m eval.ruler --tasks all --lengths 8192 --samples 50 --dump-only --dump-samples ruler_8192.jsonl
+#   python -m eval.ruler --tasks all --lengths 4096 --samples 50 --dump-only --dump-samples ruler_4096.jsonl
+#   cp ../shared/data/longbench/multi_news.jsonl .
+# Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
+#   8k_budgets   8K, the four tasks dense solves (>= 20%): quest and cuboid metadata at 128 and 512
+#   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens)
+#   4k           4K, six needle tasks: quest at 128..1024 and hybrid at 128, 256
+#   multi_news   LongBench multi_news, 50 records: dense, quest at 512 and 2048
+# Then, on any machine: python -m eval.accuracy_report --ruler DIRS --longbench DIR --out eval/results
+set -euo pipefail
+part=${1:?part}
+out=${2:?out dir}
+samples=${3:?samples dir}
+tasks8="niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue"
+tasks4="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery"
+hybrid="hybrid_s8:metadata=hybrid:metadata_sub_blocks=4"
+common=(--batch-size 50 --max-new-tokens 64)
+case $part in
+  8k_budgets)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,512 \
+      --metadata quest,cuboid "${common[@]}" --out "$out/ruler_8k_budgets" ;;
+  8k_hybrid)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,256,512,1024,2048 \
+      --metadata none --variant "$hybrid" "${common[@]}" --out "$out/ruler_8k_hybrid" ;;
+  4k)
+    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256,512,1024 \
+      "${common[@]}" --out "$out/ruler_4k"
+    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256 \
+      --metadata none --variant "$hybrid" "${common[@]}" --out "$out/ruler_4k_hybrid" ;;
+  multi_news)
+    python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
+      --batch-size 25 --out "$out/longbench_multi_news" ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news)" >&2; exit 2 ;;
+esac
