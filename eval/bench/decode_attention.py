@@ -12,6 +12,9 @@ Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident bloc
 window forced); `select_attend_ms` both (the block-table lookup and misses are T8's business);
 `kernel_gb_per_s` bytes the kernel reads (K/V of the attended blocks and tails) per second;
 `union` rows time the "group_union" worst case (each KV head loads G x 63 distinct blocks).
+Where flash-attn-4 runs (`backend="flash"`), `flash_ms` times its sparse decode on the same
+inputs, `flash_speedup` = dense_ms / flash_ms, and `flash_max_abs_diff` is its largest
+difference from the Triton kernel's output; the top level then adds `flash_speedup_vs_dense_sdpa`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,20 @@ def decode_inputs(batch: int, context: int, budget: int, group_union: bool, devi
     )  # fmt: skip
 
 
-def measure(batch: int, context: int, args, device: torch.device, group_union: bool) -> dict[str, Any]:
+def flash_decode_module(device: torch.device):
+    """`ops.flash_decode` where flash-attn-4 runs on `device`, else None (the reason printed)."""
+    from sparseserve_hf.ops import resolve_backend
+
+    try:
+        resolve_backend("flash", device)
+        from sparseserve_hf.ops import flash_decode
+    except (NotImplementedError, ImportError) as exc:
+        print(f"no flash column: {exc}")
+        return None
+    return flash_decode
+
+
+def measure(batch: int, context: int, args, device: torch.device, group_union: bool, flash=None) -> dict[str, Any]:
     from sparseserve_hf.ops import reference, triton_decode, triton_score
 
     x = decode_inputs(batch, context, args.budget, group_union, device)
@@ -77,6 +93,12 @@ def measure(batch: int, context: int, args, device: torch.device, group_union: b
     def attend() -> torch.Tensor:
         tail = x["tail"]
         return triton_decode.sparse_decode(
+            x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
+        )
+
+    def attend_flash() -> torch.Tensor:
+        tail = x["tail"]
+        return flash.sparse_decode(
             x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
         )
 
@@ -95,11 +117,16 @@ def measure(batch: int, context: int, args, device: torch.device, group_union: b
     row["select_attend_ms"] = time_ms(select_attend, device)
     read = batch * KV_HEADS * (x["loaded"] + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
     row["kernel_gb_per_s"] = read / row["sparse_ms"] / 1e6
+    if flash is not None:  # the first call JIT-compiles fa4's kernel (seconds): before the timing
+        row["flash_max_abs_diff"] = (attend_flash().float() - attend().float()).abs().max().item()
+        row["flash_ms"] = time_ms(attend_flash, device)
     x.clear()  # free the sparse inputs before SDPA allocates the dense K/V
     row["dense_ms"] = dense_ms(batch, context, args, device)
     if row["dense_ms"] is not None:
         row["speedup"] = row["dense_ms"] / row["sparse_ms"]
         row["select_attend_speedup"] = row["dense_ms"] / row["select_attend_ms"]
+        if "flash_ms" in row:
+            row["flash_speedup"] = row["dense_ms"] / row["flash_ms"]
     return row
 
 
@@ -126,15 +153,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 1, 16, 16
         args.contexts, args.batches, args.budget = [256], [1, 2], 64
     copy_gb_per_s = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 20))
+    flash = flash_decode_module(device)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            rows.append(measure(batch, context, args, device, group_union=False))
+            rows.append(measure(batch, context, args, device, group_union=False, flash=flash))
     headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
-    rows.append(measure(headline[1], headline[0], args, device, group_union=True))
+    rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
     columns = ["context", "batch", "union", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
+    columns += ["flash_ms", "flash_speedup", "flash_max_abs_diff"] if flash is not None else []
     print_table(
         rows, columns + ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
     )
@@ -150,9 +179,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copy_gb_per_s": copy_gb_per_s,
         "rows": rows,
     }
+    flash_line = ""
+    if flash is not None:
+        result["flash_speedup_vs_dense_sdpa"] = top.get("flash_speedup")
+        flash_line = f" flash_speedup_vs_dense_sdpa={result['flash_speedup_vs_dense_sdpa']}"
     print(
         f"speedup_vs_dense_sdpa={result['speedup_vs_dense_sdpa']} select_and_attend_speedup="
-        f"{result['select_and_attend_speedup']} hbm_bandwidth_fraction={result['hbm_bandwidth_fraction']}"
+        f"{result['select_and_attend_speedup']} hbm_bandwidth_fraction={result['hbm_bandwidth_fraction']}" + flash_line
     )
     write_json(args.out, result)
     return result

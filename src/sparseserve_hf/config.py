@@ -50,8 +50,10 @@ class SparseServeConfig:
             requests (LRU). None = unlimited: no selected block is ever evicted.
         dram_bytes: bytes of the block pool (host DRAM; device memory with offload=False).
             None = grow on demand.
-        backend: "auto" (fastest available), "torch" (the plain-PyTorch reference),
-            "triton" or "flash" (GPU kernels).
+        backend: "auto" ("triton" on CUDA when triton is installed, else "torch"), "torch"
+            (the plain-PyTorch reference), "triton" (Triton kernels) or "flash" (the Triton
+            kernels with decode attention on flash-attn-4's paged kernel: fp16/bf16 on a Hopper
+            or datacenter Blackwell GPU, `pip install 'sparseserve_hf[flash]'`).
         max_batch: most requests one `Generator` iteration decodes (the paper's R_max).
         max_batch_tokens: most tokens one `Generator` iteration processes (T_max): one per
             decoding request, the rest (times the number of layers) is the iteration's prefill

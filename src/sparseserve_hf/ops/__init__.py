@@ -3,7 +3,8 @@
 The plain-PyTorch reference (`ops.reference`) is the specification and runs on CPU and CUDA.
 The Triton kernels (`ops.triton_*`) implement the same signatures and are tested against it;
 they are imported only when the "triton" backend is resolved, so `import sparseserve_hf`
-never imports triton (CPU-first).
+never imports triton (CPU-first). The "flash" backend is the Triton set with `sparse_decode`
+on flash-attn-4's paged kernel (`ops.flash_decode`, imported only from `get_ops("flash")`).
 
 Dimension letters used in shape comments across the package: B requests (batch rows),
 Hq query heads, Hkv KV heads, G = Hq // Hkv, T tokens, N blocks of a row's table, K selected
@@ -22,7 +23,7 @@ import torch
 
 from . import reference
 
-__all__ = ["BlockOps", "get_ops", "reference", "resolve_backend", "triton_available"]
+__all__ = ["BlockOps", "flash_available", "get_ops", "reference", "resolve_backend", "triton_available"]
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,39 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def flash_available() -> bool:
+    """True when flash-attn-4 (`flash_attn.cute`) is installed, checked without importing it.
+
+    `find_spec("flash_attn.cute")` would import `flash_attn` (flash-attn 2's `__init__` loads its
+    CUDA extension), so the submodule is looked for in the package's search path instead.
+    """
+    try:
+        spec = importlib.util.find_spec("flash_attn")
+    except (ImportError, ValueError):
+        return False
+    locations = spec.submodule_search_locations if spec is not None else None
+    return any(os.path.isfile(os.path.join(path, "cute", "__init__.py")) for path in locations or ())
+
+
+FLASH_INSTALL = (
+    "pip install 'sparseserve_hf[flash]' (flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl==4.8.1; "
+    "a Hopper or datacenter Blackwell GPU: sm_90, sm_100, sm_110)"
+)
+FLASH_ARCHS = (9, 10, 11)  # compute-capability majors where fa4 has paged KV (not SM80/SM120)
+
+
 def _triton_interpreted() -> bool:
     # Triton's CPU interpreter runs kernels on CPU tensors; the test suite uses it without a GPU.
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve_backend(backend: str, device: torch.device | None) -> str:
-    """The backend that will run on `device` ("torch" or "triton"); raise for one that cannot.
+    """The backend that will run on `device` ("torch", "triton" or "flash"); raise for one that cannot.
 
     "auto" picks "triton" on CUDA when triton is installed, else "torch". "triton" needs triton
-    and a CUDA device (or any device under TRITON_INTERPRET=1). `device=None` checks only what
-    can be checked before the first tensor is seen.
+    and a CUDA device (or any device under TRITON_INTERPRET=1). "flash" needs flash-attn-4,
+    triton (it keeps the Triton scoring and transfer kernels) and a Hopper or Blackwell CUDA
+    device. `device=None` checks only what can be checked before the first tensor is seen.
     """
     if backend == "torch":
         return "torch"
@@ -88,14 +111,37 @@ def resolve_backend(backend: str, device: torch.device | None) -> str:
             )
         return "triton"
     if backend == "flash":
-        raise NotImplementedError("backend='flash' (flash-attn-4) is not built yet; use 'auto', 'torch' or 'triton'")
+        _check_flash(device)
+        return "flash"
     raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch', 'triton' or 'flash'")
+
+
+def _check_flash(device: torch.device | None) -> None:
+    if not flash_available():
+        raise NotImplementedError(f"backend='flash' needs flash-attn-4 (flash_attn.cute): {FLASH_INSTALL}")
+    if not triton_available():
+        raise NotImplementedError("backend='flash' also runs the Triton kernels: pip install 'sparseserve_hf[flash]'")
+    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if not on_cuda:
+        raise NotImplementedError(
+            f"backend='flash' runs on CUDA devices, not on {device or 'CPU'}; use backend='auto' or 'torch'"
+        )
+    if device is not None and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in FLASH_ARCHS:
+            raise NotImplementedError(
+                f"backend='flash' needs a Hopper or datacenter Blackwell GPU (flash-attn-4 has no paged KV on "
+                f"sm_{major}{minor}); use backend='triton'"
+            )
 
 
 def get_ops(backend: str, device: torch.device) -> BlockOps:
     """The op set for `backend` ("auto", "torch", "triton", "flash") on `device`."""
-    if resolve_backend(backend, device) == "torch":
+    resolved = resolve_backend(backend, device)
+    if resolved == "torch":
         return TORCH_OPS
+    if resolved == "flash":
+        return _flash_ops()
     return _triton_ops()
 
 
@@ -113,3 +159,10 @@ def _triton_ops() -> BlockOps:
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
     )
+
+
+def _flash_ops() -> BlockOps:
+    from . import flash_decode  # imports flash_attn.cute (CuTe-DSL): only here, never at package import
+
+    # Only decode attention changes: scoring and the block transfers stay the Triton kernels.
+    return replace(_triton_ops(), name="flash", sparse_decode=flash_decode.sparse_decode)
