@@ -4,7 +4,9 @@ On CUDA, `torch.cuda.set_sync_debug_mode("error")` catches host syncs directly. 
 syncs, so `forbid_host_syncs` looks for the ops that would: every scalar read-back
 (`.item()`, `bool(t)`, `int(t)`, `.tolist()`) and every op whose output shape depends on the
 data (`nonzero`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave` by a
-tensor). Such an op needs the device's result on the host before the next launch.
+tensor). Such an op needs the device's result on the host before the next launch. Also a Python
+number assigned through indexing (`t[idx] = -1`): CUDA copies it to the device from pageable host
+memory first, which syncs (`index_fill_` / `masked_fill_` take the scalar as a kernel argument).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class _FunctionGuard(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in READ_BACK_METHODS:
             self.seen.append(f"Tensor.{name}")
+        elif name == "__setitem__" and len(args) > 2 and not isinstance(args[2], torch.Tensor):
+            self.seen.append("Tensor.__setitem__ with a Python scalar")
         return func(*args, **(kwargs or {}))
 
 

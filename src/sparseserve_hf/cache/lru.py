@@ -102,7 +102,9 @@ def lookup_(
     load_slots = torch.where(miss, victims[rank.clamp(min=0)], -1)
     target = torch.where(miss, load_slots, num_slots)  # masked entries write the dump slot
     evicted = slot_block[target]
-    block_slot[torch.where(miss & (evicted >= 0), evicted, dump_block)] = -1
+    # index_fill_, not `[...] = -1`: a Python scalar assigned through an index tensor is copied to
+    # the device first, a host sync (caught by the H200 sync-debug test).
+    block_slot.index_fill_(0, torch.where(miss & (evicted >= 0), evicted, dump_block), -1)
     slot_block[target] = ids
     slot_tick[target] = clock
     block_slot[torch.where(miss, ids, dump_block)] = load_slots
@@ -120,9 +122,9 @@ def invalidate_(
     ids = block_ids.clamp(min=0)
     slots = torch.where(block_ids >= 0, block_slot[ids], -1)
     target = torch.where(slots >= 0, slots, num_slots)
-    slot_block[target] = -1
-    slot_tick[target] = -1
-    block_slot[torch.where(block_ids >= 0, block_ids, dump_block)] = -1
+    slot_block.index_fill_(0, target, -1)
+    slot_tick.index_fill_(0, target, -1)
+    block_slot.index_fill_(0, torch.where(block_ids >= 0, block_ids, dump_block), -1)
 
 
 class ReferenceLru:
