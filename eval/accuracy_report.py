@@ -24,7 +24,7 @@ from pathlib import Path
 from eval.common import DENSE, split_method, summarize
 
 MIN_DENSE_SCORE = 20.0
-DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig
+DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig (see --rename)
 T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
 
 
@@ -45,13 +45,36 @@ def read_meta(folder: Path) -> dict:
     return json.loads(meta.read_text()) if meta.is_file() else {"note": f"{folder}: run cut short"}
 
 
-def merge(folders: list[Path]) -> list[dict]:
-    """Rows of every folder; a (task, sample, method) seen twice keeps its last row."""
+def merge(folders: list[Path], renames: dict[str, str] | None = None) -> list[dict]:
+    """Rows of every folder; a (task, sample, method) seen twice keeps its last row.
+
+    `renames` maps method families to new names, all at once (so {"sparse": "quest", "hybrid_s8":
+    "sparse"} swaps labels rather than chaining): runs made before a default changed keep the
+    family names they were written with.
+    """
     unique: dict[tuple, dict] = {}
     for folder in folders:
         for row in read_rows(folder):
+            row = dict(row, method=rename_method(row["method"], renames or {}))
             unique[(row["task"], row.get("index", row.get("id")), row["method"])] = row
     return list(unique.values())
+
+
+def rename_method(name: str, renames: dict[str, str]) -> str:
+    """ "sparse_512" with {"sparse": "quest"} -> "quest_512"; dense and other families unchanged."""
+    family, budget = split_method(name)
+    return name if budget is None or family not in renames else f"{renames[family]}_{budget}"
+
+
+def parse_renames(pairs: list[str]) -> dict[str, str]:
+    """["OLD=NEW", ...] -> {OLD: NEW}; a clear error for anything else."""
+    renames = {}
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not (sep and old and new) or DENSE in (old, new):
+            raise ValueError(f"--rename takes OLD=NEW method families (not dense), got {pair!r}")
+        renames[old] = new
+    return renames
 
 
 def ratio_by_budget(scores: dict[str, dict[str, float]], tasks: list[str]) -> dict[str, dict[str, float]]:
@@ -97,18 +120,18 @@ def t7_verdict(ratios: dict[str, float], length: int) -> dict[str, dict]:
     return verdict
 
 
-def build(ruler_folders: list[Path], longbench_folders: list[Path]) -> dict:
+def build(ruler_folders: list[Path], longbench_folders: list[Path], renames: dict[str, str] | None = None) -> dict:
     """The whole report as one JSON-able dict."""
     report: dict = {"min_dense_score": MIN_DENSE_SCORE}
     if ruler_folders:
-        ruler = ruler_report(merge(ruler_folders))
+        ruler = ruler_report(merge(ruler_folders, renames))
         report["ruler"] = ruler
         report["ruler_meta"] = [read_meta(f) for f in ruler_folders]
         eight_k = ruler["lengths"].get("8192", {}).get("ratio_to_dense", {})
         report["ratio_to_dense_8k"] = eight_k.get(DEFAULT_FAMILY, {})
         report["t7_8k"] = t7_verdict(report["ratio_to_dense_8k"], 8192)
     if longbench_folders:
-        summary = summarize(merge(longbench_folders))
+        summary = summarize(merge(longbench_folders, renames))
         report["longbench"] = {"score": summary["score"], "ratio_to_dense": summary["ratio_to_dense"],
                                "samples": summary["samples"]}  # fmt: skip
         report["longbench_meta"] = [read_meta(f) for f in longbench_folders]
@@ -209,10 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument("--note", action="append", default=[], help="a line for the report (e.g. how samples were built)")
+    parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
     args = parser.parse_args(argv)
     if not args.ruler and not args.longbench:
         raise ValueError("give at least one --ruler or --longbench folder")
-    report = build(args.ruler, args.longbench)
+    report = build(args.ruler, args.longbench, parse_renames(args.rename))
     command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = command
     report["notes"] = args.note

@@ -695,16 +695,18 @@ def _parse_list(text: str, flag: str, kind: type = str) -> list:
 
 
 def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None) -> list:
-    """Dense, then every budget for each metadata kind ("sparse_<b>" for quest, "cuboid_<b>") and for
-    each `--variant` family ("FAMILY:field=value:..." -> "FAMILY_<b>", other fields at their defaults).
+    """Dense, then every budget for each metadata kind ("quest_<b>", "cuboid_<b>"; the default
+    configuration's kind is "sparse_<b>") and for each `--variant` family ("FAMILY:field=value:..."
+    -> "FAMILY_<b>", other fields at their defaults).
     """
     from eval.common import methods_for, parse_variant
     from sparseserve_hf import SparseServeConfig
 
     methods = []
     for kind in metadata_kinds:
-        family = "sparse" if kind == "quest" else kind
-        methods += methods_for(budgets, SparseServeConfig(metadata=kind), family)
+        config = SparseServeConfig(metadata=kind)  # the kind's own default sub-blocks
+        family = "sparse" if config == SparseServeConfig() else kind
+        methods += methods_for(budgets, config, family)
     for text in variants or []:
         family, overrides = parse_variant(text)
         if family in ("dense", "sparse", *metadata_kinds):
@@ -719,6 +721,8 @@ def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of `python -m eval.ruler`."""
+    from sparseserve_hf import SparseServeConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--tasks",
@@ -737,7 +741,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="cap on answer tokens (default: RULER's per task)")
     parser.add_argument("--batch-size", type=int, default=1, help="samples of one task and length per generate call")
     parser.add_argument(
-        "--metadata", default="quest", help='block metadata kinds to compare, e.g. "quest,cuboid" (quest is "sparse_*"); '
+        "--metadata", default=SparseServeConfig().metadata,
+        help='block metadata kinds to compare, e.g. "quest,cuboid" (the default kind is "sparse_*"); '
         '"none": only dense and the --variant families'
     )
     parser.add_argument(

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METADATA_KINDS = ("quest", "cuboid", "hybrid")
+HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
@@ -34,10 +35,15 @@ class SparseServeConfig:
             "hybrid" (the block's quest min/max plus the cuboid mean of each sub-block; the
             two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
             the few tokens a retrieval head reads; eval/results/selection_diagnostics.md).
+            "hybrid" is the default: at 8K on the real model it kept 0.86 of dense at budget 512
+            where quest kept 0.71 (eval/results/accuracy.md), for 3x quest's metadata bytes.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
             only the metadata grows (x metadata_sub_blocks). 1 = one summary per block.
+            None (default) = 4 for "hybrid" (a cuboid mean per 8 tokens of a 32-token block;
+            capped at block_size), 1 for "quest" and "cuboid". The resolved number is stored,
+            so `dataclasses.replace(config, metadata=...)` keeps it: pass both to switch kinds.
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
@@ -88,6 +94,12 @@ class SparseServeConfig:
             GPU-direct UVA scatter launch; 52 GB/s = 0.945 of bulk D2H on the H200,
             eval/results/transfer.json) or "flash_d2h" (the paper's FlashD2H: one contiguous D2H
             copy into pinned staging, CPU threads scatter it; 14.9 GB/s = 0.27 of bulk there).
+        cuda_graphs: decode steps replay a captured CUDA graph (`graph.DecodeGraphRunner`; on
+            CUDA with the "triton" or "flash" backend) instead of launching ~100 kernels per
+            layer from Python. A captured step holds every pool by address, so it needs a fixed
+            `dram_bytes`, a fixed `hbm_cache_bytes` with offload, `transfer="kernel"` and no
+            `dense_layers` (the backend is checked at capture, where the device is known: the
+            torch reference's block copy syncs). The `Generator` does not use it yet.
     """
 
     block_size: int = 32
@@ -95,8 +107,8 @@ class SparseServeConfig:
     sink_blocks: int = 1
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = ()
-    metadata: str = "quest"
-    metadata_sub_blocks: int = 1
+    metadata: str = "hybrid"
+    metadata_sub_blocks: int | None = None
     selection: str = "group_union"
     group_aggregation: str = "max"
     hbm_cache_bytes: int | None = None
@@ -111,6 +123,7 @@ class SparseServeConfig:
     offload: bool = True
     transfer: str = "kernel"
     save_path: str = "scatter"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -133,6 +146,9 @@ class SparseServeConfig:
         ):
             raise ValueError(f"dense_layers must be a tuple of non-negative ints, got {self.dense_layers!r}")
         _check_choice("metadata", self.metadata, METADATA_KINDS)
+        if self.metadata_sub_blocks is None:  # frozen: resolve the kind's default in place, once
+            default = min(HYBRID_SUB_BLOCKS, self.block_size) if self.metadata == "hybrid" else 1
+            object.__setattr__(self, "metadata_sub_blocks", default)
         _check_positive_int("metadata_sub_blocks", self.metadata_sub_blocks)
         if self.metadata_sub_blocks & (self.metadata_sub_blocks - 1) or self.metadata_sub_blocks > self.block_size:
             raise ValueError(
@@ -161,6 +177,7 @@ class SparseServeConfig:
         if self.max_inject_tokens is not None:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)
         self._check_transfer_fields()
+        self._check_graph_fields()
 
     def _check_transfer_fields(self) -> None:
         if not isinstance(self.offload, bool):
@@ -179,6 +196,23 @@ class SparseServeConfig:
                 "save_path='flash_d2h' is a kernel save path, but transfer='copy' saves with one copy_ per block: "
                 "use save_path='scatter'"
             )
+
+    def _check_graph_fields(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not self.cuda_graphs:
+            return
+        needs = []  # a captured step holds every pool and table by address: nothing may grow or move
+        if self.dram_bytes is None:
+            needs.append("a fixed dram_bytes (a growing pool moves)")
+        if self.offload and self.hbm_cache_bytes is None:
+            needs.append("a fixed hbm_cache_bytes with offload=True (an unlimited cache grows)")
+        if self.transfer != "kernel":
+            needs.append("transfer='kernel' (transfer='copy' reads ids back to the host)")
+        if self.dense_layers:
+            needs.append("no dense_layers (their KV grows with torch.cat)")
+        if needs:
+            raise ValueError(f"cuda_graphs=True needs {'; '.join(needs)}")
 
     @property
     def budget_blocks(self) -> int:

@@ -57,10 +57,19 @@ def test_config_metadata_sub_blocks_is_validated(value):
 
 
 def test_config_metadata_vectors():
-    assert SparseServeConfig().metadata_vectors == 2
-    assert SparseServeConfig(metadata_sub_blocks=4).metadata_vectors == 8
+    assert SparseServeConfig(metadata="quest").metadata_vectors == 2
+    assert SparseServeConfig(metadata="quest", metadata_sub_blocks=4).metadata_vectors == 8
     assert SparseServeConfig(metadata="cuboid", metadata_sub_blocks=4).metadata_vectors == 4
     assert SparseServeConfig.from_dict(SparseServeConfig(metadata_sub_blocks=2).to_dict()).metadata_sub_blocks == 2
+
+
+def test_default_metadata_is_hybrid_with_a_mean_per_8_tokens():
+    config = SparseServeConfig()
+    assert (config.metadata, config.metadata_sub_blocks, config.metadata_vectors) == ("hybrid", 4, 6)
+    assert SparseServeConfig(block_size=2, token_budget=8).metadata_sub_blocks == 2  # capped at block_size
+    assert SparseServeConfig(metadata="quest").metadata_sub_blocks == 1
+    assert SparseServeConfig(metadata="cuboid").metadata_sub_blocks == 1
+    assert SparseServeConfig.from_dict(config.to_dict()) == config
 
 
 def test_hybrid_metadata_layout_by_hand():
@@ -95,5 +104,5 @@ def test_hybrid_score_table_ignores_unused_entries():
 
 
 def test_config_hybrid_vectors():
-    assert SparseServeConfig(metadata="hybrid").metadata_vectors == 3
+    assert SparseServeConfig(metadata="hybrid", metadata_sub_blocks=1).metadata_vectors == 3
     assert SparseServeConfig(metadata="hybrid", metadata_sub_blocks=4).metadata_vectors == 6
