@@ -33,6 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bulk-gib", type=float, default=1.0)
     parser.add_argument("--loop-blocks", type=int, default=4096, help="blocks in the per-block copy_ loop")
     parser.add_argument("--threads", type=int, default=8, help="FlashD2H scatter threads")
+    parser.add_argument(
+        "--save-programs",
+        type=int,
+        nargs="*",
+        default=[8, 16, 32, 64],
+        help="grid caps of the UVA scatter beside compute",
+    )
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -86,7 +93,12 @@ def block_rows(block_kib: int, host_bytes: torch.Tensor, args, device: torch.dev
 
 
 def overlap_rows(host_bytes: torch.Tensor, args, device: torch.device) -> list[dict[str, Any]]:
-    """Matmul time on the main stream alone and while each save path moves 16 KiB blocks."""
+    """Matmul time on the main stream alone and while each save path moves 16 KiB blocks.
+
+    The UVA scatter runs with a full grid (one program per block) and with grids capped at
+    `--save-programs`: each capped row also has the scatter's own bandwidth, so the cap that keeps
+    compute whole without losing PCIe speed can be read off one table.
+    """
     from sparseserve_hf.ops import triton_transfer
     from sparseserve_hf.ops.flash_d2h import FlashD2HSaver
 
@@ -102,19 +114,31 @@ def overlap_rows(host_bytes: torch.Tensor, args, device: torch.device) -> list[d
     side = torch.cuda.Stream(device)
     saver = FlashD2HSaver(device, num_threads=args.threads)
 
-    def uva() -> None:
-        with torch.cuda.stream(side):
-            triton_transfer.scatter_blocks(blocks, pool, ids_dev)
+    def uva(cap: int | None):
+        def save() -> None:
+            with torch.cuda.stream(side):
+                triton_transfer.scatter_blocks(blocks, pool, ids_dev, max_programs=cap)
+
+        return save
 
     def flash() -> None:
         saver.save(blocks, pool, ids)
 
     alone = _matmul_ms(a, 40, None)
-    rows = [{"method": "matmul alone", "compute_ms": alone, "slowdown": 1.0}]
-    for name, save in (("UVA scatter", uva), ("FlashD2H", flash)):
+    rows = [{"method": "matmul alone", "compute_ms": alone, "slowdown": 1.0, "save_gb_per_s": None}]
+
+    def scatter_gb_per_s(cap: int | None) -> float:  # alone, on the current stream (where time_ms records)
+        ms = time_ms(lambda: triton_transfer.scatter_blocks(blocks, pool, ids_dev, max_programs=cap), device)
+        return num * 16 * KIB / ms / 1e6
+
+    caps = [None, *args.save_programs]
+    saves = [(f"UVA scatter, grid <= {c}" if c else "UVA scatter", uva(c), c) for c in caps]
+    for name, save, cap in saves + [("FlashD2H", flash, None)]:
         with_save = _matmul_ms(a, 40, save)
         saver.wait()
-        rows.append({"method": f"matmul + {name}", "compute_ms": with_save, "slowdown": with_save / alone})
+        gb_per_s = None if save is flash else scatter_gb_per_s(cap)
+        rows.append({"method": f"matmul + {name}", "compute_ms": with_save, "slowdown": with_save / alone,
+                     "save_gb_per_s": gb_per_s})  # fmt: skip
     saver.close()
     sync(device)
     return rows
@@ -171,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overlap = overlap_rows(host, args, device)
     print_table(rows, ["method", "direction", "block_kib", "mib", "ms", "gb_per_s"])
     if overlap:
-        print_table(overlap, ["method", "compute_ms", "slowdown"])
+        print_table(overlap, ["method", "compute_ms", "slowdown", "save_gb_per_s"])
     result = {
         **run_record(device),
         "h2d_over_bulk": _ratio(rows, "FlashH2D gather", "h2d", 16),

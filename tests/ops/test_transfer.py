@@ -87,6 +87,22 @@ def test_scatter_blocks_matches_reference(dtype, shape, unused):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("max_programs", [1, 3, 9, 64])
+def test_scatter_with_a_capped_grid_saves_every_block(max_programs):
+    shape, dtype = (2, 8, 16), torch.float16
+    blocks = torch.randn((9, *shape)).to(dtype).to(DEVICE)
+    dst_ids = random_ids(9, 29, 2)
+    expected = torch.full((29, *shape), SENTINEL, dtype=dtype)
+    got = expected.pin_memory() if ON_GPU else expected.clone()
+    reference.scatter_blocks(blocks, expected, dst_ids)
+    triton_transfer.scatter_blocks(blocks, got, dst_ids.to(DEVICE), max_programs=max_programs)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="max_programs"):
+        triton_transfer.scatter_blocks(blocks, got, dst_ids.to(DEVICE), max_programs=0)
+
+
 def test_scatter_then_gather_round_trips_every_block():
     shape, dtype = (2, 16, 32), torch.float16
     blocks = torch.randn((13, *shape)).to(dtype).to(DEVICE)

@@ -26,30 +26,39 @@ def _copy_blocks_kernel(
     dst_ptr,
     dst_ids_ptr,
     count_ptr,
+    num,
     WORDS: tl.constexpr,
     TILE: tl.constexpr,
     HAS_SRC_IDS: tl.constexpr,
     HAS_COUNT: tl.constexpr,
 ):
-    """Program i copies block src[src_ids[i]] (or src[i]) to dst[dst_ids[i]]; -1 ids skip."""
+    """Block i goes src[src_ids[i]] (or src[i]) -> dst[dst_ids[i]]; -1 ids skip.
+
+    Program p copies blocks p, p + grid, p + 2 grid, ...: one block each with a full grid, or a
+    strided share with a capped grid (a save that leaves most SMs to the compute beside it).
+    """
     pid = tl.program_id(0)
-    if HAS_SRC_IDS:
-        src = tl.load(src_ids_ptr + pid).to(tl.int64)
-    else:
-        src = pid.to(tl.int64)
-    dst = tl.load(dst_ids_ptr + pid).to(tl.int64)
-    live = (src >= 0) & (dst >= 0)
+    step = tl.num_programs(0)
     if HAS_COUNT:
-        # Fixed maximum grid (CUDA graphs): programs past the device-side count do nothing.
-        live = live & (pid < tl.load(count_ptr))
-    # A dead program copies nothing: its word limit is 0 (a scalar bound, not a broadcast bool).
-    limit = live.to(tl.int32) * WORDS
-    src_base = src_ptr + src * WORDS  # int64 offsets: DRAM pools exceed 2**31 words
-    dst_base = dst_ptr + dst * WORDS
-    for start in tl.static_range(0, WORDS, TILE):
-        offsets = start + tl.arange(0, TILE)
-        mask = offsets < limit
-        tl.store(dst_base + offsets, tl.load(src_base + offsets, mask=mask), mask=mask)
+        # Fixed maximum grid (CUDA graphs): blocks past the device-side count are not copied.
+        live_count = tl.load(count_ptr)
+    for i in range(pid, num, step):
+        if HAS_SRC_IDS:
+            src = tl.load(src_ids_ptr + i).to(tl.int64)
+        else:
+            src = tl.cast(i, tl.int64)
+        dst = tl.load(dst_ids_ptr + i).to(tl.int64)
+        live = (src >= 0) & (dst >= 0)
+        if HAS_COUNT:
+            live = live & (i < live_count)
+        # A dead block copies nothing: its word limit is 0 (a scalar bound, not a broadcast bool).
+        limit = live.to(tl.int32) * WORDS
+        src_base = src_ptr + src * WORDS  # int64 offsets: DRAM pools exceed 2**31 words
+        dst_base = dst_ptr + dst * WORDS
+        for start in tl.static_range(0, WORDS, TILE):
+            offsets = start + tl.arange(0, TILE)
+            mask = offsets < limit
+            tl.store(dst_base + offsets, tl.load(src_base + offsets, mask=mask), mask=mask)
 
 
 def _as_words(pool: torch.Tensor) -> torch.Tensor:
@@ -71,17 +80,20 @@ def _launch(
     dst_ids: torch.Tensor,
     count: torch.Tensor | None,
     block_words: int,
+    max_programs: int | None = None,
 ) -> None:
     num = dst_ids.numel()
     if num == 0:
         return
     tile = min(triton.next_power_of_2(block_words), MAX_TILE_WORDS)
-    _copy_blocks_kernel[(num,)](
+    grid = num if max_programs is None else max(1, min(num, max_programs))
+    _copy_blocks_kernel[(grid,)](
         src_words,
         src_ids if src_ids is not None else dst_ids,  # unused when HAS_SRC_IDS is False
         dst_words,
         dst_ids,
         count if count is not None else dst_ids,  # unused when HAS_COUNT is False
+        num,
         WORDS=block_words,
         TILE=tile,
         HAS_SRC_IDS=src_ids is not None,
@@ -127,17 +139,24 @@ def gather_blocks(
     )
 
 
-def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def scatter_blocks(
+    src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor, max_programs: int | None = None
+) -> None:
     """GPU-direct save: copy `src_blocks[i] -> pool_dst[dst_ids[i]]` in one launch.
 
     Same contract as `reference.scatter_blocks`. `src_blocks` (n, 2, S, D) is device memory,
     `pool_dst` (C, 2, S, D) pinned host memory written through UVA (or device memory);
     `dst_ids` (n,) lives on the kernel's device. The writes are ordered on the current stream:
-    synchronize it before the host reads the pool.
+    synchronize it before the host reads the pool. `max_programs` caps the grid (each program
+    then saves every max_programs-th block): a save beside prefill compute holds at most that
+    many SMs' worth of thread blocks instead of one per block (T2's compute-steal measure).
     """
     _check_pair(src_blocks, pool_dst)
     assert src_blocks.shape[0] == dst_ids.numel()
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"max_programs must be >= 1 or None, got {max_programs}")
     if dst_ids.numel() == 0:
         return
     src_words = _as_words(src_blocks.contiguous())
-    _launch(src_words, None, _as_words(pool_dst), dst_ids.reshape(-1), None, src_words.numel() // src_blocks.shape[0])
+    block_words = src_words.numel() // src_blocks.shape[0]
+    _launch(src_words, None, _as_words(pool_dst), dst_ids.reshape(-1), None, block_words, max_programs)
