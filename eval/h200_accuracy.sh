@@ -10,9 +10,16 @@
 #   cp ../shared/data/longbench/multi_news.jsonl .
 # Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
 #   8k_budgets   8K, the four tasks dense solves (>= 20%): quest and cuboid metadata at 128 and 512
-#   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens)
+#   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens;
+#                the default since; these ran as a --variant named hybrid_s8)
 #   4k           4K, six needle tasks: quest at 128..1024 and hybrid at 128, 256
-#   multi_news   LongBench multi_news, 50 records: dense, quest at 512 and 2048
+#   multi_news   LongBench multi_news, 50 records: dense vs quest (the default then) at 2048
+#   Next (not run yet):
+#   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
+#   8k_block16   8K, the four tasks: the default with 16-token blocks (finer selection, 2x metadata)
+#   multi_news_default  LongBench multi_news, 50 records: dense vs the default (hybrid) at 512 and 2048
+# The LongBench parts score rouge-L with package `rouge` (+ `six`), which the GPU machine lacks: carry
+# them from the dev venv's site-packages and put that folder on PYTHONPATH.
 # Then, on any machine: python -m eval.accuracy_report --ruler DIRS --longbench DIR --out eval/results
 set -euo pipefail
 part=${1:?part}
@@ -37,5 +44,14 @@ case $part in
   multi_news)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news)" >&2; exit 2 ;;
+  4k_rest)
+    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks niah_single_1,niah_single_2,niah_single_3,niah_multivalue \
+      --budgets 128,256,512 "${common[@]}" --out "$out/ruler_4k_rest" ;;
+  8k_block16)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512,1024 \
+      --metadata none --variant "block16:block_size=16" "${common[@]}" --out "$out/ruler_8k_block16" ;;
+  multi_news_default)
+    python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
+      --batch-size 50 --out "$out/longbench_multi_news_default" ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_block16, multi_news_default)" >&2; exit 2 ;;
 esac
