@@ -99,6 +99,24 @@ def test_hbm_cache_loads_the_right_blocks_and_counts_on_the_device():
     assert cache.counts() == (0, 0)  # read and zeroed
 
 
+@pytest.mark.core
+@pytest.mark.parametrize("built_under_inference_mode", [False, True])
+def test_counts_reset_the_same_counter_tensor(built_under_inference_mode):
+    """A captured decode step keeps adding into the counter tensor it saw: reading must zero it in place."""
+    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    ids = pool.allocate(4)
+    with torch.inference_mode(built_under_inference_mode):
+        cache = HbmBlockCache(8, SHAPE, torch.float32, torch.device("cpu"))
+        cache.track_blocks(pool.capacity)
+        cache.lookup(ids.view(2, 2), pool)
+    counter = cache._counts
+    assert cache.counts() == (4, 4)
+    assert cache._counts is counter and counter.tolist() == [0, 0]
+    with torch.inference_mode(built_under_inference_mode):
+        cache.lookup(ids.view(2, 2), pool)  # all hits now
+    assert cache.counts() == (4, 0) and cache._counts is counter
+
+
 @pytest.mark.gpu
 def test_lookup_on_cuda_matches_reference():
     gen = torch.Generator().manual_seed(7)

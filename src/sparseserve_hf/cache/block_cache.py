@@ -53,6 +53,7 @@ class HbmBlockCache:
         self._slot_index = torch.arange(slots, device=device)
         self.clock = torch.zeros(1, dtype=torch.long, device=device)
         self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
+        self.reallocations = 0  # times the pool or a table was reallocated (see TieredBlockStore.epoch)
 
     @property
     def num_slots(self) -> int:
@@ -79,6 +80,8 @@ class HbmBlockCache:
 
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""
+        if capacity + 1 > self._block_slot.shape[0]:
+            self.reallocations += 1
         self._block_slot = _grown_with_dump(self._block_slot, capacity)
 
     def check_fits(self, num_entries: int) -> None:
@@ -109,12 +112,26 @@ class HbmBlockCache:
         self._counts += torch.cat((result.num_unique, result.num_misses))
         return result.slots, result.num_misses
 
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a lookup reads or writes by address (what a captured decode step holds)."""
+        return {
+            "hbm_pool": self.pool,
+            "slot_block": self._slot_block,
+            "slot_tick": self._slot_tick,
+            "block_slot": self._block_slot,
+            "slot_index": self._slot_index,
+            "clock": self.clock,
+            "lookup_counts": self._counts,
+        }
+
     def counts(self) -> tuple[int, int]:
         """(blocks looked up, misses) since the last call, then zeroed: the one place that syncs."""
         looked_up, misses = self._counts.tolist()
-        # A fresh tensor, not zero_(): the counters may be an inference tensor (first lookup under
-        # torch.inference_mode), which cannot be updated in place outside inference mode.
-        self._counts = torch.zeros_like(self._counts)
+        # In place: a captured decode step (CUDA graph) keeps adding into this very tensor. An
+        # inference tensor (the store was built under torch.inference_mode) may only be updated
+        # in place inside inference mode, so enter it for exactly that case.
+        with torch.inference_mode(self._counts.is_inference()):
+            self._counts.zero_()
         return looked_up, misses
 
     def invalidate(self, block_ids: torch.Tensor) -> None:
@@ -127,6 +144,7 @@ class HbmBlockCache:
         if needed <= self.num_slots:
             return
         new = max(2 * self.num_slots, needed)
+        self.reallocations += 1
         self.pool = grown(self.pool, new)
         self._slot_block = _grown_with_dump(self._slot_block, new)
         self._slot_tick = _grown_with_dump(self._slot_tick, new)

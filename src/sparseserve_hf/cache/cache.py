@@ -163,6 +163,36 @@ class SparseServeCache(Cache):
             mine.pop_rows(rows, into=theirs)
         return moved
 
+    # ---- graph-mode decode (graph.DecodeGraphRunner) ---------------------------------------------
+
+    def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:
+        """Save the full tail blocks of `rows` of every layer to DRAM and empty those tails.
+
+        What a decode step does on its own when a row's tail is full, done before the step and for
+        all layers in one `TieredBlockStore.save_many` (one allocation, copy, scatter and metadata
+        launch), so the step itself has no host decision left and can be captured in a CUDA graph.
+        `table_width`: the table width the rows need afterwards, known on the caller's host; None
+        reads it from the device (one sync per layer).
+        """
+        layers = self._sparse_layers()
+        if not rows or not layers[0].is_initialized:
+            return
+        full_rows = torch.tensor(rows, device=layers[0].device)
+        saved = self.store.save_many([layer.full_tails(full_rows) for layer in layers])
+        for layer, ids in zip(layers, saved):
+            layer.link_saved_tails(full_rows, ids, table_width)
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """Every cache tensor a captured decode step reads or writes by address (names: "store.x", "layer3.x").
+
+        A CUDA graph replays with the addresses it was captured with: if any of these moves, the
+        graph must be recaptured (`graph.DecodeGraphRunner` compares them before every replay).
+        """
+        out = {f"store.{name}": t for name, t in self.store.graph_tensors().items()}
+        for i, layer in enumerate(self._sparse_layers()):
+            out |= {f"layer{i}.{name}": t for name, t in layer.graph_tensors().items()}
+        return out
+
     def _sparse_layers(self) -> list[SparseServeLayer]:
         if not all(isinstance(layer, SparseServeLayer) for layer in self.layers):
             raise NotImplementedError(

@@ -47,6 +47,9 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Graph mode (`graph.DecodeGraphRunner`): the caller rolls full tails before the step and
+        # tracks tail lengths on the host, so a decode commit only appends (`append_token_static`).
+        self.caller_owns_tails = False
         self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
@@ -224,7 +227,10 @@ class SparseServeLayer(CacheLayerMixin):
         keys, values = self.staged
         self.staged = None
         if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
-            self._append_token(keys, values)
+            if self.caller_owns_tails:
+                self.append_token_static(keys, values)
+            else:
+                self._append_token(keys, values)
             return
         for row in range(keys.shape[0]):
             take = slice(None) if valid is None else valid[row]
@@ -255,25 +261,73 @@ class SparseServeLayer(CacheLayerMixin):
         return torch.cat((full, self.tail[row, :, :, : int(self.tail_len[row])]), dim=2)
 
     def _append_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode fast path: full tails go to DRAM first, then one real token per row joins its tail.
-
-        Saving a full tail only when the next token arrives keeps the current token in the
-        tail, which sparse decode always attends.
-        """
+        """Decode fast path: full tails go to DRAM first (`roll_full_tails`), then one token per row joins its tail."""
         lengths = self._host_tail_len()
         full = [row for row, length in enumerate(lengths) if length == self.config.block_size]
         if full:  # host work (DRAM allocation), once per block_size tokens of a row
-            full_rows = torch.tensor(full, device=self.device)
-            num_kv_heads = self.tail.shape[1]
-            ids = self.store.save(self.tail[full_rows].flatten(0, 1))  # (R*Hkv,)
-            self._ensure_capacity(int(self.num_blocks.max()) + 1)
-            self.block_ids[full_rows, :, self.num_blocks[full_rows]] = ids.view(-1, num_kv_heads)
-            self.num_blocks[full_rows] += 1
-            self.tail_len[full_rows] = 0
+            self.roll_full_tails(full)
+        self.append_token_static(keys, values)
+        self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
+
+    def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:
+        """Save the full tail blocks of `rows` to DRAM and empty those tails (eager: host allocation).
+
+        Saving a full tail only when the next token arrives keeps the current token in the tail,
+        which sparse decode always attends. `table_width`: the table width the rows need
+        afterwards, known on the host (graph mode); None reads it from the device (one sync).
+        """
+        if not rows:
+            return
+        full_rows = torch.tensor(rows, device=self.device)
+        self.link_saved_tails(full_rows, self.store.save(self.full_tails(full_rows)), table_width)
+
+    def full_tails(self, full_rows: torch.Tensor) -> torch.Tensor:
+        """(R*Hkv, 2, S, D) the tail blocks of rows `full_rows` (R,), head-major per row."""
+        return self.tail[full_rows].flatten(0, 1)
+
+    def link_saved_tails(self, full_rows: torch.Tensor, ids: torch.Tensor, table_width: int | None = None) -> None:
+        """Append the saved tails' DRAM ids (R*Hkv,) to the rows' tables and empty their tails."""
+        self._ensure_capacity(int(self.num_blocks.max()) + 1 if table_width is None else table_width)
+        self.block_ids[full_rows, :, self.num_blocks[full_rows]] = ids.view(-1, self.tail.shape[1])
+        self.num_blocks[full_rows] += 1
+        self.tail_len.index_fill_(0, full_rows, 0)  # not `[rows] = 0`: a Python scalar through an index syncs
+
+    def append_token_static(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append one (B, Hkv, 1, D) token per row to its tail: fixed shapes, no host work (CUDA-graph safe).
+
+        Every tail must have room (fewer than block_size tokens): `roll_full_tails` runs first.
+        """
         rows = torch.arange(keys.shape[0], device=self.device)
         self.tail[rows, :, :, self.tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
         self.tail_len += 1
-        self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors a captured decode step reads or writes by address."""
+        return {
+            "tail": self.tail,
+            "tail_len": self.tail_len,
+            "block_ids": self.block_ids,
+            "num_blocks": self.num_blocks,
+        }
+
+    def forget_host_tail_len(self) -> None:
+        """Drop the host copy of the tail lengths, so the next eager decode step reads them back.
+
+        A CUDA-graph replay advances `tail_len` without bumping its version, so after one the
+        copy would still look current while holding old lengths.
+        """
+        self._tail_len_mirror = None
+
+    def set_table_width(self, width: int) -> None:
+        """Make the block table exactly `width` blocks wide (graph mode: one fixed width per captured graph).
+
+        Reallocates the table once; `width` must hold every row's blocks (the caller knows them on the host).
+        """
+        have = self.block_ids.shape[2]
+        if width < have:
+            self.block_ids = self.block_ids[:, :, :width].clone()  # the dropped columns are all -1
+        elif width > have:
+            self.block_ids = grown(self.block_ids, width, fill=-1, dim=2)
 
     def _host_tail_len(self) -> list[int]:
         """Each row's tail length, known on the host without a device sync in steady decode.

@@ -20,6 +20,7 @@ class ResidentBlocks:
     """
 
     unlimited = True
+    reallocations = 0  # the pool is the DRAM pool's storage: its growth is the store's to count
 
     def __init__(self, dram: DramPool) -> None:
         self.dram = dram
@@ -54,6 +55,10 @@ class ResidentBlocks:
         distinct[1:] &= ordered[1:] != ordered[:-1]  # first copy of each id: rows may share blocks
         self._looked_up += distinct.sum()
         return block_ids, 0
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a lookup reads or writes by address (what a captured decode step holds)."""
+        return {"hbm_pool": self.pool, "lookup_counts": self._looked_up}
 
     def counts(self) -> tuple[int, int]:
         """(distinct blocks looked up, misses = 0) since the last call, then zeroed."""

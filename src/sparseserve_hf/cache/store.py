@@ -61,6 +61,7 @@ class TieredBlockStore:
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self.metadata = torch.zeros((0, config.metadata_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
         self._stats = TransferStats()
+        self._reallocations = 0
         self._track_capacity()
 
     def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
@@ -84,16 +85,27 @@ class TieredBlockStore:
                 f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
             )
         self._track_capacity()
+        device_ids = ids.to(self.device)  # one host-to-device copy of the ids, not one per use
         if self.saver is not None:
             self.saver.save(blocks, self.dram.storage, ids)
         else:
-            self.ops.scatter_blocks(blocks, self.dram.storage, ids.to(self.device))
-        self.metadata[ids.to(self.device)] = self.ops.block_metadata(
+            self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
+        self.metadata[device_ids] = self.ops.block_metadata(
             blocks[:, 0], self.config.metadata, self.config.metadata_sub_blocks
         )
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
-        return ids.to(self.device)
+        return device_ids
+
+    def save_many(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`save` for several (n_i, 2, S, D) groups at once (e.g. one per layer); returns each group's ids.
+
+        One allocation, one id copy, one scatter and one metadata launch for all groups instead of
+        one of each per group: the graph-mode decode step saves every layer's full tails this way.
+        Ids come out as consecutive `save` calls in the same order would give them.
+        """
+        ids = self.save(torch.cat(groups))
+        return list(ids.split([group.shape[0] for group in groups]))
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
@@ -113,6 +125,17 @@ class TieredBlockStore:
         self._wait_for_saves()
         slots, _ = self.hbm.lookup(block_ids, self.dram)
         return slots
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a tensor the decode step reads or writes was reallocated: the DRAM pool
+        and the metadata when the pool grows, the HBM slot pool and tables when an unlimited cache
+        grows. A CUDA graph captured at another epoch holds stale addresses and must be recaptured."""
+        return self._reallocations + self.hbm.reallocations
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """The store's tensors a captured decode step reads or writes by address."""
+        return {"dram": self.dram.storage, "metadata": self.metadata} | self.hbm.graph_tensors()
 
     @property
     def stats(self) -> TransferStats:
@@ -162,5 +185,7 @@ class TieredBlockStore:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _track_capacity(self) -> None:
+        if self.metadata.shape[0] < self.dram.capacity:  # the pool grew (or was just created)
+            self._reallocations += 1
         self.metadata = grown(self.metadata, self.dram.capacity)
         self.hbm.track_blocks(self.dram.capacity)
