@@ -1,0 +1,255 @@
+"""DecodeGraphRunner: the sparse decode step captured in a CUDA graph (DESIGN.md target T8).
+
+Eager PyTorch spends ~35 ms per decode step of an 8B model launching ~100 small kernels per
+layer; a CUDA graph replays them with one launch. A step splits in three
+(the reasoning, with every obstacle and its fix, is in .gpu/graph_plan.md):
+
+1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
+   (a multiple of `table_step` blocks with room for every row's next block); save every full tail
+   block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
+   tokens of a row); drop the graphs if a tensor they hold by address has moved.
+2. the static step: `model(ids, position_ids=positions)` over the cache with no attention mask,
+   the greedy pick written back into `ids`, positions + 1. Fixed shapes, no host sync, no
+   Python decision that depends on the data: captured once per (rows, table width), then replayed.
+3. post-step, eager: what a replay does not advance, because no Python runs in it: each layer's
+   `num_positions` and the host tail lengths.
+
+`capture=False` runs the very same static step eagerly: on CPU, and as the reference a graph's
+tokens must equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .cache.cache import SparseServeCache
+from .cache.layer import SparseServeLayer
+from .compat import cache_kwarg
+from .ops import resolve_backend
+
+DEFAULT_TABLE_STEP = 128  # blocks: a new table width (and a recapture) every 4K tokens at block_size 32
+HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph (a stand-in in CPU tests)
+    logits: torch.Tensor  # (B, V) in the graph's memory pool, overwritten by every replay
+
+
+class CudaGraphs:
+    """The CUDA side of capturing: a warm-up on a side stream, then a capture into a shared pool.
+
+    Apart from the runner so that tests can stand a fake in for it on CPU.
+    """
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph of one runner
+
+    def warm_up(self, fn) -> torch.Tensor:
+        """Run `fn` for real on a side stream (Triton compiles, cuBLAS sets up), as capture requires."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def record(self, fn) -> tuple[Any, torch.Tensor]:
+        """Capture `fn`'s kernels without running them; returns the graph and `fn`'s (static) output.
+
+        "thread_local": the FlashD2H saver's threads may call CUDA while this thread captures.
+        """
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+
+class DecodeGraphRunner:
+    """Greedy decode of every row of a prefilled SparseServeCache, one token per row per `step()`.
+
+    With `capture` a step is a CUDA-graph replay (captured on the first step and again whenever
+    the table width or a tensor the graph points at changes); without it the same static step
+    runs eagerly. Either way the rows keep their cache: afterwards `model(...)` can go on with it.
+
+    Args:
+        model: a causal LM loaded with attn_implementation="sparseserve".
+        cache: the SparseServeCache holding the rows (prefilled, every layer a SparseServeLayer).
+        capture: True replays CUDA graphs (a CUDA model, backend "triton" or "flash"); False runs
+            the static step eagerly; None follows `cache.config.cuda_graphs`.
+        table_step: block-table widths are multiples of this many blocks. Unused entries cost
+            one id read each when scoring; crossing a width reallocates the tables and recaptures.
+
+    Example:
+        >>> runner = DecodeGraphRunner(model, cache)
+        >>> runner.start(first_tokens)  # (B, 1); positions default to each row's stored length
+        >>> tokens = [runner.step().clone() for _ in range(32)]  # (B, 1) greedy picks each
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: SparseServeCache,
+        *,
+        capture: bool | None = None,
+        table_step: int = DEFAULT_TABLE_STEP,
+    ) -> None:
+        self.capture = cache.config.cuda_graphs if capture is None else capture
+        check_graph_ready(model, cache, self.capture)
+        if not isinstance(table_step, int) or table_step <= 0:
+            raise ValueError(f"table_step must be a positive int, got {table_step!r}")
+        self.model, self.cache, self.table_step = model, cache, table_step
+        self.layers: list[SparseServeLayer] = list(cache.layers)
+        self.graphs = CudaGraphs() if self.capture else None
+        self.num_captures = 0
+        self.logits: torch.Tensor | None = None  # (B, V) of the last step; a replay overwrites it
+        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._state: tuple | None = None  # what the captured graphs point at (see `_graph_state`)
+        self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
+        self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+
+    def start(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Begin decoding: `tokens` (B, 1) are the next inputs, at `positions` (B, 1).
+
+        positions: None = each row's stored length (rows of a SparseServeCache hold no padding).
+        Reads the rows' tail lengths and block counts back once; from here on the runner keeps
+        them on the host, and the caller must not change the cache's rows between steps.
+        """
+        layer = self.layers[0]
+        if not layer.is_initialized:
+            raise ValueError("DecodeGraphRunner.start needs a prefilled cache (run the prompt through the model first)")
+        batch = layer.tail.shape[0]
+        if tokens.numel() != batch:
+            raise ValueError(f"the cache holds {batch} rows, got tokens of shape {tuple(tokens.shape)}")
+        if positions is None:
+            positions = layer.row_lengths()
+        self._tail_len: list[int] = layer.tail_len.tolist()
+        self._num_blocks: list[int] = layer.num_blocks.tolist()
+        device = layer.tail.device
+        self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
+        self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()
+        self._last_position = int(self._positions.max())
+        self._captured.clear()  # new static buffers: graphs of an earlier start point at the old ones
+
+    def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per row; returns the (B, 1) greedy picks (a static buffer: clone to keep).
+
+        tokens: (B, 1) inputs for this step instead of the last step's greedy picks (a sampler's).
+        """
+        if self._ids is None:
+            raise RuntimeError("call DecodeGraphRunner.start(tokens) before step()")
+        with torch.no_grad():  # not inference_mode: tables it reallocates must stay usable outside it
+            self._pre_step()
+            if tokens is not None:
+                self._ids.copy_(tokens.reshape(self._ids.shape), non_blocking=True)
+            self.logits = self._replay() if self.capture else self._static_step()
+            self._post_step()
+        return self._ids
+
+    # ---- the three parts of a step ----------------------------------------------------------------
+
+    def _pre_step(self) -> None:
+        limit = getattr(self.cache.model_config, "max_position_embeddings", None)
+        if limit is not None and self._last_position >= limit:  # the cache's own check runs only at capture
+            raise ValueError(f"position {self._last_position} is past the model's max_position_embeddings ({limit})")
+        width = -(-(max(self._num_blocks) + 1) // self.table_step) * self.table_step  # room for each row's next block
+        if self.layers[0].block_ids.shape[2] != width:
+            for layer in self.layers:
+                layer.set_table_width(width)
+        full = [row for row, length in enumerate(self._tail_len) if length == self.cache.config.block_size]
+        if full:
+            self.cache.roll_full_tails(full, table_width=width)
+            for row in full:
+                self._tail_len[row], self._num_blocks[row] = 0, self._num_blocks[row] + 1
+            if self.cache.store.saver is not None:
+                self.cache.store.saver.wait()  # FlashD2H scatters on CPU threads; the step may read those blocks
+        state = self._graph_state()
+        if state != self._state:
+            self._captured.clear()
+            self._state = state
+
+    def _static_step(self) -> torch.Tensor:
+        """What a graph captures: one forward at fixed shapes, greedy pick fed back. Returns (B, V) logits."""
+        for layer in self.layers:
+            layer.caller_owns_tails = True  # the pre-step rolled full tails: commits only append
+        try:
+            logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
+        finally:
+            for layer in self.layers:
+                layer.caller_owns_tails = False
+        self._ids.copy_(logits.argmax(-1, keepdim=True))
+        self._positions.add_(1)
+        return logits
+
+    def _post_step(self) -> None:
+        self._tail_len = [length + 1 for length in self._tail_len]
+        self._last_position += 1
+        for layer in self.layers:
+            layer.forget_host_tail_len()
+
+    # ---- graphs -----------------------------------------------------------------------------------
+
+    def _replay(self) -> torch.Tensor:
+        key = (len(self._tail_len), self.layers[0].block_ids.shape[2])  # (rows, table width)
+        captured = self._captured.get(key)
+        if captured is None:
+            return self._capture(key)
+        captured.graph.replay()
+        for layer in self.layers:
+            layer.num_positions += 1  # what `update` counts when the Python runs
+        return captured.logits
+
+    def _capture(self, key: tuple[int, int]) -> torch.Tensor:
+        """Run this step for real (the warm-up capture needs), then capture it for the next ones."""
+        logits = self.graphs.warm_up(self._static_step)
+        graph, static_logits = self.graphs.record(self._static_step)
+        for layer in self.layers:
+            layer.num_positions -= 1  # the capture ran the Python (`update` counted) but no kernel
+        self._captured[key] = _Captured(graph, static_logits)
+        self.num_captures += 1
+        return logits
+
+    def _graph_state(self) -> tuple:
+        """The store's epoch and the address of every tensor a graph holds: a change means recapture."""
+        addresses = tuple(t.data_ptr() for t in self.cache.graph_tensors().values())
+        return self.cache.store.epoch, addresses
+
+
+def check_graph_ready(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> None:
+    """Raise ValueError / NotImplementedError naming what keeps `model` + `cache` from a static decode step."""
+    replace(cache.config, cuda_graphs=True)  # the config's own graph-mode checks (fixed pools, transfer)
+    if getattr(model.config, "_attn_implementation", None) != "sparseserve":
+        raise ValueError("DecodeGraphRunner needs a model loaded with attn_implementation='sparseserve'")
+    if not all(isinstance(layer, SparseServeLayer) for layer in cache.layers):
+        raise NotImplementedError(
+            "graph mode needs every layer to be a SparseServeLayer: dense_layers and sliding-window layers "
+            "grow their KV with torch.cat every step, which a captured step cannot follow"
+        )
+    syncing = sorted(_rope_types(cache.model_config) & set(HOST_SYNCING_ROPE))
+    if syncing:
+        raise NotImplementedError(
+            f"graph mode cannot capture rope_type {syncing}: it reads max(position_ids) on the host every step"
+        )
+    if not capture:
+        return
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"CUDA-graph capture needs a model on a CUDA device, not {device}; use capture=False")
+    backend = resolve_backend(cache.config.backend, device)
+    if backend not in ("triton", "flash"):
+        raise ValueError(
+            f"CUDA-graph capture needs backend 'triton' or 'flash' on CUDA, not {backend!r}: the torch "
+            "reference's block copy filters entries with a boolean mask (a host sync)"
+        )
+
+
+def _rope_types(text_config: Any) -> set[str]:
+    """Every rope_type of a config: one dict, or one per layer type (Gemma-3), or none (default)."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if "rope_type" in params or "type" in params:
+        return {params.get("rope_type", params.get("type"))}
+    return {p.get("rope_type", "default") for p in params.values() if isinstance(p, dict)} or {"default"}

@@ -1,0 +1,86 @@
+"""The decode step as a CUDA-graph replay (issue item 4b): same tokens as eager, no host sync, recaptures.
+
+Three rows of different lengths (their tail blocks fill at different steps), tiny Llama, block
+16, an HBM cache small enough to evict, Triton backend. The graph runner is compared with the
+same static step run eagerly (`capture=False`) and with the ordinary eager decode path.
+CPU counterparts of these checks: tests/integration/test_graph_runner.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_graph_runner import EagerReference
+from test_static_decode import BLOCK, batch_cache, eager_step, static_config
+
+from sparseserve_hf.graph import DecodeGraphRunner
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.gpu
+STEPS = 3 * BLOCK + 5  # every row's tail fills three times
+
+
+def model_on_cuda(dtype: torch.dtype):
+    return tiny_model("llama").to("cuda", dtype)
+
+
+def runner_for(model, capture: bool, **kwargs) -> DecodeGraphRunner:
+    cache, tokens = batch_cache(model, static_config(backend="triton"))
+    runner = DecodeGraphRunner(model, cache, capture=capture, **kwargs)
+    runner.start(tokens)
+    return runner
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype):
+    """Plan test (a); afterwards the ordinary eager path takes the rows over."""
+    model = model_on_cuda(dtype)
+    graph, eager = runner_for(model, capture=True), runner_for(model, capture=False)
+    reference = EagerReference(model, static_config(backend="triton"))
+    for step in range(STEPS):
+        got, want, plain = graph.step().clone(), eager.step().clone(), reference.step()
+        assert torch.equal(got, want), f"step {step}: graph vs the eager static step"
+        assert torch.equal(got, plain), f"step {step}: graph vs the ordinary eager path"
+        torch.testing.assert_close(graph.logits, eager.logits)
+    assert graph.num_captures == 1
+    hits = [runner.cache.stats() for runner in (graph, eager)]
+    assert hits[0]["hits"] == hits[1]["hits"] and hits[0]["misses"] == hits[1]["misses"] > 0
+    tokens, positions = graph._ids.clone(), reference.positions.clone()
+    for step in range(BLOCK + 2):  # host tail lengths and num_positions must be right after replays
+        tokens = eager_step(model, graph.cache, tokens, positions + step).argmax(-1, keepdim=True)
+        assert torch.equal(tokens, reference.step()), f"eager step {step} after the graph"
+
+
+def test_replays_do_not_sync_with_the_host():
+    """Plan test (d): a step that saves no block and changes no table width is one replay, no sync."""
+    model = model_on_cuda(torch.float32)
+    runner, eager = runner_for(model, capture=True), runner_for(model, capture=False)
+    got, guarded = [], 0
+    for step in range(STEPS):
+        steady = (
+            step > 0
+            and all(length < BLOCK for length in runner._tail_len)
+            and max(runner._num_blocks) + 1 <= runner.cache.layers[0].block_ids.shape[2]
+        )
+        torch.cuda.synchronize()
+        try:
+            if steady:
+                torch.cuda.set_sync_debug_mode("error")
+                guarded += 1
+            got.append(runner.step().clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert guarded >= STEPS - 8 and runner.num_captures == 1
+    for step, tokens in enumerate(got):
+        assert torch.equal(tokens, eager.step()), f"step {step}"
+
+
+def test_a_table_width_change_recaptures_and_keeps_the_tokens():
+    """Plan test (e): widths in steps of 4 blocks, so the rows cross several during the run."""
+    model = model_on_cuda(torch.float32)
+    graph, eager = runner_for(model, capture=True, table_step=4), runner_for(model, capture=False, table_step=4)
+    widths = set()
+    for step in range(STEPS):
+        assert torch.equal(graph.step().clone(), eager.step()), f"step {step}"
+        widths.add(graph.cache.layers[0].block_ids.shape[2])
+    assert len(widths) >= 2 and graph.num_captures == len(widths)

@@ -1,0 +1,216 @@
+"""DecodeGraphRunner on CPU: its static step against the eager path, and its graph bookkeeping.
+
+On CPU the runner runs the very step a CUDA graph captures, eagerly (`capture=False`). These tests
+check what capture relies on: the same tokens as the ordinary eager decode path, no host sync
+inside the captured part on any step (block fills included), every tensor the graph holds staying
+at its address, and, with a stand-in for the CUDA graph, when the runner recaptures and what it
+advances by hand after a replay. tests/integration/test_decode_graph.py runs real graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
+from test_sync_free_decode import fixed_shape_gather
+
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.graph import DecodeGraphRunner
+from sync_guard import forbid_host_syncs
+from tiny_models import random_ids, tiny_model
+
+STEPS = 40  # each row's tail fills twice or more (rows start 16, 6 and 16 tokens into their tail)
+
+
+class EagerReference:
+    """The ordinary eager decode path over its own copy of the rows (greedy, explicit positions)."""
+
+    def __init__(self, model, config: SparseServeConfig) -> None:
+        self.model = model
+        self.cache, self.tokens = batch_cache(model, config)
+        self.positions = torch.tensor(LENGTHS, device=self.tokens.device).view(-1, 1)
+
+    def step(self) -> torch.Tensor:
+        self.logits = eager_step(self.model, self.cache, self.tokens, self.positions)
+        self.tokens, self.positions = self.logits.argmax(-1, keepdim=True), self.positions + 1
+        return self.tokens
+
+
+def started_runner(model, config: SparseServeConfig, **kwargs) -> DecodeGraphRunner:
+    cache, tokens = batch_cache(model, config)
+    runner = DecodeGraphRunner(model, cache, capture=False, **kwargs)
+    runner.start(tokens)
+    return runner
+
+
+def addresses(cache: SparseServeCache) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in cache.graph_tensors().items()}
+
+
+@pytest.mark.core
+def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
+    """Plan tests (f) and (g): rows filling at different steps, table widths crossed, block evictions."""
+    config = static_config()
+    reference = EagerReference(llama, config)
+    runner = started_runner(llama, config, table_step=4)  # a new table width every 4 blocks
+    runner.cache.store.hbm.gather_blocks = fixed_shape_gather  # the torch reference's copy masks by value
+    static_step, seen_per_step = runner._static_step, []
+
+    def guarded():  # exactly what a graph captures
+        with forbid_host_syncs() as seen:
+            out = static_step()
+        seen_per_step.append(sorted(set(seen)))
+        return out
+
+    runner._static_step = guarded
+    fills = widths = 0
+    for step in range(STEPS):
+        blocks, width = runner.cache.layers[0].num_blocks.sum(), runner.cache.layers[0].block_ids.shape[2]
+        expected = reference.step()
+        assert torch.equal(runner.step(), expected), f"step {step}"
+        assert torch.equal(runner.logits, reference.logits), f"step {step}"
+        assert seen_per_step[-1] == [], f"step {step}: {seen_per_step[-1]}"
+        fills += int(runner.cache.layers[0].num_blocks.sum() != blocks)
+        widths += int(runner.cache.layers[0].block_ids.shape[2] != width)
+    assert fills >= 5 and widths >= 1
+    stats = runner.cache.stats()
+    assert stats["misses"] > 0 and stats["hits"] > 0
+    layer = runner.cache.layers[0]
+    assert layer.tail_len.tolist() == runner._tail_len and layer.num_blocks.tolist() == runner._num_blocks
+
+
+def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(llama):
+    """Plan test (h): a graph holds these by address; nothing but a table-width change may move them."""
+    config = static_config()
+    runner = started_runner(llama, config)
+    store = runner.cache.store
+    other = SparseServeCache(llama.config, config, store=store)  # a second request over the same pools
+    with torch.no_grad():
+        llama(random_ids(1, 70, seed=9), **{cache_kwarg(llama): other})
+    runner.step()  # the first step sets the table width
+    before, epoch = addresses(runner.cache), store.epoch
+    for step in range(STEPS):
+        runner.step()
+        runner.cache.stats()  # folds the device counters in: must reset them in place
+        if step == STEPS // 2:
+            other.reset()  # frees its blocks from both tiers
+        assert addresses(runner.cache) == before, f"step {step}"
+    assert store.epoch == epoch and runner.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
+
+
+class FakeGraphs:
+    """CPU stand-in for `graph.CudaGraphs`, with what a real graph does to state.
+
+    A capture runs the step's Python but no kernel: every tensor is put back afterwards. A replay
+    runs the kernels but no Python: Python counters are put back afterwards, and it refuses to
+    run once a tensor it holds has moved (a real graph would read the old address).
+    """
+
+    def __init__(self, runner: DecodeGraphRunner) -> None:
+        self.runner = runner
+
+    def warm_up(self, fn):
+        return fn()
+
+    def record(self, fn):
+        tensors = self._tensors()
+        saved = [t.clone() for t in tensors.values()]
+        out = fn()
+        for t, value in zip(tensors.values(), saved):
+            t.copy_(value)
+        return FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()}), out
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return self.runner.cache.graph_tensors() | {"ids": self.runner._ids, "positions": self.runner._positions}
+
+
+class FakeGraph:
+    def __init__(self, graphs: FakeGraphs, fn, out: torch.Tensor, held: dict[str, int]) -> None:
+        self.graphs, self.fn, self.out, self.held = graphs, fn, out, held
+        self.replays = 0
+
+    def replay(self) -> None:
+        moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
+        assert not moved, f"replayed a graph whose tensors moved: {moved}"
+        layers = self.graphs.runner.layers
+        counters = [(layer.num_positions, layer._tail_len_mirror) for layer in layers]
+        self.out.copy_(self.fn())
+        for layer, (positions, mirror) in zip(layers, counters):
+            layer.num_positions, layer._tail_len_mirror = positions, mirror
+        self.replays += 1
+
+
+def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(llama):
+    """Plan test (i), with a stand-in graph: recapture triggers, Python counters, then plain eager decode."""
+    config = static_config()
+    reference = EagerReference(llama, config)
+    runner = started_runner(llama, config, table_step=10)  # width 10, then 20 once a row holds 10 blocks
+    runner.capture, runner.graphs = True, FakeGraphs(runner)
+    captures = []
+    for step in range(20):
+        if step == 12:
+            store = runner.cache.store
+            store.metadata = store.metadata.clone()  # as if the pool had been reallocated
+        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+        captures.append(runner.num_captures)
+    # step 0: first capture; step 1: the table widens to 20 blocks; step 12: the metadata moved
+    assert captures == [1] + [2] * 11 + [3] * 8
+    layers = runner.cache.layers
+    assert [layer.num_positions for layer in layers] == [layer.num_positions for layer in reference.cache.layers]
+    assert layers[0].tail_len.tolist() == runner._tail_len and all(layer._tail_len_mirror is None for layer in layers)
+    tokens, positions = runner._ids.clone(), reference.positions.clone()
+    for step in range(BLOCK + 2):  # the ordinary eager path takes over: every row fills once more
+        logits = eager_step(llama, runner.cache, tokens, positions + step)
+        tokens = logits.argmax(-1, keepdim=True)
+        assert torch.equal(tokens, reference.step()), f"eager step {step}"
+
+
+def test_runner_refuses_what_a_captured_step_cannot_follow():
+    model = tiny_model("llama")
+    fixed = static_config()
+    with pytest.raises(ValueError, match="dram_bytes"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, replace(fixed, dram_bytes=None)), capture=False)
+    with pytest.raises(ValueError, match="hbm_cache_bytes"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, replace(fixed, hbm_cache_bytes=None)), capture=False)
+    with pytest.raises(ValueError, match="transfer"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, replace(fixed, transfer="copy")), capture=False)
+    with pytest.raises(ValueError, match="dense_layers"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, replace(fixed, dense_layers=(1,))), capture=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=True)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        sdpa = tiny_model("llama", "sdpa")
+        DecodeGraphRunner(sdpa, SparseServeCache(sdpa.config, fixed), capture=False)
+    gemma = tiny_model("gemma3")
+    with pytest.raises(NotImplementedError, match="sliding"):
+        DecodeGraphRunner(gemma, SparseServeCache(gemma.config, fixed), capture=False)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=False)
+    fresh = tiny_model("llama")
+    runner = DecodeGraphRunner(fresh, SparseServeCache(fresh.config, fixed), capture=False)
+    with pytest.raises(RuntimeError, match="start"):
+        runner.step()
+    with pytest.raises(ValueError, match="prefilled"):
+        runner.start(torch.ones(1, 1, dtype=torch.long))
+
+
+def test_cuda_graphs_config_field_is_validated():
+    assert SparseServeConfig().cuda_graphs is False
+    config = static_config(cuda_graphs=True)
+    assert SparseServeConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool"):
+        SparseServeConfig(cuda_graphs=1)
+    with pytest.raises(ValueError, match="fixed dram_bytes.*fixed hbm_cache_bytes"):
+        SparseServeConfig(cuda_graphs=True)
+    SparseServeConfig(cuda_graphs=True, offload=False, dram_bytes=1 << 20)  # no block cache to size
+
+
+def test_runner_refuses_positions_past_the_model_limit(llama):
+    runner = started_runner(llama, static_config())
+    runner._last_position = llama.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        runner.step()
