@@ -1,12 +1,13 @@
 """Decode step benchmark (target T8): one full decode step, dense DynamicCache vs SparseServeCache.
 
     python -m eval.bench.decode_step --out eval/results/decode_step.json   # ~4-6 min on the H200
-    python -m eval.bench.decode_step --dry-run                             # tiny shapes on CPU
+    python -m eval.bench.decode_step --graph --out ...                     # + the CUDA-graph step
+    python -m eval.bench.decode_step --dry-run [--graph]                   # tiny shapes on CPU
 
-Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32720: the DRAM pool then
-holds every block the run saves in exactly 64 GiB of pinned memory, a power of two as the
-caching host allocator rounds), token budget 2048, 32-token blocks. Baseline in the same run:
-stock `model(...)` with SDPA and a `DynamicCache` (64 GiB of KV on the device).
+Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32696: the DRAM pool then
+holds every block the run saves, --graph's steps included, in exactly 64 GiB of pinned memory, a
+power of two as the caching host allocator rounds), token budget 2048, 32-token blocks. Baseline
+in the same run: stock `model(...)` with SDPA and a `DynamicCache` (64 GiB of KV on the device).
 
 The KV is random and written straight into the caches (`decode_step_setup`; no 16 x 32K
 prefill); tokens are the model's own greedy picks from a random start. Selection is real
@@ -19,6 +20,13 @@ instrumented pass (CUDA events around scoring, top-k, table lookup, FlashH2D tra
 attention; `other` = the rest: projections, MLPs, launches); the hit rate; and the step's floor
 as T8 defines it: (weights + selected KV + metadata bytes) / HBM copy bandwidth + missed-block
 bytes / PCIe H2D bandwidth, both bandwidths measured in this run.
+
+`--graph` also times the same greedy decode as CUDA-graph replays (`graph.DecodeGraphRunner`, on
+the same cache after the eager steps): `graph_ms`, `graph_step_over_floor`. On CPU (--dry-run) the
+runner runs its static step eagerly. A short sub-run then checks the graph's tokens: a 4-layer
+model of the same shape, three caches with the same random KV (two full-size pools would not fit
+in RAM), decoded by the graph, by the same step run eagerly and by the ordinary eager path
+(`graph_equality`; its context puts a tail-block save inside the steps).
 """
 
 from __future__ import annotations
@@ -27,22 +35,26 @@ import argparse
 import gc
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, time_ms, write_json
-from eval.bench.decode_step_setup import RegionTimer, build_model, dense_cache, instrument, sparse_cache
+from eval.bench.decode_step_setup import SHAPES, RegionTimer, build_model, dense_cache, instrument, sparse_cache
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.graph import DecodeGraphRunner
 
 GIB = 1 << 30
+GRAPH_WARMUP = 3  # graph steps before timing; the first one captures
+EQUALITY_LAYERS = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=32720)
+    parser.add_argument("--context", type=int, default=32696)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--hbm-cache-gib", type=float, default=40.0)
     parser.add_argument("--warmup", type=int, default=12)
@@ -50,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--breakdown-steps", type=int, default=8)
     parser.add_argument("--dense-steps", type=int, default=5)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--graph", action="store_true", help="also time the CUDA-graph step and check its tokens")
+    parser.add_argument("--equal-context", type=int, default=4090, help="--graph token check: context per row")
+    parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -91,7 +106,7 @@ def measure_dense(args, device, dtype, shape: str) -> float:
 
 def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -> dict[str, Any]:
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024)
-    total_steps = args.warmup + args.steps + args.breakdown_steps
+    total_steps = decode_steps(args)
     filled = time.perf_counter()
     cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=total_steps // config.block_size + 2)
     fill_s = time.perf_counter() - filled
@@ -111,6 +126,9 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
         "hbm_cache_slots": store.hbm.num_slots,
     }
     result |= step_bytes(model, cache)
+    if args.graph:  # before the breakdown pass: its CUDA-event timers cannot be captured
+        graph, tokens = measure_graph(args, model, cache, tokens)
+        result |= graph
     timer = RegionTimer(device)
     instrument(store, timer)
     step_ms, _ = run_steps(model, cache, tokens, args.breakdown_steps)
@@ -122,6 +140,82 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
     result["breakdown_ms"] = breakdown | {"instrumented_step": step_ms}
     del model, cache, store
     _free(device)
+    return result
+
+
+def measure_graph(args, model, cache, tokens: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """ms per step of the same greedy decode as CUDA-graph replays (on CPU: the static step, eagerly)."""
+    device, store = tokens.device, cache.store
+    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
+    runner.start(tokens)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(GRAPH_WARMUP):
+        runner.step()
+    sync(device)
+    first_s = time.perf_counter() - start
+    store.stats = type(store.stats)()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        tokens = runner.step()
+    sync(device)
+    ms = (time.perf_counter() - start) * 1e3 / max(args.steps, 1)
+    stats = store.stats
+    looked_up = stats.hits + stats.misses
+    return {
+        "graph_ms": ms,
+        "graph_captured": runner.capture,
+        "graph_captures": runner.num_captures,
+        "graph_first_steps_seconds": first_s,  # GRAPH_WARMUP steps, the capture included
+        "graph_hit_rate": stats.hits / looked_up if looked_up else 0.0,
+        "graph_table_width": cache.layers[0].block_ids.shape[2],
+    }, tokens.clone()
+
+
+def graph_equality(args, device, dtype, shape: str, config: SparseServeConfig) -> dict[str, Any]:
+    """Greedy tokens of the graph vs the same static step run eagerly vs the ordinary eager path.
+
+    A model of the run's shape cut to a few layers, three caches filled with the same random KV.
+    """
+    layers = min(EQUALITY_LAYERS, SHAPES[shape]["num_hidden_layers"])
+    context, steps, size = args.equal_context, args.equal_steps, config.block_size
+    model = build_model(shape, "sparseserve", device, dtype, context + steps + 1024, num_layers=layers)
+    dims = SHAPES[shape]
+    blocks = layers * args.batch * dims["num_key_value_heads"] * ((context + steps) // size + 2)
+    selection = (
+        args.batch * dims["num_attention_heads"] * config.selected_full_blocks
+    )  # B x Hkv x the largest union (G x K)
+    block_bytes = 2 * size * dims["head_dim"] * dtype.itemsize
+    # A cache of twice one layer's selection: lookups evict, which the three runs must agree on.
+    config = replace(config, dram_bytes=blocks * block_bytes, hbm_cache_bytes=2 * selection * block_bytes)
+
+    def filled():
+        torch.manual_seed(1)  # the same random KV in every cache
+        return sparse_cache(model, config, args.batch, context, spare_blocks=steps // size + 2)
+
+    start = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
+    graph = DecodeGraphRunner(model, filled(), capture=device.type == "cuda")
+    eager = DecodeGraphRunner(model, filled(), capture=False)
+    graph.start(start)
+    eager.start(start)
+    plain, plain_tokens = filled(), start
+    mismatch = {"eager_step": None, "eager_path": None}
+    max_diff = 0.0
+    for step in range(steps):
+        got, want = graph.step(), eager.step()
+        _, plain_tokens = run_steps(model, plain, plain_tokens, 1)
+        for name, other in (("eager_step", want), ("eager_path", plain_tokens)):
+            if mismatch[name] is None and not torch.equal(got, other):
+                mismatch[name] = step
+        max_diff = max(max_diff, float((graph.logits.float() - eager.logits.float()).abs().max()))
+    result = {
+        "layers": layers, "batch": args.batch, "context": context, "steps": steps,
+        "captured": graph.capture, "captures": graph.num_captures,
+        "tokens_equal_eager_step": mismatch["eager_step"] is None,
+        "tokens_equal_eager_path": mismatch["eager_path"] is None,
+        "first_mismatch": mismatch, "logits_max_abs_diff_vs_eager_step": max_diff,
+        "hbm_cache_bytes": config.hbm_cache_bytes,
+    }  # fmt: skip
     return result
 
 
@@ -157,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shape, dtype, block_size = "tiny", torch.float32, 16
         args.batch, args.context, args.budget, args.hbm_cache_gib = 2, 200, 64, 1 / 1024
         args.warmup, args.steps, args.breakdown_steps, args.dense_steps = 2, 3, 2, 2
+        args.equal_context, args.equal_steps = 200, 12  # a tail-block save at step 8
     if device.type != "cuda":
         dtype = torch.float32  # CPU: no bf16 matmuls worth timing; the Triton interpreter mis-handles bf16
     config = SparseServeConfig(
@@ -169,6 +264,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dense = None if args.skip_dense else measure_dense(args, device, dtype, shape)
     sparse = measure_sparse(args, device, dtype, shape, config)
     floor = floor_ms(sparse, bw)
+    graph = {}
+    if args.graph:
+        graph = {
+            "graph_step_over_floor": sparse["graph_ms"] / floor,
+            "graph_equality": graph_equality(args, device, dtype, shape, config),
+        }
+        _free(device)
     result = {
         **run_record(device),
         "step_over_floor": sparse["sparse_ms"] / floor,
@@ -186,9 +288,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": config.to_dict(),
         **bw,
         **sparse,
+        **graph,
     }
     print_table([result], ["dense_ms", "sparse_ms", "floor_ms", "step_over_floor", "hit_rate"])
     print_table([result["breakdown_ms"]], list(result["breakdown_ms"]))
+    if args.graph:
+        print_table([result], ["sparse_ms", "graph_ms", "graph_step_over_floor", "graph_hit_rate", "graph_captured"])
+        print(f"graph_equality={result['graph_equality']}")
     print(f"step_over_floor={result['step_over_floor']:.3f} hit_rate={result['hit_rate']:.3f}")
     write_json(args.out, result)
     return result
@@ -196,13 +302,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def dram_bytes(args, block_size: int, shape: str, dtype: torch.dtype) -> int:
     """The host pool for every block the run saves, rounded up to a power of two (what pinning costs)."""
-    from eval.bench.decode_step_setup import SHAPES
-
     dims = SHAPES[shape]
-    tokens = args.context + args.warmup + args.steps + args.breakdown_steps + 2
+    tokens = args.context + decode_steps(args) + 2
     blocks = dims["num_hidden_layers"] * args.batch * dims["num_key_value_heads"] * (tokens // block_size + 1)
     need = blocks * 2 * block_size * dims["head_dim"] * dtype.itemsize
     return 1 << (need - 1).bit_length()
+
+
+def decode_steps(args) -> int:
+    """Tokens each row decodes in the main run (the DRAM pool and the tables are sized for them)."""
+    graph = GRAPH_WARMUP + args.steps if args.graph else 0
+    return args.warmup + args.steps + args.breakdown_steps + graph
 
 
 def _check_ram(pool_bytes: int) -> None:

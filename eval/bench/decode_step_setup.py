@@ -36,9 +36,12 @@ SHAPES = {
 FILL_CHUNK_BYTES = 512 << 20  # random blocks generated on the device per save call
 
 
-def build_model(shape: str, attn: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    """A seeded random-weight Llama of `shape`, built directly on `device`."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, eos_token_id=None, bos_token_id=None)
+def build_model(
+    shape: str, attn: str, device: torch.device, dtype: torch.dtype, max_positions: int, num_layers: int | None = None
+):
+    """A seeded random-weight Llama of `shape` (its first `num_layers` layers only, if given), built on `device`."""
+    dims = SHAPES[shape] | ({} if num_layers is None else {"num_hidden_layers": num_layers})
+    config = LlamaConfig(**dims, max_position_embeddings=max_positions, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)

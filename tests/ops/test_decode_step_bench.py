@@ -1,4 +1,4 @@
-"""eval/bench/decode_step.py runs end to end at tiny shapes (--dry-run) on CPU and writes T8's keys."""
+"""eval/bench/decode_step.py runs end to end at tiny shapes (--dry-run, with --graph) on CPU and writes T8's keys."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     out = tmp_path / "decode_step.json"
     subprocess.run(
-        [sys.executable, "-m", "eval.bench.decode_step", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "eval.bench.decode_step", "--dry-run", "--graph", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     result = json.loads(out.read_text())
@@ -22,3 +22,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     assert 0 < result["hit_rate"] <= 1 and "--dry-run" in result["command"] and result["device"]
     assert set(result["breakdown_ms"]) >= {"scoring", "topk", "table", "transfer", "attention", "other"}
     assert result["selected_kv_bytes"] > 0 and result["metadata_bytes"] > 0 and "random" in result["kv_setup"]
+    # --graph: the static step (run eagerly on CPU) timed on the same cache, and its tokens checked
+    assert result["graph_ms"] > 0 and result["graph_step_over_floor"] > 0 and result["graph_captured"] is False
+    equality = result["graph_equality"]
+    assert equality["tokens_equal_eager_step"] and equality["tokens_equal_eager_path"] and equality["steps"] > 8
