@@ -241,16 +241,16 @@ def test_runner_rejects_bad_options(argv, message):
 
 @pytest.mark.slow
 def test_runner_end_to_end_on_the_default_model(tmp_path):
-    """2 samples of niah_single_1 and qa_1 at ~1K tokens, batched, dense and budget 256 with both
-    metadata kinds, on the real model (CPU)."""
+    """2 samples of niah_single_1 and qa_1 at ~1K tokens, batched, dense and budget 256 with the
+    default metadata (hybrid: family "sparse") and quest, on the real model (CPU)."""
     pytest.importorskip("long_context_eval")
     out, dump = tmp_path / "ruler", tmp_path / "samples.jsonl"
     argv = ["--tasks", "niah_single_1,qa_1", "--lengths", "1024", "--samples", "2", "--budgets", "256"]
-    argv += ["--batch-size", "2", "--metadata", "quest,cuboid"]
+    argv += ["--batch-size", "2", "--metadata", "hybrid,quest"]
     argv += ["--max-new-tokens", "12"]  # the answer prefix puts the answer first; 12 tokens hold it
     summary = ruler.main(argv + ["--out", str(out), "--dump-samples", str(dump), "--device", "cpu"])
     assert set(summary["score"]) == {"niah_single_1@1024", "qa_1@1024"}
-    assert all(set(per) == {"dense", "sparse_256", "cuboid_256"} for per in summary["score"].values())
+    assert all(set(per) == {"dense", "sparse_256", "quest_256"} for per in summary["score"].values())
     for name in ("samples.jsonl", "summary.json", "results.md", "score_vs_budget.png"):
         assert (out / name).is_file()
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
