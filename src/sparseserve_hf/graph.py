@@ -1,8 +1,9 @@
 """DecodeGraphRunner: the sparse decode step captured in a CUDA graph (DESIGN.md target T8).
 
 Eager PyTorch spends ~35 ms per decode step of an 8B model launching ~100 small kernels per
-layer; a CUDA graph replays them with one launch. A step splits in three
-(the reasoning, with every obstacle and its fix, is in .gpu/graph_plan.md):
+layer; a CUDA graph replays them with one launch. A captured step may not sync with the host,
+change a shape, allocate where the graph does not expect it or take a Python branch on data, so a
+step splits in three:
 
 1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
    (a multiple of `table_step` blocks with room for every row's next block); save every full tail
