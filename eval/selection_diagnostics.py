@@ -44,23 +44,26 @@ from sparseserve_hf.ops import reference
 
 CAPTURE = "selection_diagnostics_capture"
 # Selector variants: name -> SparseServeConfig overrides (token_budget from --budgets). "default" is
-# SparseServeConfig() as shipped; the others change one lever each.
+# SparseServeConfig() as shipped; the others change one lever each (the quest ones: from the Quest
+# selector that was the default when eval/results/selection_diagnostics.md was written).
 VARIANTS: dict[str, dict] = {
-    "default": {},
-    "query_head": dict(selection="query_head"),
-    "kv_head_max": dict(selection="kv_head", group_aggregation="max"),
+    "default": {},  # hybrid metadata with a cuboid mean per 8 tokens (= "hybrid_s8")
+    "quest": dict(metadata="quest"),  # the default until the 8K accuracy runs (eval/results/accuracy.md)
+    "query_head": dict(metadata="quest", selection="query_head"),
+    "kv_head_max": dict(metadata="quest", selection="kv_head", group_aggregation="max"),
     "cuboid": dict(metadata="cuboid"),
-    "sink2_window2": dict(sink_blocks=2, window_blocks=2),
+    "sink2_window2": dict(metadata="quest", sink_blocks=2, window_blocks=2),
     # Finer metadata: "_s16" = one summary per 16 tokens (metadata_sub_blocks=2 at block_size 32), etc.
-    "quest_s16": dict(metadata_sub_blocks=2),
-    "quest_s8": dict(metadata_sub_blocks=4),
-    "quest_s4": dict(metadata_sub_blocks=8),
+    "quest_s16": dict(metadata="quest", metadata_sub_blocks=2),
+    "quest_s8": dict(metadata="quest", metadata_sub_blocks=4),
+    "quest_s4": dict(metadata="quest", metadata_sub_blocks=8),
     "cuboid_s8": dict(metadata="cuboid", metadata_sub_blocks=4),
     "cuboid_s4": dict(metadata="cuboid", metadata_sub_blocks=8),
-    "quest_s8_query_head": dict(metadata_sub_blocks=4, selection="query_head"),
-    "hybrid": dict(metadata="hybrid"),
+    "quest_s8_query_head": dict(metadata="quest", metadata_sub_blocks=4, selection="query_head"),
+    "hybrid": dict(metadata="hybrid", metadata_sub_blocks=1),
     "hybrid_s8": dict(metadata="hybrid", metadata_sub_blocks=4),
     "hybrid_s4": dict(metadata="hybrid", metadata_sub_blocks=8),
+    "block16": dict(block_size=16),  # finer blocks: 2x the blocks (and metadata) per budget
 }
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -98,7 +101,9 @@ def _register_capture(store: dict) -> None:
             store["q"][module.layer_idx] = query[0, :, -steps:].float().cpu().clone()  # (Hq, T, D)
             store["k"][module.layer_idx] = key[0].float().cpu().clone()  # (Hkv, L, D)
             store["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     AttentionInterface.register(CAPTURE, capture)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
@@ -178,7 +183,7 @@ def layer_metadata(config: SparseServeConfig, keys: torch.Tensor) -> torch.Tenso
     num_kv_heads, length, dim = keys.shape
     num_full = length // size
     blocks = keys[:, : num_full * size].reshape(num_kv_heads, num_full, size, dim)
-    return reference.block_metadata(blocks, config.metadata, config.metadata_sub_blocks)
+    return reference.block_metadata(blocks, config.metadata, config.sub_blocks)
 
 
 def attended_blocks(
@@ -323,7 +328,7 @@ def markdown(result: dict) -> str:
         "",
         "recall: attended full-block mass / oracle top-k mass (same k), mean over steps, heads, layers, samples.",
         "attended: attention mass the sparse step keeps (attended blocks + tail). needle capture: needle-token",
-        f"mass in attended blocks / dense needle-token mass, summed over heads. needle heads: (sample, layer, head,",
+        "mass in attended blocks / dense needle-token mass, summed over heads. needle heads: (sample, layer, head,",
         f"step) with dense needle mass >= {NEEDLE_HEAD_MASS}; lost: those keeping < half of it.",
     ]
     for key, summary in result["summaries"].items():
@@ -381,7 +386,9 @@ def plot(result: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- real sparse path
 
 
-def real_answers(model, tokenizer, samples: list, configs: dict[str, SparseServeConfig], max_new_tokens: int) -> list[dict]:
+def real_answers(
+    model, tokenizer, samples: list, configs: dict[str, SparseServeConfig], max_new_tokens: int
+) -> list[dict]:
     """Greedy answers through the real path (SparseServeCache, sparse decode) vs dense, RULER-scored.
 
     `configs` maps a method name ("<variant>_<budget>") to its config; samples of one task are
@@ -404,7 +411,9 @@ def real_answers(model, tokenizer, samples: list, configs: dict[str, SparseServe
                 dict(task=task, index=s.index, method=method.name, score=score(s, text), prediction=text)
                 for s, text in zip(group, predictions)
             ]
-            print(f"  {task} {method.name}: {[round(r['score']) for r in rows[-len(group):]]} ({time.time() - start:.0f} s)")
+            print(
+                f"  {task} {method.name}: {[round(r['score']) for r in rows[-len(group) :]]} ({time.time() - start:.0f} s)"
+            )
     return rows
 
 
@@ -461,13 +470,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=42, help="RULER suite seed")
     parser.add_argument("--steps", type=int, default=4, help="decode steps (answer tokens) per prompt")
     parser.add_argument("--budgets", default="256")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (see VARIANTS); ',' inside a spec: use '+'")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated (see VARIANTS); ',' inside a spec: use '+'"
+    )
     parser.add_argument("--out", type=Path, default=Path("eval/results/selection_diagnostics"))
     parser.add_argument("--device", default="cpu", help="where the model runs (fp32); the analysis runs on the CPU")
     parser.add_argument("--cache-dir", type=Path, default=None, help="keep recordings (~100 MB per 4K prompt) here")
     parser.add_argument("--skip-diagnostics", action="store_true", help="only the real-path answers")
-    parser.add_argument("--answers", type=int, default=0, help="samples per task answered through the real sparse path (0: none)")
-    parser.add_argument("--answer-variants", default=None, help="variants for the real-path answers (default: --variants)")
+    parser.add_argument(
+        "--answers", type=int, default=0, help="samples per task answered through the real sparse path (0: none)"
+    )
+    parser.add_argument(
+        "--answer-variants", default=None, help="variants for the real-path answers (default: --variants)"
+    )
     parser.add_argument("--answer-budgets", default=None, help="budgets for the real-path answers (default: --budgets)")
     parser.add_argument("--max-new-tokens", type=int, default=12, help="answer tokens of the real-path check")
     args = parser.parse_args(argv)
@@ -486,8 +501,16 @@ def main(argv: list[str] | None = None) -> dict:
         for index in range(args.samples):
             sample = generate_sample(task, tokenizer, args.length, index, args.seed)
             rec = cached_record(args.cache_dir, model, tokenizer, sample, args.steps)
-            answers.append(dict(task=task, index=index, answer=rec.answer, references=sample.references,
-                                needle_tokens=int(rec.needle.sum()), prompt_tokens=int(rec.positions[0])))
+            answers.append(
+                dict(
+                    task=task,
+                    index=index,
+                    answer=rec.answer,
+                    references=sample.references,
+                    needle_tokens=int(rec.needle.sum()),
+                    prompt_tokens=int(rec.positions[0]),
+                )
+            )
             print(f"{task}#{index}: dense answer {rec.answer!r} refs {sample.references} ({time.time() - start:.0f} s)")
             for budget in budgets:
                 for name, stats in evaluate_recording(rec, variant_configs(names, budget)).items():
@@ -496,7 +519,11 @@ def main(argv: list[str] | None = None) -> dict:
     summaries = {key: summarize({s: torch.stack(v) for s, v in stats.items()}) for key, stats in per_key.items()}
     real_rows = []
     if args.answers:
-        samples = [generate_sample(t, tokenizer, args.length, i, args.seed) for t in args.tasks.split(",") for i in range(args.answers)]
+        samples = [
+            generate_sample(t, tokenizer, args.length, i, args.seed)
+            for t in args.tasks.split(",")
+            for i in range(args.answers)
+        ]
         answer_names = [n.replace("+", ",") for n in (args.answer_variants or args.variants).split(",") if n]
         configs = {
             f"{name}_{budget}": config
@@ -505,9 +532,18 @@ def main(argv: list[str] | None = None) -> dict:
         }
         real_rows = real_answers(model, tokenizer, samples, configs, args.max_new_tokens)
     result = dict(
-        meta=dict(command=command, seed=args.seed, length=args.length, steps=args.steps, samples=args.samples,
-                  device=args.device if args.device != "cpu" else (platform.processor() or "cpu"), dtype="float32", torch=torch.__version__,
-                  seconds=round(time.time() - start, 1), variants={n: variant_configs([n], budgets[0])[n.split("=")[0]].to_dict() for n in names}),
+        meta=dict(
+            command=command,
+            seed=args.seed,
+            length=args.length,
+            steps=args.steps,
+            samples=args.samples,
+            device=args.device if args.device != "cpu" else (platform.processor() or "cpu"),
+            dtype="float32",
+            torch=torch.__version__,
+            seconds=round(time.time() - start, 1),
+            variants={n: variant_configs([n], budgets[0])[n.split("=")[0]].to_dict() for n in names},
+        ),
         answers=answers,
         summaries=summaries,
         real_answers=real_rows,

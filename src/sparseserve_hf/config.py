@@ -41,9 +41,9 @@ class SparseServeConfig:
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
             only the metadata grows (x metadata_sub_blocks). 1 = one summary per block.
-            None (default) = 4 for "hybrid" (a cuboid mean per 8 tokens of a 32-token block;
-            capped at block_size), 1 for "quest" and "cuboid". The resolved number is stored,
-            so `dataclasses.replace(config, metadata=...)` keeps it: pass both to switch kinds.
+            None (default) = the kind's default, read through `sub_blocks`: 4 for "hybrid" (a
+            cuboid mean per 8 tokens of a 32-token block; capped at block_size), 1 for "quest"
+            and "cuboid" (so `dataclasses.replace(config, metadata="quest")` is plain Quest).
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
@@ -146,11 +146,8 @@ class SparseServeConfig:
         ):
             raise ValueError(f"dense_layers must be a tuple of non-negative ints, got {self.dense_layers!r}")
         _check_choice("metadata", self.metadata, METADATA_KINDS)
-        if self.metadata_sub_blocks is None:  # frozen: resolve the kind's default in place, once
-            default = min(HYBRID_SUB_BLOCKS, self.block_size) if self.metadata == "hybrid" else 1
-            object.__setattr__(self, "metadata_sub_blocks", default)
-        _check_positive_int("metadata_sub_blocks", self.metadata_sub_blocks)
-        if self.metadata_sub_blocks & (self.metadata_sub_blocks - 1) or self.metadata_sub_blocks > self.block_size:
+        _check_positive_int("metadata_sub_blocks", self.sub_blocks)
+        if self.sub_blocks & (self.sub_blocks - 1) or self.sub_blocks > self.block_size:
             raise ValueError(
                 f"metadata_sub_blocks must be a power of two no larger than block_size ({self.block_size}), "
                 f"got {self.metadata_sub_blocks}"
@@ -230,11 +227,18 @@ class SparseServeConfig:
         return self.selected_full_blocks - self.sink_blocks - self.window_blocks
 
     @property
+    def sub_blocks(self) -> int:
+        """Summaries per block: `metadata_sub_blocks`, or the metadata kind's default when it is None."""
+        if self.metadata_sub_blocks is not None:
+            return self.metadata_sub_blocks
+        return min(HYBRID_SUB_BLOCKS, self.block_size) if self.metadata == "hybrid" else 1
+
+    @property
     def metadata_vectors(self) -> int:
         """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block."""
         if self.metadata == "hybrid":
-            return 2 + self.metadata_sub_blocks
-        return (2 if self.metadata == "quest" else 1) * self.metadata_sub_blocks
+            return 2 + self.sub_blocks
+        return (2 if self.metadata == "quest" else 1) * self.sub_blocks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

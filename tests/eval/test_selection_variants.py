@@ -25,12 +25,26 @@ def test_parse_variant_types_and_validation():
 def test_ruler_variant_families():
     args = parse_args(["--variant", "quest_s8:metadata=quest:metadata_sub_blocks=4", "--variant", "w2:window_blocks=2"])
     methods = sparse_methods([256, 512], ["quest"], args.variant)
-    assert [m.name for m in methods] == ["dense", "quest_256", "quest_512", "quest_s8_256", "quest_s8_512", "w2_256", "w2_512"]
-    assert methods[1].config == SparseServeConfig(token_budget=256, metadata="quest", metadata_sub_blocks=1)
+    assert [m.name for m in methods] == [
+        "dense",
+        "quest_256",
+        "quest_512",
+        "quest_s8_256",
+        "quest_s8_512",
+        "w2_256",
+        "w2_512",
+    ]
+    assert (
+        methods[1].config == SparseServeConfig(token_budget=256, metadata="quest") and methods[1].config.sub_blocks == 1
+    )
     assert methods[3].config == SparseServeConfig(token_budget=256, metadata="quest", metadata_sub_blocks=4)
     assert methods[5].config == SparseServeConfig(token_budget=256, window_blocks=2)  # the default metadata
     # the default configuration's kind is the "sparse" family; others are named by kind
-    assert [m.name for m in sparse_methods([256], [SparseServeConfig().metadata, "cuboid"])] == ["dense", "sparse_256", "cuboid_256"]
+    assert [m.name for m in sparse_methods([256], [SparseServeConfig().metadata, "cuboid"])] == [
+        "dense",
+        "sparse_256",
+        "cuboid_256",
+    ]
     assert parse_args([]).metadata == SparseServeConfig().metadata
     with pytest.raises(ValueError, match="clashes"):
         sparse_methods([256], ["quest"], ["sparse:window_blocks=2"])

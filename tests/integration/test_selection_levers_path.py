@@ -18,7 +18,7 @@ def expected_selection(layer, query: torch.Tensor, config: SparseServeConfig) ->
     keys, _, _ = layer.past()  # (1, Hkv, L, D)
     num_full = int(layer.num_blocks[0])
     blocks = keys[0, :, : num_full * BLOCK].unflatten(1, (num_full, BLOCK))  # (Hkv, N, S, D)
-    meta = reference.block_metadata(blocks, config.metadata, config.metadata_sub_blocks)
+    meta = reference.block_metadata(blocks, config.metadata, config.sub_blocks)
     scores = reference.score_blocks(query, meta[None], config.metadata)  # (1, Hq, N)
     picked, valid, head_mask = pick_blocks(reference, config, scores, layer.num_blocks, keys.shape[1], num_full)
     group = query.shape[1] // keys.shape[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,10 +67,13 @@ def test_config_metadata_vectors():
 
 def test_default_metadata_is_hybrid_with_a_mean_per_8_tokens():
     config = SparseServeConfig()
-    assert (config.metadata, config.metadata_sub_blocks, config.metadata_vectors) == ("hybrid", 4, 6)
-    assert SparseServeConfig(block_size=2, token_budget=8).metadata_sub_blocks == 2  # capped at block_size
-    assert SparseServeConfig(metadata="quest").metadata_sub_blocks == 1
-    assert SparseServeConfig(metadata="cuboid").metadata_sub_blocks == 1
+    assert (config.metadata, config.sub_blocks, config.metadata_vectors) == ("hybrid", 4, 6)
+    assert SparseServeConfig(block_size=2, token_budget=8).sub_blocks == 2  # capped at block_size
+    assert SparseServeConfig(metadata="quest").sub_blocks == 1
+    assert SparseServeConfig(metadata="cuboid").sub_blocks == 1
+    # None means "the kind's default", so switching kinds with replace() gets the new kind's default
+    assert replace(config, metadata="quest").metadata_vectors == 2
+    assert replace(config, metadata="quest", metadata_sub_blocks=4).sub_blocks == 4
     assert SparseServeConfig.from_dict(config.to_dict()) == config
 
 

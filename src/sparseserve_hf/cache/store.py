@@ -91,7 +91,7 @@ class TieredBlockStore:
         else:
             self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
         self.metadata[device_ids] = self.ops.block_metadata(
-            blocks[:, 0], self.config.metadata, self.config.metadata_sub_blocks
+            blocks[:, 0], self.config.metadata, self.config.sub_blocks
         )
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
