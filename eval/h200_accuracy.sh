@@ -16,7 +16,9 @@
 #   multi_news   LongBench multi_news, 50 records: dense vs quest (the default then) at 2048
 #   Next (not run yet):
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
-#   8k_block16   8K, the four tasks: the default with 16-token blocks (finer selection, 2x metadata)
+#   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
+#                with a cuboid mean per 4 tokens (5x quest's): on CPU at 4K / budget 256 they kept 0.97 /
+#                0.98 of the needle's attention vs the default's 0.94 (selection_diagnostics.md)
 #   multi_news_default  LongBench multi_news, 50 records: dense vs the default (hybrid) at 512 and 2048
 # The LongBench parts score rouge-L with package `rouge` (+ `six`), which the GPU machine lacks: carry
 # them from the dev venv's site-packages and put that folder on PYTHONPATH.
@@ -47,11 +49,12 @@ case $part in
   4k_rest)
     python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks niah_single_1,niah_single_2,niah_single_3,niah_multivalue \
       --budgets 128,256,512 "${common[@]}" --out "$out/ruler_4k_rest" ;;
-  8k_block16)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512,1024 \
-      --metadata none --variant "block16:block_size=16" "${common[@]}" --out "$out/ruler_8k_block16" ;;
+  8k_finer)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+      --metadata none --variant "block16:block_size=16" --variant "hybrid_s4:metadata=hybrid:metadata_sub_blocks=8" \
+      "${common[@]}" --out "$out/ruler_8k_finer" ;;
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_block16, multi_news_default)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default)" >&2; exit 2 ;;
 esac
