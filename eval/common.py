@@ -77,6 +77,38 @@ def _parse_value(field: str, raw: str) -> Any:
     return raw
 
 
+def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None) -> list:
+    """Dense, then every budget for each metadata kind ("quest_<b>", "cuboid_<b>"; the default
+    configuration's kind is "sparse_<b>") and for each `--variant` family ("FAMILY:field=value:..."
+    -> "FAMILY_<b>", other fields at their defaults).
+    """
+    methods = []
+    for kind in metadata_kinds:
+        config = SparseServeConfig(metadata=kind)  # the kind's own default sub-blocks
+        family = "sparse" if config == SparseServeConfig() else kind
+        methods += methods_for(budgets, config, family)
+    for text in variants or []:
+        family, overrides = parse_variant(text)
+        if family in ("dense", "sparse", *metadata_kinds):
+            raise ValueError(f"--variant family {family!r} clashes with a built-in method family")
+        methods += methods_for(budgets, SparseServeConfig(**overrides), family)
+    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0] or methods_for([])
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two methods share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return methods
+
+
+def metadata_kinds(text: str) -> list[str]:
+    """ "quest,cuboid" -> ["quest", "cuboid"]; "none" -> [] (dense and the --variant families only)."""
+    if text.strip() == "none":
+        return []
+    kinds = [part.strip() for part in text.split(",") if part.strip()]
+    if not kinds:
+        raise ValueError(f'--metadata needs comma-separated metadata kinds or "none", got {text!r}')
+    return kinds
+
+
 def split_method(name: str) -> tuple[str, int | None]:
     """ "cuboid_512" -> ("cuboid", 512); "dense" -> ("dense", None)."""
     if name == DENSE:

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.common import Method, answer_batch, batches, methods_for, parse_budgets, write_results
+from eval.common import Method, answer_batch, batches, metadata_kinds, parse_budgets, sparse_methods, write_results
 from eval.longbench_metrics import DATASET_TO_METRIC, base_task, length_bucket, score_sample
+from sparseserve_hf import SparseServeConfig
 
 HUB_DATASET = "THUDM/LongBench"
 
@@ -366,6 +367,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tasks", required=True, help='comma-separated tasks; "all" (21 v1 tasks), "all_e" (13)')
     parser.add_argument("--data-dir", default=None, help="folder of <task>.jsonl; default: the Hub dataset")
     parser.add_argument("--budgets", default="512,1024,2048", help="SparseServeCache token budgets")
+    parser.add_argument(
+        "--metadata",
+        default=SparseServeConfig().metadata,
+        help='block metadata kinds to compare, e.g. "hybrid,quest" (the default kind is "sparse_*"); "none": '
+        "only dense and the --variant families",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help='a selection variant as its own method family, repeatable: "FAMILY:field=value[:field=value]"',
+    )
     parser.add_argument("--max-samples", type=int, default=None, help="first N records per task")
     parser.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="prompt tokens kept")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generation (smoke runs only)")
@@ -386,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)
-    methods = methods_for(parse_budgets(args.budgets))
+    methods = sparse_methods(parse_budgets(args.budgets), metadata_kinds(args.metadata), args.variant)
     dtype = torch.bfloat16 if str(args.device).startswith("cuda") else torch.float32
     model, tokenizer = load_default(dtype=dtype, attn_implementation="sparseserve", device=args.device)
     start = time.time()

@@ -694,31 +694,6 @@ def _parse_list(text: str, flag: str, kind: type = str) -> list:
         raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
 
 
-def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None) -> list:
-    """Dense, then every budget for each metadata kind ("quest_<b>", "cuboid_<b>"; the default
-    configuration's kind is "sparse_<b>") and for each `--variant` family ("FAMILY:field=value:..."
-    -> "FAMILY_<b>", other fields at their defaults).
-    """
-    from eval.common import methods_for, parse_variant
-    from sparseserve_hf import SparseServeConfig
-
-    methods = []
-    for kind in metadata_kinds:
-        config = SparseServeConfig(metadata=kind)  # the kind's own default sub-blocks
-        family = "sparse" if config == SparseServeConfig() else kind
-        methods += methods_for(budgets, config, family)
-    for text in variants or []:
-        family, overrides = parse_variant(text)
-        if family in ("dense", "sparse", *metadata_kinds):
-            raise ValueError(f"--variant family {family!r} clashes with a built-in method family")
-        methods += methods_for(budgets, SparseServeConfig(**overrides), family)
-    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0] or methods_for([])
-    names = [m.name for m in methods]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two methods share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    return methods
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of `python -m eval.ruler`."""
     from sparseserve_hf import SparseServeConfig
@@ -741,9 +716,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="cap on answer tokens (default: RULER's per task)")
     parser.add_argument("--batch-size", type=int, default=1, help="samples of one task and length per generate call")
     parser.add_argument(
-        "--metadata", default=SparseServeConfig().metadata,
+        "--metadata",
+        default=SparseServeConfig().metadata,
         help='block metadata kinds to compare, e.g. "quest,cuboid" (the default kind is "sparse_*"); '
-        '"none": only dense and the --variant families'
+        '"none": only dense and the --variant families',
     )
     parser.add_argument(
         "--variant",
@@ -759,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Generate (or read) the samples, answer them densely and at every budget, and write the results."""
     import torch
 
-    from eval.common import parse_budgets, write_results
+    from eval.common import metadata_kinds, parse_budgets, sparse_methods, write_results
     from sparseserve_hf.models import load_default
 
     args = parse_args(argv)
@@ -774,8 +750,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     lengths = _parse_list(args.lengths, "--lengths", int)
-    kinds = [] if args.metadata == "none" else _parse_list(args.metadata, "--metadata")
-    methods = sparse_methods(parse_budgets(args.budgets), kinds, args.variant)
+    methods = sparse_methods(parse_budgets(args.budgets), metadata_kinds(args.metadata), args.variant)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,13 +1,13 @@
-"""`--variant` method families (eval.common.parse_variant, eval.ruler.sparse_methods) and the diagnostics' helpers."""
+"""`--variant` method families (eval.common.parse_variant, eval.common.sparse_methods) and the diagnostics' helpers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from eval.common import parse_variant
-from eval.ruler import parse_args, sparse_methods
+from eval.common import parse_variant, sparse_methods
+from eval.ruler import parse_args
 from eval.selection_diagnostics import needle_token_mask, step_mass, step_stats, variant_configs
+
 from sparseserve_hf import SparseServeConfig
 
 
@@ -100,3 +100,18 @@ def test_diagnostics_cli_end_to_end_on_the_default_model(tmp_path):
         assert (tmp_path / name).is_file()
     again = main(argv + ["--cache-dir", str(tmp_path / "rec")])  # from the cached recording: same numbers
     assert again["summaries"] == result["summaries"]
+
+
+def test_longbench_takes_the_same_method_families():
+    from eval.common import metadata_kinds
+    from eval.longbench import parse_args as longbench_args
+
+    args = longbench_args(
+        ["--tasks", "multi_news", "--budgets", "512", "--metadata", "hybrid,quest", "--variant", "b16:block_size=16"]
+    )
+    methods = sparse_methods([512], metadata_kinds(args.metadata), args.variant)
+    assert [m.name for m in methods] == ["dense", "sparse_512", "quest_512", "b16_512"]
+    assert longbench_args(["--tasks", "multi_news"]).metadata == SparseServeConfig().metadata
+    assert metadata_kinds("none") == [] and metadata_kinds(" quest , cuboid ") == ["quest", "cuboid"]
+    with pytest.raises(ValueError, match="--metadata"):
+        metadata_kinds(" , ")
