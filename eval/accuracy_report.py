@@ -189,6 +189,22 @@ def _order(name: str) -> tuple:
     return (0, "", 0) if budget is None else (1, family, budget)
 
 
+def budget_curves(scores: dict[str, dict[str, float]], tasks: list[str]) -> dict[str, dict[int, float]]:
+    """{family: {budget: mean score over `tasks`}}, only where the family has every one of `tasks`.
+
+    Like the dense line, a point averages all the panel's tasks: a family run on fewer of them (a
+    run cut short) is left out rather than drawn over an easier or harder subset.
+    """
+    points: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for task in tasks:
+        for name, value in scores[task].items():
+            family, budget = split_method(name)
+            if budget is not None:
+                points[family][budget].append(value)
+    curves = {f: {b: sum(v) / len(tasks) for b, v in per.items() if len(v) == len(tasks)} for f, per in points.items()}
+    return {family: per for family, per in sorted(curves.items()) if per}
+
+
 def plot(report: dict, path: Path) -> None:
     """Mean score over the ratio's tasks vs budget, one panel per RULER length (+ LongBench)."""
     import matplotlib
@@ -201,18 +217,14 @@ def plot(report: dict, path: Path) -> None:
     if "longbench" in report:
         panels += [(f"LongBench {t}", report["longbench"]["score"], [t]) for t in report["longbench"]["score"]]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.6), squeeze=False)
+    families = sorted({split_method(m)[0] for _, scores, _ in panels for per in scores.values() for m in per} - {DENSE})
+    colors = {family: f"C{i}" for i, family in enumerate(families)}  # one color per family in every panel
     for ax, (title, scores, tasks) in zip(axes[0], panels):
         if not tasks:
             continue
-        curves: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for task in tasks:
-            for name, value in scores[task].items():
-                family, budget = split_method(name)
-                if budget is not None:
-                    curves[family][budget].append(value)
-        for family, points in sorted(curves.items()):
+        for family, points in budget_curves(scores, tasks).items():
             xs = sorted(points)
-            ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], marker="o", label=family)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=family, color=colors[family])
         dense = [scores[t][DENSE] for t in tasks if DENSE in scores[t]]
         if dense:
             ax.axhline(sum(dense) / len(dense), linestyle="--", color="black", linewidth=0.8, label="dense")
@@ -231,7 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ruler", nargs="*", type=Path, default=[], help="RULER runner output folders")
     parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
-    parser.add_argument("--note", action="append", default=[], help="a line for the report (e.g. how samples were built)")
+    parser.add_argument(
+        "--note", action="append", default=[], help="a line for the report (e.g. how samples were built)"
+    )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
     args = parser.parse_args(argv)
     if not args.ruler and not args.longbench:

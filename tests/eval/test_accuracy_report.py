@@ -55,10 +55,25 @@ def test_longbench_only_and_bad_input(tmp_path):
 def test_rename_swaps_families_at_once(tmp_path):
     rows = _rows("niah@8192", {"dense": [100], "sparse_512": [0], "hybrid_s8_512": [100]})
     _write(tmp_path / "run", rows)
-    args = ["--ruler", str(tmp_path / "run"), "--out", str(tmp_path), "--rename", "sparse=quest", "--rename", "hybrid_s8=sparse"]
+    args = [
+        "--ruler",
+        str(tmp_path / "run"),
+        "--out",
+        str(tmp_path),
+        "--rename",
+        "sparse=quest",
+        "--rename",
+        "hybrid_s8=sparse",
+    ]
     report = accuracy_report.main(args)
     assert report["ruler"]["score"]["niah@8192"] == {"dense": 100.0, "quest_512": 0.0, "sparse_512": 100.0}
     assert report["ratio_to_dense_8k"] == {"512": 1.0}  # the renamed default family
     for bad in ("sparse", "=x", "dense=quest", "sparse="):
         with pytest.raises(ValueError, match="OLD=NEW"):
             accuracy_report.main(["--ruler", str(tmp_path / "run"), "--out", str(tmp_path), "--rename", bad])
+
+
+def test_budget_curves_leave_out_a_family_missing_tasks():
+    scores = {"a@4096": {"dense": 90, "quest_256": 50, "sparse_256": 10}, "b@4096": {"dense": 70, "quest_256": 30}}
+    assert accuracy_report.budget_curves(scores, ["a@4096", "b@4096"]) == {"quest": {256: 40.0}}
+    assert accuracy_report.budget_curves(scores, ["a@4096"]) == {"quest": {256: 50.0}, "sparse": {256: 10.0}}
