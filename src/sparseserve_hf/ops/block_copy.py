@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import reference
+
 if TYPE_CHECKING:
     from . import BlockOps
 
@@ -31,9 +33,7 @@ def gather_blocks(
     skipped, optional (1,) `count` of live entries. Reads the ids on the host (a sync): a copy
     per block is launched from the host anyway.
     """
-    if count is not None:
-        num = int(count.reshape(-1)[0])
-        src_ids, dst_slots = src_ids[:num], dst_slots[:num]
+    src_ids, dst_slots = reference.live_entries(count, src_ids, dst_slots)
     for src, dst in zip(src_ids.tolist(), dst_slots.tolist()):
         if src >= 0 and dst >= 0:
             pool_dst[dst].copy_(pool_src[src], non_blocking=True)  # stream-ordered, like cudaMemcpyAsync

@@ -270,13 +270,22 @@ def gather_blocks(
         count: optional (1,) int tensor: only the first `count` entries are copied (the rest of a
             fixed-size id list is unused, as under CUDA-graph capture).
     """
-    if count is not None:
-        num = int(count.reshape(-1)[0])  # the reference may sync; the kernel reads it on the device
-        src_ids, dst_slots = src_ids[:num], dst_slots[:num]
+    src_ids, dst_slots = live_entries(count, src_ids, dst_slots)
     keep = (src_ids >= 0) & (dst_slots >= 0)
     src = src_ids[keep].to(pool_src.device)
     dst = dst_slots[keep].to(pool_dst.device)
     pool_dst[dst] = pool_src[src].to(pool_dst.device, non_blocking=True)
+
+
+def live_entries(count: torch.Tensor | None, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The first `count` entries of each id list (all of them when `count` is None).
+
+    Host-side copies read `count` back (a sync); the FlashH2D kernel reads it on the device.
+    """
+    if count is None:
+        return ids
+    num = int(count.reshape(-1)[0])
+    return tuple(t[:num] for t in ids)
 
 
 def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
