@@ -45,6 +45,24 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 10, rep: 
     return (time.perf_counter() - start) * 1e3
 
 
+def graph_ms(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Median milliseconds of one replay of `fn()` captured in a CUDA graph: the GPU's time alone.
+
+    A captured decode step pays exactly this; `time_ms` adds the host's kernel launches, which
+    dominate small multi-kernel functions. None where `fn` cannot be captured (or on CPU).
+    """
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+    except RuntimeError as exc:  # e.g. an op that syncs with the host
+        print(f"not capturable ({type(exc).__name__}: {str(exc).splitlines()[0]}): no graph time")
+        torch.cuda.synchronize(device)
+        return None
+
+
 def wall_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
     """Median wall-clock milliseconds of `fn()` with the device synchronized around each call
     (for work that ends on CPU threads, which CUDA events do not see)."""

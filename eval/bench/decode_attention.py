@@ -7,6 +7,11 @@ budget 2048 tokens: each KV head attends U = 2048/32 - 1 = 63 selected blocks pl
 Baselines in the same run: SDPA over the whole context (`enable_gqa=True`, PyTorch's fastest
 backend) and a device-to-device copy (the HBM bandwidth the kernel is held to).
 
+Timing: every `*_ms` column is the median replay of the call captured in a CUDA graph, the GPU's
+time alone, which is what a graph-captured decode step pays; `*_eager_ms` columns time the same
+call launched eagerly from Python (select + attend is ~15 small kernels: there the host's
+launches, not the GPU, set the time).
+
 Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident blocks;
 `select_ms` Quest scoring of every block straight from the metadata pool + top-k (sink and
 window forced); `select_attend_ms` both (the block-table lookup and misses are T8's business);
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eval.bench.common import pick_device, prepare_triton, print_table, run_record, time_ms, write_json
+from eval.bench.common import graph_ms, pick_device, prepare_triton, print_table, run_record, time_ms, write_json
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -38,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--max-dense-gib", type=float, default=40.0, help="skip SDPA where its K/V exceed this")
+    parser.add_argument("--profile", action="store_true", help="print select + attend's kernels at the headline point")
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -112,17 +118,23 @@ def measure(batch: int, context: int, args, device: torch.device, group_union: b
         return attend()
 
     row = {"context": context, "batch": batch, "union": group_union, "blocks_per_kv_head": x["loaded"]}
-    row["sparse_ms"] = time_ms(attend, device)
-    row["select_ms"] = time_ms(select, device)
-    row["select_attend_ms"] = time_ms(select_attend, device)
+    row["sparse_ms"] = gpu_ms(attend, device, row, "sparse_ms")
+    row["select_ms"] = gpu_ms(select, device, row, "select_ms")
+    row["select_attend_ms"] = gpu_ms(select_attend, device, row, "select_attend_ms")
+    row["sparse_eager_ms"] = time_ms(attend, device)
+    row["select_attend_eager_ms"] = time_ms(select_attend, device)
+    if args.profile and (context, batch) == HEADLINE and not group_union:
+        print_kernel_profile(select_attend)
     read = batch * KV_HEADS * (x["loaded"] + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
     row["kernel_gb_per_s"] = read / row["sparse_ms"] / 1e6
     if flash is not None:  # the first call JIT-compiles fa4's kernel (seconds): before the timing
         row["flash_max_abs_diff"] = (attend_flash().float() - attend().float()).abs().max().item()
-        row["flash_ms"] = time_ms(attend_flash, device)
+        row["flash_ms"] = gpu_ms(attend_flash, device, row, "flash_ms")
+        row["flash_eager_ms"] = time_ms(attend_flash, device)
     x.clear()  # free the sparse inputs before SDPA allocates the dense K/V
     row["dense_ms"] = dense_ms(batch, context, args, device)
     if row["dense_ms"] is not None:
+        row["select_attend_eager_speedup"] = row["dense_ms"] / row["select_attend_eager_ms"]
         row["speedup"] = row["dense_ms"] / row["sparse_ms"]
         row["select_attend_speedup"] = row["dense_ms"] / row["select_attend_ms"]
         if "flash_ms" in row:
@@ -138,10 +150,33 @@ def dense_ms(batch: int, context: int, args, device: torch.device) -> float | No
         query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=DTYPE)
         keys = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=DTYPE)
         values = torch.randn_like(keys)
-        return time_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True), device)
+        return gpu_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True), device)
     except torch.OutOfMemoryError:  # a backend that expands GQA needs G x the K/V: report, do not die
         print(f"SDPA out of memory at context={context} batch={batch}")
         return None
+
+
+def gpu_ms(fn, device: torch.device, row: dict[str, Any] | None = None, name: str = "") -> float:
+    """The GPU's time for `fn` (a CUDA-graph replay, as a captured decode step runs it); where it
+    cannot be captured (CPU dry runs), the eager time, with `name` listed under the row's `eager_fallback`."""
+    ms = graph_ms(fn, device)
+    if ms is not None:
+        return ms
+    if row is not None:
+        row.setdefault("eager_fallback", []).append(name)
+    return time_ms(fn, device)
+
+
+def print_kernel_profile(fn) -> None:
+    """Per-kernel GPU time of 10 eager calls of `fn` (where select + attend spends its time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -163,10 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
     columns = ["context", "batch", "union", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
-    columns += ["flash_ms", "flash_speedup", "flash_max_abs_diff"] if flash is not None else []
-    print_table(
-        rows, columns + ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
-    )
+    columns += ["flash_ms", "flash_eager_ms", "flash_speedup", "flash_max_abs_diff"] if flash is not None else []
+    columns += ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
+    print_table(rows, columns + ["sparse_eager_ms", "select_attend_eager_ms", "select_attend_eager_speedup"])
     top = next((r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]), {})
     result = {
         **run_record(device),
@@ -175,6 +209,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "headline": {"context": headline[0], "batch": headline[1]},
         "speedup_vs_dense_sdpa": top.get("speedup"),
         "select_and_attend_speedup": top.get("select_attend_speedup"),
+        "select_and_attend_eager_speedup": top.get("select_attend_eager_speedup"),
+        "timing": "ms columns: median CUDA-graph replay (GPU time, as a captured decode step runs); "
+        "*_eager_ms: median eager call with its host launches (triton do_bench)",
         "hbm_bandwidth_fraction": top.get("hbm_fraction"),
         "copy_gb_per_s": copy_gb_per_s,
         "rows": rows,

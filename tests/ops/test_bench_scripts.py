@@ -29,7 +29,7 @@ def test_transfer_dry_run_writes_its_ratios(tmp_path):
     result = json.loads(out.read_text())
     assert {"device", "command", "h2d_over_bulk", "d2h_over_bulk", "flash_d2h_over_bulk"} <= result.keys()
     methods = {row["method"] for row in result["rows"]}
-    assert {"bulk", "copy_ per block", "FlashH2D gather", "UVA scatter", "FlashD2H (staged + CPU scatter)"} <= methods
+    assert {"bulk", "copy_ per block", "FlashH2D gather", "UVA scatter (default grid)", "FlashD2H (staged + CPU scatter)"} <= methods
     assert result["h2d_over_bulk"] > 0 and "--dry-run" in result["command"]
 
 

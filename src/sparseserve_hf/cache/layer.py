@@ -226,11 +226,13 @@ class SparseServeLayer(CacheLayerMixin):
         """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real)."""
         keys, values = self.staged
         self.staged = None
+        if self.caller_owns_tails:
+            # Graph mode: the runner feeds one real token per row and never reads `valid`
+            # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
+            self.append_token_static(keys, values)
+            return
         if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
-            if self.caller_owns_tails:
-                self.append_token_static(keys, values)
-            else:
-                self._append_token(keys, values)
+            self._append_token(keys, values)
             return
         for row in range(keys.shape[0]):
             take = slice(None) if valid is None else valid[row]
