@@ -50,6 +50,11 @@ class CudaGraphs:
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()  # shared by every graph of one runner
 
+    def new_pool(self) -> None:
+        """Capture later graphs into a fresh pool: once every graph of a pool is gone, PyTorch
+        releases the pool and refuses to capture into it again (an internal assert)."""
+        self.pool = torch.cuda.graph_pool_handle()
+
     def warm_up(self, fn) -> torch.Tensor:
         """Run `fn` for real on a side stream (Triton compiles, cuBLAS sets up), as capture requires."""
         stream = torch.cuda.Stream()
@@ -134,7 +139,7 @@ class DecodeGraphRunner:
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()
         self._last_position = int(self._positions.max())
-        self._captured.clear()  # new static buffers: graphs of an earlier start point at the old ones
+        self._drop_graphs()  # new static buffers: graphs of an earlier start point at the old ones
 
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per row; returns the (B, 1) greedy picks (a static buffer: clone to keep).
@@ -170,8 +175,13 @@ class DecodeGraphRunner:
                 self.cache.store.saver.wait()  # FlashD2H scatters on CPU threads; the step may read those blocks
         state = self._graph_state()
         if state != self._state:
-            self._captured.clear()
+            self._drop_graphs()
             self._state = state
+
+    def _drop_graphs(self) -> None:
+        if self._captured and self.graphs is not None:
+            self.graphs.new_pool()
+        self._captured.clear()
 
     def _static_step(self) -> torch.Tensor:
         """What a graph captures: one forward at fixed shapes, greedy pick fed back. Returns (B, V) logits."""

@@ -9,6 +9,7 @@ advances by hand after a replay. tests/integration/test_decode_graph.py runs rea
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from unittest import mock
 
@@ -112,17 +113,26 @@ class FakeGraphs:
 
     def __init__(self, runner: DecodeGraphRunner) -> None:
         self.runner = runner
+        self.pool: weakref.WeakSet | None = None  # the graphs captured into the current pool
+
+    def new_pool(self) -> None:
+        self.pool = None
 
     def warm_up(self, fn):
         return fn()
 
     def record(self, fn):
+        # Like PyTorch: a pool whose graphs are all gone is released, and capturing into it asserts.
+        assert self.pool is None or len(self.pool) > 0, "captured into a released graph pool"
+        self.pool = weakref.WeakSet() if self.pool is None else self.pool
         tensors = self._tensors()
         saved = [t.clone() for t in tensors.values()]
         out = fn()
         for t, value in zip(tensors.values(), saved):
             t.copy_(value)
-        return FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()}), out
+        graph = FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()})
+        self.pool.add(graph)
+        return graph, out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return self.runner.cache.graph_tensors() | {"ids": self.runner._ids, "positions": self.runner._positions}

@@ -18,7 +18,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("module", ["eval.bench.transfer", "eval.bench.decode_attention"])
+@pytest.mark.parametrize("module", ["eval.bench.transfer", "eval.bench.decode_attention", "eval.bench.score_tuning"])
 def test_help(module):
     assert "--out" in run_module(module, "--help").stdout
 
@@ -40,3 +40,11 @@ def test_decode_attention_dry_run_writes_its_ratios(tmp_path):
     for key in ("speedup_vs_dense_sdpa", "select_and_attend_speedup", "hbm_bandwidth_fraction", "copy_gb_per_s"):
         assert result[key] > 0, key
     assert any(row["union"] for row in result["rows"])
+
+
+def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
+    out = tmp_path / "score_tuning.json"
+    run_module("eval.bench.score_tuning", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [(r["kind"], r["block_n"], r["warps"]) for r in result["rows"]] == [("quest", 16, 4), ("hybrid", 16, 4)]
+    assert all(r["ms"] > 0 for r in result["rows"]) and set(result["best"]) == {"quest", "hybrid"}

@@ -119,16 +119,17 @@ def select_blocks(
     count = num_blocks.view(batch, 1, 1)
     exists = position < count  # (B, 1, N')
     forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
-    padded = torch.full((batch, heads, width), float("-inf"), device=scores.device)
-    padded[..., :capacity] = scores.float()
-    # Forced blocks rank above every scored block; non-existent blocks rank last.
-    rank = torch.where(forced, float("inf"), torch.where(exists, padded, float("-inf")))
-    rank = torch.nan_to_num(rank, nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
-    top = rank.topk(num_selected, dim=-1).indices  # (B, H, K)
-    valid = torch.gather(exists.expand(batch, heads, width), 2, top)
-    # Invalid entries sort last; valid ones ascend so attention visits blocks in position order.
-    index, order = torch.where(valid, top, width).sort(dim=-1)
-    valid = torch.gather(valid, 2, order)
+    # Three passes over the (B, H, N') scores (this runs every decode step over every block):
+    # NaN ranks lowest among scored blocks, non-existent blocks rank last, forced blocks first.
+    rank = torch.nan_to_num(scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
+    if width > capacity:
+        rank = torch.nn.functional.pad(rank, (0, width - capacity), value=float("-inf"))
+    rank.masked_fill_(~exists, float("-inf")).masked_fill_(forced, float("inf"))
+    top = rank.topk(num_selected, dim=-1, sorted=False).indices  # (B, H, K), in no particular order
+    # Invalid entries (past the row's count) sort last; valid ones ascend, so attention visits
+    # blocks in position order.
+    index = torch.where(top < count, top, width).sort(dim=-1).values
+    valid = index < width
     return torch.where(valid, index, 0), valid
 
 

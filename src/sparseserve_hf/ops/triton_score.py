@@ -16,6 +16,8 @@ import triton.language as tl
 from . import reference
 
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
+BLOCK_BYTES = 16 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -76,8 +78,18 @@ def _score_kernel(
             tl.store(out, score, mask=in_table)
 
 
-def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
+def score_table(
+    query: torch.Tensor,
+    metadata: torch.Tensor,
+    block_ids: torch.Tensor,
+    kind: str,
+    *,
+    block_n: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
     """Scores of every row's block table, read from the metadata pool (see `reference.score_table`).
+
+    `block_n` (blocks per program) and `num_warps` are launch knobs for `eval.bench.score_tuning`.
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
@@ -89,7 +101,10 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         (B, Hq, N) fp32; -inf where the id is -1.
     """
     if kind == "hybrid":  # two kernel passes over views of the pool, rankings combined on the device
-        parts = [score_table(query, part, block_ids, k) for k, part in reference.hybrid_parts(metadata)]
+        parts = [
+            score_table(query, part, block_ids, k, block_n=block_n, num_warps=num_warps)
+            for k, part in reference.hybrid_parts(metadata)
+        ]
         return reference.combine_by_rank(*parts)
     if kind not in KINDS:
         raise ValueError(f"unknown metadata kind {kind!r}")
@@ -105,7 +120,8 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    block_n = 32 if dim >= 128 else 64  # ~16 KiB of metadata per program
+    block_n = block_n or BLOCK_BYTES // (dim * metadata.element_size() * num_vectors)
+    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
     _score_kernel[grid](
         query,
@@ -128,7 +144,7 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         M=num_vectors,
         SUB=num_vectors // KINDS[kind],
         QUEST=kind == "quest",
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
 

@@ -1,0 +1,80 @@
+"""Launch sweep of the block-scoring kernel (`ops.triton_score.score_table`) on the T3 shape.
+
+    python -m eval.bench.score_tuning --out eval/results/score_tuning.json   # ~30 s on the H200
+
+Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, 32-token blocks) at 128K context, B=32: every
+block's metadata read once through the row's table. Each (blocks per program, warps) point is
+timed as a CUDA-graph replay; `gb_per_s` counts the metadata, table and score bytes moved, and
+`copy_fraction` compares it with a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from eval.bench.common import graph_ms, pick_device, prepare_triton, print_table, run_record, time_ms, write_json
+from eval.bench.decode_attention import copy_bandwidth
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
+DTYPE = torch.bfloat16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--kinds", nargs="+", default=["quest", "hybrid"])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
+    return parser.parse_args(argv)
+
+
+def metadata_vectors(kind: str) -> int:
+    from sparseserve_hf.config import HYBRID_SUB_BLOCKS
+
+    return 2 + HYBRID_SUB_BLOCKS if kind == "hybrid" else 2
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)
+    from sparseserve_hf.ops import triton_score  # after prepare_triton: the interpreter on CPU
+    heads, dim = (Q_HEADS, HEAD_DIM) if not args.dry_run else (4, 16)
+    kv_heads = KV_HEADS if not args.dry_run else 2
+    if args.dry_run:
+        args.context, args.batch, args.block_n, args.warps = 512, 1, [16], [4]
+    num_blocks = args.context // BLOCK - 1
+    copy_gb_per_s = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 20))
+    query = torch.randn(args.batch, heads, dim, device=device, dtype=DTYPE if device.type == "cuda" else torch.float32)
+    rows = []
+    for kind in args.kinds:
+        vectors = metadata_vectors(kind)
+        metadata = torch.randn(args.batch * kv_heads * num_blocks, vectors, dim, device=device, dtype=query.dtype)
+        table = torch.randperm(metadata.shape[0], device=device).view(args.batch, kv_heads, num_blocks)
+        moved = metadata.numel() * metadata.element_size() + table.numel() * 8 + args.batch * heads * num_blocks * 4
+        for block_n in args.block_n:
+            for warps in args.warps:
+
+                def score(block_n=block_n, warps=warps) -> torch.Tensor:
+                    return triton_score.score_table(query, metadata, table, kind, block_n=block_n, num_warps=warps)
+
+                ms = graph_ms(score, device) or time_ms(score, device)
+                rows.append({"kind": kind, "block_n": block_n, "warps": warps, "ms": ms,
+                             "gb_per_s": moved / ms / 1e6, "copy_fraction": moved / ms / 1e6 / copy_gb_per_s})  # fmt: skip
+        del metadata, table
+    print_table(rows, ["kind", "block_n", "warps", "ms", "gb_per_s", "copy_fraction"])
+    best = {kind: min((r for r in rows if r["kind"] == kind), key=lambda r: r["ms"]) for kind in args.kinds}
+    result = {**run_record(device), "context": args.context, "batch": args.batch, "copy_gb_per_s": copy_gb_per_s,
+              "best": best, "rows": rows}  # fmt: skip
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
