@@ -14,7 +14,8 @@ launches, not the GPU, set the time).
 
 Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident blocks;
 `select_ms` Quest scoring of every block straight from the metadata pool + top-k (sink and
-window forced); `select_attend_ms` both (the block-table lookup and misses are T8's business);
+window forced; one `hybrid` row at the headline point scores with the default metadata instead:
+Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `select_attend_ms` both (the block-table lookup and misses are T8's business);
 `kernel_gb_per_s` bytes the kernel reads (K/V of the attended blocks and tails) per second;
 `union` rows time the "group_union" worst case (each KV head loads G x 63 distinct blocks).
 Where flash-attn-4 runs (`backend="flash"`), `flash_ms` times its sparse decode on the same
@@ -57,7 +58,9 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def decode_inputs(batch: int, context: int, budget: int, group_union: bool, device: torch.device) -> dict[str, Any]:
+def decode_inputs(
+    batch: int, context: int, budget: int, group_union: bool, device: torch.device, vectors: int = 2
+) -> dict[str, Any]:
     """Query, a pool holding only the selected blocks, their slots, tails, and the metadata pool + table."""
     num_blocks = context // BLOCK - 1  # full blocks; the rest of the context is the tail
     loaded = min(budget // BLOCK - 1, num_blocks)
@@ -68,7 +71,7 @@ def decode_inputs(batch: int, context: int, budget: int, group_union: bool, devi
     slots = torch.randperm(pool.shape[0], device=device).view(batch, KV_HEADS, loaded)  # scattered slots
     tail = torch.randn(batch, KV_HEADS, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)
     tail_len = torch.randint(1, BLOCK + 1, (batch,), device=device)
-    metadata = torch.randn(batch * KV_HEADS * num_blocks, 2, HEAD_DIM, device=device, dtype=DTYPE)  # (C, M, D)
+    metadata = torch.randn(batch * KV_HEADS * num_blocks, vectors, HEAD_DIM, device=device, dtype=DTYPE)  # (C, M, D)
     table = torch.randperm(metadata.shape[0], device=device).view(batch, KV_HEADS, num_blocks)  # DRAM ids
     return dict(
         query=query, pool=pool, slots=slots, tail=tail, tail_len=tail_len, metadata=metadata, table=table,
@@ -89,10 +92,14 @@ def flash_decode_module(device: torch.device):
     return flash_decode
 
 
-def measure(batch: int, context: int, args, device: torch.device, group_union: bool, flash=None) -> dict[str, Any]:
+def measure(
+    batch: int, context: int, args, device: torch.device, group_union: bool, flash=None, metadata: str = "quest"
+) -> dict[str, Any]:
+    from sparseserve_hf.config import HYBRID_SUB_BLOCKS
     from sparseserve_hf.ops import reference, triton_decode, triton_score
 
-    x = decode_inputs(batch, context, args.budget, group_union, device)
+    vectors = 2 + HYBRID_SUB_BLOCKS if metadata == "hybrid" else 2
+    x = decode_inputs(batch, context, args.budget, group_union, device, vectors)
     scale = HEAD_DIM**-0.5
     topk = min(args.budget // BLOCK - 1, x["table"].shape[2])
 
@@ -109,7 +116,7 @@ def measure(batch: int, context: int, args, device: torch.device, group_union: b
         )
 
     def select() -> torch.Tensor:
-        scores = triton_score.score_table(x["query"], x["metadata"], x["table"], "quest")  # (B, Hq, N)
+        scores = triton_score.score_table(x["query"], x["metadata"], x["table"], metadata, topk)  # (B, Hq, N)
         picked, _ = reference.select_blocks(scores, x["num_blocks"], topk, 1, 1)
         return picked
 
@@ -117,7 +124,8 @@ def measure(batch: int, context: int, args, device: torch.device, group_union: b
         select()
         return attend()
 
-    row = {"context": context, "batch": batch, "union": group_union, "blocks_per_kv_head": x["loaded"]}
+    row = {"context": context, "batch": batch, "union": group_union, "metadata": metadata}
+    row["blocks_per_kv_head"] = x["loaded"]
     row["sparse_ms"] = gpu_ms(attend, device, row, "sparse_ms")
     row["select_ms"] = gpu_ms(select, device, row, "select_ms")
     row["select_attend_ms"] = gpu_ms(select_attend, device, row, "select_attend_ms")
@@ -195,13 +203,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(measure(batch, context, args, device, group_union=False, flash=flash))
     headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
     rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
+    rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
-    columns = ["context", "batch", "union", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
+    columns = ["context", "batch", "union", "metadata", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
     columns += ["flash_ms", "flash_eager_ms", "flash_speedup", "flash_max_abs_diff"] if flash is not None else []
     columns += ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
     print_table(rows, columns + ["sparse_eager_ms", "select_attend_eager_ms", "select_attend_eager_speedup"])
-    top = next((r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]), {})
+    at_headline = [r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]]
+    top = next((r for r in at_headline if r["metadata"] == "quest"), {})
+    hybrid = next((r for r in at_headline if r["metadata"] == "hybrid"), {})
     result = {
         **run_record(device),
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "dtype": str(DTYPE)},
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "speedup_vs_dense_sdpa": top.get("speedup"),
         "select_and_attend_speedup": top.get("select_attend_speedup"),
         "select_and_attend_eager_speedup": top.get("select_attend_eager_speedup"),
+        "select_and_attend_speedup_hybrid": hybrid.get("select_attend_speedup"),
         "timing": "ms columns: median CUDA-graph replay (GPU time, as a captured decode step runs); "
         "*_eager_ms: median eager call with its host launches (triton do_bench)",
         "hbm_bandwidth_fraction": top.get("hbm_fraction"),

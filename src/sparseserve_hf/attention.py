@@ -100,7 +100,7 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     num_kv_heads = layer.tail.shape[1]
     group = q.shape[1] // num_kv_heads
     table = layer.block_ids  # (B, Hkv, N)
-    scores = ops.score_table(q, store.metadata, table, config.metadata)  # (B, Hq, N), -inf past a row's blocks
+    scores = ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
     picked, valid, head_mask = pick_blocks(ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids)
@@ -108,6 +108,12 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     tail = layer.tail
     out = ops.sparse_decode(q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
     return out.unsqueeze(1)
+
+
+def rank_depth(config: SparseServeConfig) -> int | None:
+    """How deep hybrid scoring must rank: each head's top-k is all a per-query-head selection reads;
+    a per-KV-head selection aggregates scores over the group, so there every rank counts."""
+    return None if config.selection == "kv_head" else config.selected_full_blocks
 
 
 def pick_blocks(

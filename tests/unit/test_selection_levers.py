@@ -111,3 +111,21 @@ def test_hybrid_score_table_ignores_unused_entries():
 def test_config_hybrid_vectors():
     assert SparseServeConfig(metadata="hybrid", metadata_sub_blocks=1).metadata_vectors == 3
     assert SparseServeConfig(metadata="hybrid", metadata_sub_blocks=4).metadata_vectors == 6
+
+
+@pytest.mark.parametrize("num_selected", [1, 5, 16, 40])
+def test_ranking_only_the_top_k_selects_what_the_full_ranking_selects(num_selected):
+    """combine_by_rank(depth=K) ranks two top-K lists instead of sorting every block: same top-K blocks."""
+    torch.manual_seed(num_selected)
+    first, second = torch.randn(3, 4, 37), torch.randn(3, 4, 37)
+    first[1, :, 30:] = second[1, :, 30:] = float("-inf")  # a row with 30 blocks in a table of 37
+    num_blocks = torch.tensor([37, 30, 37])
+    full = reference.combine_by_rank(first, second)
+    shallow = reference.combine_by_rank(first, second, depth=num_selected)
+    for sink, window in [(0, 0), (1, 1), (2, 3)]:
+        if sink + window > num_selected:  # the forced blocks alone overflow K (config refuses this)
+            continue
+        want = reference.select_blocks(full, num_blocks, num_selected, sink, window)
+        got = reference.select_blocks(shallow, num_blocks, num_selected, sink, window)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (sink, window)
+    assert torch.equal(shallow.isneginf(), full.isneginf())

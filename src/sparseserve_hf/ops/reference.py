@@ -217,7 +217,7 @@ def hybrid_parts(metadata: torch.Tensor) -> tuple[tuple[str, torch.Tensor], tupl
     return ("quest", metadata[..., :2, :]), ("cuboid", metadata[..., 2:, :])
 
 
-def combine_by_rank(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+def combine_by_rank(first: torch.Tensor, second: torch.Tensor, depth: int | None = None) -> torch.Tensor:
     """Interleave two block rankings: (B, H, N) scores -> (B, H, N) scores whose top-k is the union of
     both rankings' top blocks, taken alternately (first's j-th, second's j-th, first's j+1-th, ...).
 
@@ -225,17 +225,30 @@ def combine_by_rank(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     tokens a retrieval head reads (eval/results/selection_diagnostics.md); either alone loses what
     the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
     (ties go to `first`); -inf stays -inf (unused table entries).
+
+    `depth`: rank only each ranking's top `depth` blocks (two top-k instead of four full sorts:
+    1.6 ms -> see eval/results/decode_attention.json at 128K, B=32); the rest tie at rank `depth`.
+    Any top-k with k <= depth is unchanged (the two top-depth lists hold >= depth distinct
+    blocks), except that equal scores may break ties either way. None ranks every block.
     """
-
-    def rank(scores: torch.Tensor) -> torch.Tensor:  # 0 = best; -inf entries rank last
-        return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-
-    rank1, rank2 = rank(first), rank(second)
+    rank1, rank2 = _rank(first, depth), _rank(second, depth)
     combined = -(2 * torch.minimum(rank1, rank2) + (rank2 < rank1).long()).float()
     return combined.masked_fill(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
 
 
-def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str) -> torch.Tensor:
+def _rank(scores: torch.Tensor, depth: int | None) -> torch.Tensor:
+    """(B, H, N) scores -> (B, H, N) long ranks, 0 = best (-inf entries last); past `depth`: `depth`."""
+    if depth is None:
+        return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    depth = min(depth, scores.shape[-1])
+    top = scores.topk(depth, dim=-1).indices  # (B, H, depth), best first
+    ranks = torch.full(scores.shape, depth, dtype=torch.long, device=scores.device)
+    return ranks.scatter_(-1, top, torch.arange(depth, device=scores.device).expand_as(top))
+
+
+def score_table(
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, kind: str, depth: int | None = None
+) -> torch.Tensor:
     """Score each row's block table straight from the metadata pool (no gathered copy).
 
     Args:
@@ -243,11 +256,13 @@ def score_table(query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Te
         metadata: (C, M, D) metadata of every DRAM block, indexed by DRAM id.
         block_ids: (B, Hkv, N) DRAM ids of each row's blocks, -1 where the table is unused.
         kind: "quest", "cuboid" or "hybrid", as in `score_blocks`.
+        depth: hybrid only: rank just this many top blocks of each ranking (`combine_by_rank`).
     Returns:
         (B, Hq, N) fp32 scores; -inf where the id is -1.
     """
     if kind == "hybrid":  # rank only real blocks: unused entries are -inf before ranking
-        return combine_by_rank(*(score_table(query, part, block_ids, k) for k, part in hybrid_parts(metadata)))
+        parts = (score_table(query, part, block_ids, k) for k, part in hybrid_parts(metadata))
+        return combine_by_rank(*parts, depth=depth)
     scores = score_blocks(query, metadata[block_ids.clamp(min=0)], kind)  # (B, Hq, N)
     group = query.shape[1] // block_ids.shape[1]
     unused = (block_ids < 0).repeat_interleave(group, dim=1)  # (B, Hq, N)

@@ -83,6 +83,7 @@ def score_table(
     metadata: torch.Tensor,
     block_ids: torch.Tensor,
     kind: str,
+    depth: int | None = None,
     *,
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
@@ -97,6 +98,7 @@ def score_table(
             sub-block (see `reference.block_metadata`).
         block_ids: (B, Hkv, N) long DRAM ids, -1 where unused.
         kind: "quest", "cuboid" or "hybrid" (both rankings, combined by `reference.combine_by_rank`).
+        depth: hybrid only: rank just each ranking's top `depth` blocks (see `combine_by_rank`).
     Returns:
         (B, Hq, N) fp32; -inf where the id is -1.
     """
@@ -105,7 +107,7 @@ def score_table(
             score_table(query, part, block_ids, k, block_n=block_n, num_warps=num_warps)
             for k, part in reference.hybrid_parts(metadata)
         ]
-        return reference.combine_by_rank(*parts)
+        return reference.combine_by_rank(*parts, depth=depth)
     if kind not in KINDS:
         raise ValueError(f"unknown metadata kind {kind!r}")
     batch, num_q_heads, dim = query.shape
