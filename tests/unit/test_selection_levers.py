@@ -129,3 +129,15 @@ def test_ranking_only_the_top_k_selects_what_the_full_ranking_selects(num_select
         got = reference.select_blocks(shallow, num_blocks, num_selected, sink, window)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), (sink, window)
     assert torch.equal(shallow.isneginf(), full.isneginf())
+
+
+def test_shallow_combination_equals_the_full_one_on_the_top_ranks():
+    """With depth d: each block in either top-d list scores what the full ranking gives it, the rest -2d."""
+    torch.manual_seed(0)
+    first, second = torch.randn(2, 3, 50), torch.randn(2, 3, 50)
+    first[0, :, 40:] = second[0, :, 40:] = float("-inf")
+    full, shallow = reference.combine_by_rank(first, second), reference.combine_by_rank(first, second, depth=8)
+    in_lists = full > -16  # min(rank1, rank2) < 8
+    assert torch.equal(shallow[in_lists], full[in_lists])
+    rest = ~in_lists & ~full.isneginf()
+    assert bool((shallow[rest] == -16).all()) and torch.equal(shallow.isneginf(), full.isneginf())

@@ -231,19 +231,30 @@ def combine_by_rank(first: torch.Tensor, second: torch.Tensor, depth: int | None
     Any top-k with k <= depth is unchanged (the two top-depth lists hold >= depth distinct
     blocks), except that equal scores may break ties either way. None ranks every block.
     """
-    rank1, rank2 = _rank(first, depth), _rank(second, depth)
+    if depth is not None:
+        return _combine_top_ranks(first, second, min(depth, first.shape[-1]))
+    rank1, rank2 = _rank(first), _rank(second)
     combined = -(2 * torch.minimum(rank1, rank2) + (rank2 < rank1).long()).float()
     return combined.masked_fill(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
 
 
-def _rank(scores: torch.Tensor, depth: int | None) -> torch.Tensor:
-    """(B, H, N) scores -> (B, H, N) long ranks, 0 = best (-inf entries last); past `depth`: `depth`."""
-    if depth is None:
-        return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    depth = min(depth, scores.shape[-1])
-    top = scores.topk(depth, dim=-1).indices  # (B, H, depth), best first
-    ranks = torch.full(scores.shape, depth, dtype=torch.long, device=scores.device)
-    return ranks.scatter_(-1, top, torch.arange(depth, device=scores.device).expand_as(top))
+def _rank(scores: torch.Tensor) -> torch.Tensor:
+    """(B, H, N) scores -> (B, H, N) long ranks, 0 = best, -inf entries last, ties by position."""
+    return scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+
+
+def _combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
+    """`combine_by_rank` over each ranking's top `depth` only, without a full-size rank tensor.
+
+    Block at rank j of `first` scores -2j, at rank j of `second` -(2j + 1), the larger where it is
+    in both (= -(2 min(r1, r2) + [r2 < r1])); a block in neither list scores -2 * depth.
+    """
+    steps = torch.arange(depth, device=first.device, dtype=torch.float32)  # (depth,)
+    out = torch.full(first.shape, -2.0 * depth, device=first.device)  # (B, H, N)
+    for scores, offset in ((second, 1.0), (first, 0.0)):
+        top = scores.topk(depth, dim=-1).indices  # (B, H, depth), best first
+        out.scatter_reduce_(-1, top, (-(2 * steps + offset)).expand(top.shape), "amax")
+    return out.masked_fill_(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
 
 
 def score_table(
