@@ -100,3 +100,16 @@ def test_union_over_group_matches_sets():
         assert set(union[0, head // 2][head_mask[0, head]].tolist()) == own
     bare = reference.union_over_group(index, valid, num_kv_heads=2, capacity=8, with_head_mask=False)
     assert torch.equal(bare[0], union) and torch.equal(bare[1], union_valid) and bare[2] is None
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("capacity", [3, 7])  # below and above G*K = 6
+def test_union_width_does_not_depend_on_the_table_width(capacity):
+    """U = G*K for any table width N: the attention's split over U (its float summation order), and so
+    a graph step (fixed-width tables) and the eager step (tables grown on demand), see the same union."""
+    index = torch.tensor([[[0, 1, 2], [1, 2, 0], [0, 2, 1], [1, 0, 2]]])  # (B=1, Hq=4, K=3), ids < 3
+    valid = torch.tensor([[[True, True, True], [True, True, False], [True, False, False], [True, True, True]]])
+    got = reference.union_over_group(index, valid, num_kv_heads=2, capacity=capacity)
+    wide = reference.union_over_group(index, valid, num_kv_heads=2, capacity=300)
+    assert got[0].shape == (1, 2, 6) and all(torch.equal(a, b) for a, b in zip(got, wide))
+    assert got[1].sum(-1).tolist() == [[3, 3]]

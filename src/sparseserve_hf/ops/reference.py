@@ -144,21 +144,24 @@ def union_over_group(
         capacity: N, the width of the block table the indices point into.
         with_head_mask: False skips the per-head mask (group_union attends the whole union).
     Returns:
-        union: (B, Hkv, U) block indices, ascending among valid entries, U = min(G*K, N).
+        union: (B, Hkv, U) block indices, ascending among valid entries, U = G*K whatever N is:
+            the union's width (and so the attention kernel's split over it, and its float
+            summation order) must not depend on how wide a table happens to be, or a CUDA-graph
+            step (fixed-width tables) and the eager step would round differently.
         union_valid: (B, Hkv, U).
         head_mask: (B, Hq, U) True where the query head itself selected that union block; None
             without `with_head_mask`.
     """
-    batch, num_q_heads, _ = index.shape
+    batch, num_q_heads, num_selected = index.shape
     group = num_q_heads // num_kv_heads
-    width = max(capacity, 1)
+    width = max(capacity, group * num_selected, 1)
     own = torch.zeros((batch, num_q_heads, width), dtype=torch.long, device=index.device)
     own.scatter_add_(2, index, valid.long())  # (B, Hq, N) > 0 where the head chose the block
     chosen = own.view(batch, num_kv_heads, group, width).sum(dim=2) > 0  # (B, Hkv, N)
     position = torch.arange(width, device=index.device)
     # Chosen blocks rank by position, unchosen ones after all of them: the smallest keys, ascending.
     key = torch.where(chosen, position, width + position)
-    key, union = key.topk(min(group * index.shape[-1], width), dim=-1, largest=False)
+    key, union = key.topk(group * num_selected, dim=-1, largest=False)
     union_valid = key < width
     union = torch.where(union_valid, union, 0)
     if not with_head_mask:
