@@ -6,21 +6,25 @@
 # Run from a snapshot of the repo root with PYTHONPATH=src:. (and, for the flash-attn-4 parts,
 # after `source /tmp/gpu-site/env.sh` from ../shared/tools/gpu-bundle.sh fa4). Parts:
 #   tests       every GPU-marked kernel / cache / graph test (flash-attn-4 tests skip without fa4)
-#   kernels     transfer (T1, T2 with the save-grid sweep) and decode attention (T3; fa4 column if installed)
+#   kernels     transfer (T1, T2 with the save-grid sweep), decode attention (T3; fa4 column if installed), score launch sweep
 #   step        one decode step, Llama-3-8B shape, B=16, 32K (T8): eager and CUDA graph vs dense
 #   generator   Generator vs stock generate, 16 requests of 16K tokens
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
+# The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
+# (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
 set -euo pipefail
 part=${1:?part}
 out=${2:?out dir}
 mkdir -p "$out"
+[[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 case $part in
   tests)
     python -m pytest -q -p no:cacheprovider tests/ops tests/unit/test_lru.py tests/integration/test_cuda.py \
       tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   kernels)
     python -m eval.bench.transfer --out "$out/transfer.json" 2>&1 | tee "$out/transfer.log" | tail -40
-    python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -40 ;;
+    python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -40
+    python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30 ;;
   step)
     python -m eval.bench.decode_step --graph --out "$out/decode_step.json" 2>&1 | tee "$out/decode_step.log" | tail -40 ;;
   generator)

@@ -82,9 +82,14 @@ def sync(device: torch.device) -> None:
 
 
 def run_record(device: torch.device) -> dict[str, Any]:
-    """Where and how the numbers were taken."""
+    """Where and how the numbers were taken.
+
+    The commit comes from $SPARSESERVE_COMMIT where set: the GPU machine receives a copy of the
+    working tree whose .git is not this checkout's (eval/h200_perf.sh passes the local HEAD on).
+    """
+    commit = os.environ.get("SPARSESERVE_COMMIT", "")
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True
         ).stdout.strip()
     except OSError:
