@@ -1,0 +1,103 @@
+"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report` (see eval/serving/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from eval.serving import report as report_mod
+from eval.serving.metrics import summarize
+from eval.serving.setup import SYSTEMS, HbmCap, build, dense_iteration_s
+from eval.serving.trace import Trace, build_trace, essay_token_ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.serving", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    trace = sub.add_parser("trace", help="build the seeded trace from real text (CPU)")
+    trace.add_argument("--requests", type=int, default=40)
+    trace.add_argument("--prompt-range", type=int, nargs=2, default=[8192, 65536])
+    trace.add_argument("--output-range", type=int, nargs=2, default=[64, 512])
+    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--out", type=Path, required=True)
+    for name, helptext in (
+        ("calibrate", "time one dense decode iteration (the SLO unit)"),
+        ("run", "one system at one rate"),
+    ):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("--trace", type=Path, required=True)
+        cmd.add_argument("--shape", default="llama3-8b", help="random-weight model shape (tiny: CPU smoke runs)")
+        cmd.add_argument("--hbm-cap-gib", type=float, default=40.0, help="weights + KV + work, every system alike")
+        cmd.add_argument("--headroom-gib", type=float, default=6.0, help="of the cap, kept for activations")
+        cmd.add_argument("--dram-gib", type=float, default=64.0, help="ours with offload: the pinned host pool")
+        cmd.add_argument("--max-batch", type=int, default=16)
+        cmd.add_argument("--requests", type=int, default=None, help="only the first N requests of the trace")
+        cmd.add_argument("--out", type=Path, required=True, help="folder for the run's JSON")
+    run = sub.choices["run"]
+    run.add_argument("--system", choices=sorted(SYSTEMS), required=True)
+    run.add_argument("--rate", type=float, required=True, help="requests per second")
+    rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
+    rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
+    rep.add_argument("--out", type=Path, default=Path("eval/results"))
+    args = parser.parse_args(argv)
+    args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
+    {"trace": make_trace, "calibrate": calibrate, "run": run_point, "report": make_report}[args.command](args)
+
+
+def make_trace(args) -> None:
+    ids, source = essay_token_ids()
+    trace = build_trace(ids, num_requests=args.requests, prompt_range=tuple(args.prompt_range),
+                        output_range=tuple(args.output_range), seed=args.seed, source=source)  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    trace.save(args.out)
+    print(json.dumps(trace.summary(), indent=2))
+
+
+def _loaded(args) -> Trace:
+    trace = Trace.load(args.trace)
+    if args.requests is not None:
+        trace = replace(trace, requests=trace.requests[: args.requests])
+    return trace
+
+
+def calibrate(args) -> None:
+    trace, cap = _loaded(args), HbmCap.from_args(args)
+    seconds = dense_iteration_s(args.shape, trace, cap)
+    _write(args.out / "calibration.json", {"dense_iteration_s": seconds, **_record(args, trace, cap)})
+    print(f"dense decode iteration: {seconds * 1e3:.2f} ms")
+
+
+def run_point(args) -> None:
+    trace, cap = _loaded(args), HbmCap.from_args(args)
+    runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30))
+    records = runner(args.rate)
+    summary = summarize(records)
+    result = {"system": args.system, "rate": args.rate, "summary": summary, **_record(args, trace, cap),
+              "records": [r.as_dict() for r in records]}  # fmt: skip
+    _write(args.out / f"run_{args.system}_{args.rate:g}.json", result)
+    print(json.dumps({"system": args.system, "rate": args.rate} | summary, indent=2))
+
+
+def make_report(args) -> None:
+    report_mod.write_report(args.runs, args.out, args.command_line)
+
+
+def _record(args, trace: Trace, cap: HbmCap) -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "command": args.command_line, "shape": args.shape,
+            "hbm_cap": cap.as_dict(), "trace": trace.summary(), "torch": torch.__version__}  # fmt: skip
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Merge run JSONs into eval/results/serving.{json,md,png}: goodput, r*, the ratios T5 asks for, the ladder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eval.serving.metrics import RequestRecord, goodput, summarize
+from eval.serving.setup import LADDER, STOCK
+
+PLOTTED = (("throughput_tokens_per_s", "throughput (tokens/s)"), ("mean_ttft_s", "mean TTFT (s)"),
+           ("p50_tbt_s", "p50 TBT (s)"), ("mean_queueing_s", "mean queueing delay (s)"))  # fmt: skip
+
+
+def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float | None, list[str]]:
+    """{system: {rate: run}} from every run_*.json, the dense iteration from calibration.json, commands."""
+    runs: dict[str, dict[float, dict]] = {}
+    dense, commands = None, []
+    for folder in folders:
+        calibration = folder / "calibration.json"
+        if calibration.is_file():
+            data = json.loads(calibration.read_text())
+            dense = dense if dense is not None else data["dense_iteration_s"]
+            commands.append(data["command"])
+        for path in sorted(folder.glob("run_*.json")):
+            run = json.loads(path.read_text())
+            runs.setdefault(run["system"], {})[float(run["rate"])] = run
+            commands.append(run["command"])
+    return runs, dense, commands
+
+
+def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str, Any]:
+    """Per-system summaries with the SLO verdict, goodputs, r*, the ratios at r* and 1.5 r*, the ladder."""
+    table = {
+        system: {rate: summarize([RequestRecord.from_dict(r) for r in run["records"]], dense) for rate, run in by_rate.items()}
+        for system, by_rate in runs.items()
+    }  # fmt: skip
+    good = {s: goodput({rate: bool(v.get("meets_slo")) for rate, v in by_rate.items()}) for s, by_rate in table.items()}
+    stock = [s for s in STOCK if s in table]
+    result: dict[str, Any] = {"dense_iteration_s": dense, "goodput": good, "systems": _json_rates(table)}
+    if not stock or "ours" not in table or dense is None:
+        result["missing"] = "need a calibration, a stock system and `ours` to compare"
+        return result
+    best = max(stock, key=lambda s: (good[s], _at(table[s], good[s], "throughput_tokens_per_s") or 0.0))
+    r_star = good[best]
+    result |= {"best_stock": best, "r_star": r_star, "goodput_ratio": _ratio(good["ours"], r_star)}
+    result |= _ratios(table["ours"], table[best], r_star)
+    result["at_1.5r"] = _ratios(table["ours"], table[best], 1.5 * r_star)
+    result["ladder"] = {s: good[s] for s in LADDER if s in good}
+    return result
+
+
+def _ratios(ours: dict[float, dict], stock: dict[float, dict], rate: float) -> dict[str, float | None]:
+    """T5's ratios at one rate (None where either side has no run at that rate)."""
+
+    def at(table: dict[float, dict], key: str) -> float | None:
+        return _at(table, rate, key)
+
+    return {
+        "rate": rate,
+        "throughput_ratio_vs_best_stock": _ratio(
+            at(ours, "throughput_tokens_per_s"), at(stock, "throughput_tokens_per_s")
+        ),
+        "ttft_ratio_vs_best_stock": _ratio(at(stock, "mean_ttft_s"), at(ours, "mean_ttft_s")),
+        "tbt_p50_ratio": _ratio(at(ours, "p50_tbt_s"), at(stock, "p50_tbt_s")),
+    }
+
+
+def _at(table: dict[float, dict], rate: float, key: str) -> float | None:
+    match = [v for r, v in table.items() if abs(r - rate) <= 1e-9 * max(1.0, rate)]
+    return match[0].get(key) if match else None
+
+
+def _ratio(top: float | None, bottom: float | None) -> float | None:
+    return None if top is None or not bottom else top / bottom
+
+
+def _json_rates(table: dict[str, dict[float, dict]]) -> dict[str, dict[str, dict]]:
+    return {s: {f"{rate:g}": v for rate, v in sorted(by_rate.items())} for s, by_rate in table.items()}
+
+
+def write_report(folders: list[Path], out: Path, command: str) -> dict[str, Any]:
+    runs, dense, commands = load_runs(folders)
+    result = analyse(runs, dense) | {"command": command, "runs": commands}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "serving.md").write_text(markdown(result))
+    plot(result, out / "serving.png")
+    print(markdown(result))
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Serving benchmark",
+        "",
+        f"Dense decode iteration (SLO unit): {_fmt(result.get('dense_iteration_s'))} s",
+        "",
+    ]
+    lines += ["| system | goodput (req/s) |", "|---|---|"] + [f"| {s} | {g:g} |" for s, g in result["goodput"].items()]
+    if "r_star" in result:
+        lines += ["", f"r* = {result['r_star']:g} req/s (best stock: {result['best_stock']})", ""]
+        lines += ["| at | throughput x | mean TTFT x | p50 TBT (ours/stock) |", "|---|---|---|---|"]
+        for row in (result, result["at_1.5r"]):
+            lines.append(f"| {row['rate']:g} req/s | {_fmt(row['throughput_ratio_vs_best_stock'])} | "
+                         f"{_fmt(row['ttft_ratio_vs_best_stock'])} | {_fmt(row['tbt_p50_ratio'])} |")  # fmt: skip
+    lines += ["", "Commands:", ""] + [f"- `{c}`" for c in result["runs"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """The paper's Figs. 10-12 style: each metric against the arrival rate, a line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label) in zip(axes.flat, PLOTTED):
+        for system, by_rate in result["systems"].items():
+            points = [(float(r), v.get(key)) for r, v in by_rate.items() if v.get(key) is not None]
+            if points:
+                ax.plot(*zip(*sorted(points)), marker="o", label=system)
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(label)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"

@@ -1,0 +1,114 @@
+"""Which systems run, on which model, under which memory cap (one place, so every system gets the same)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eval.bench.generator_vs_generate import SHAPES, build_model
+from eval.serving import systems
+from eval.serving.systems import Budget, Clock
+from eval.serving.trace import Trace
+from sparseserve_hf import SparseServeConfig
+
+GIB = 1 << 30
+TOKEN_BUDGET = 2048
+PREFILL_CHUNK = 2048  # tokens per prefill chunk (vLLM's default chunk in the paper's baselines)
+
+# The paper's ablation ladder (Fig. 13): each rung adds one technique to the one before.
+LADDER: dict[str, dict[str, Any]] = {
+    "ours_sparse": dict(offload=False, admission=False, prefill_mode="chunked"),  # sparse attention, KV in HBM
+    "ours_offload": dict(offload=True, transfer="copy", admission=False, prefill_mode="chunked"),  # + DRAM tier
+    "ours_fast_transfer": dict(offload=True, transfer="kernel", admission=False, prefill_mode="chunked"),  # + FlashH2D
+    "ours_admission": dict(offload=True, transfer="kernel", admission=True, prefill_mode="chunked"),  # + working set
+    "ours": dict(offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented"),  # + layered prefill
+}
+STOCK = ("stock_generate", "stock_offload", "stock_generate_batch")
+SYSTEMS = STOCK + tuple(LADDER)
+
+
+@dataclass(frozen=True)
+class HbmCap:
+    """Device memory every system may use (weights + KV + activations), enforced the same way for all."""
+
+    cap_bytes: int
+    headroom_bytes: int
+
+    @classmethod
+    def from_args(cls, args) -> HbmCap:
+        return cls(int(args.hbm_cap_gib * GIB), int(args.headroom_gib * GIB))
+
+    def apply(self) -> None:
+        """Cap this process's CUDA allocations (PyTorch raises OutOfMemoryError past it)."""
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap_bytes / total))
+
+    def kv_bytes(self, model: torch.nn.Module) -> int:
+        """What is left for KV once the weights and the activation headroom are counted."""
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return max(0, self.cap_bytes - weights - self.headroom_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"cap_bytes": self.cap_bytes, "headroom_bytes": self.headroom_bytes}
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dram_bytes: int):
+    """The model for `system` under `cap`, and a function rate -> one RequestRecord per trace request."""
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+    cap.apply()
+    model = _model(shape, trace, "sdpa" if system in STOCK else "sparseserve")
+    budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
+    if system == "stock_generate":
+        return functools.partial(systems.run_static_generate, model, trace, budget=budget)
+    if system == "stock_offload":
+        return functools.partial(systems.run_static_generate, model, trace, budget=budget, offloading=True)
+    if system == "stock_generate_batch":
+        return functools.partial(systems.run_continuous_batching, model, trace, budget=budget)
+    config = ours_config(system, model, budget, dram_bytes)
+    return functools.partial(systems.run_generator, model, trace, config=config)
+
+
+def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes: int) -> SparseServeConfig:
+    """A ladder rung's config: without offload the block pool itself is the HBM KV budget."""
+    rung = LADDER[system]
+    memory = (
+        dict(hbm_cache_bytes=budget.kv_bytes, dram_bytes=dram_bytes)
+        if rung["offload"]
+        else dict(hbm_cache_bytes=None, dram_bytes=budget.kv_bytes)
+    )
+    return SparseServeConfig(
+        token_budget=TOKEN_BUDGET, max_batch=budget.max_batch,
+        max_inject_tokens=PREFILL_CHUNK * model.config.num_hidden_layers, **memory, **rung,
+    )  # fmt: skip
+
+
+def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) -> float:
+    """Median time of one stock dense decode step at batch 1 over the trace's median prompt (the SLO unit)."""
+    cap.apply()
+    model = _model(shape, trace, "sdpa")
+    median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
+    request = systems.TraceRequestLike(median.prompt, steps + 1)
+    times = systems.generate_step_times(model, [request], Clock(), offloading=False)
+    return statistics.median(b - a for a, b in itertools.pairwise(times))
+
+
+def _model(shape: str, trace: Trace, attn: str) -> torch.nn.Module:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    longest = max(len(r.prompt) + r.output_tokens for r in trace.requests)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+    return build_model(shape, attn, device, dtype, longest + 1)

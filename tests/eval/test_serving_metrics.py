@@ -1,0 +1,62 @@
+"""eval.serving: the trace, the per-request metrics and the SLO / goodput arithmetic, by hand."""
+
+from __future__ import annotations
+
+import pytest
+from eval.serving.metrics import RequestRecord, goodput, meets_slo, summarize
+from eval.serving.trace import Trace, build_trace
+
+TEXT = list(range(10, 310))
+
+
+def record(index, arrival, admitted, times, output_tokens=None, error=None) -> RequestRecord:
+    out = len(times) if output_tokens is None else output_tokens
+    return RequestRecord(index, 100, out, arrival, admitted, list(times), error)
+
+
+def test_summary_by_hand():
+    records = [record(0, 0.0, 0.5, [1.0, 1.1, 1.3]), record(1, 1.0, 1.5, [3.0, 3.4])]
+    s = summarize(records, dense_iteration_s=0.01)
+    assert s["generated_tokens"] == 5 and s["span_s"] == 3.4 and s["throughput_tokens_per_s"] == pytest.approx(5 / 3.4)
+    assert s["mean_ttft_s"] == pytest.approx((1.0 + 2.0) / 2) and s["mean_queueing_s"] == pytest.approx(0.5)
+    assert s["p50_tbt_s"] == pytest.approx(0.2) and s["p99_tbt_s"] == pytest.approx(0.4)  # TBTs 0.1 0.2 0.4
+    assert s["slo_tbt_s"] == pytest.approx(0.25) and s["meets_slo"] is False  # p99 0.4 > 25 x 0.01
+
+
+def test_slo_needs_every_request_served_in_full():
+    full = [record(0, 0.0, 0.1, [0.2, 0.3])]
+    assert meets_slo(summarize(full), dense_iteration_s=0.01)
+    short = [record(0, 0.0, 0.1, [0.2, 0.3], output_tokens=3)]
+    failed = full + [record(1, 0.0, None, [], error="out of memory")]
+    late = [record(0, 0.0, 2.5, [2.6, 2.7])]  # queued 2.5 s > 2 s
+    assert not any(meets_slo(summarize(r), 0.01) for r in (short, failed, late))
+
+
+def test_goodput_is_the_highest_rate_below_the_first_miss():
+    assert goodput({0.1: True, 0.2: True, 0.3: False, 0.4: True}) == 0.2
+    assert goodput({0.1: False, 0.2: True}) == 0.0 and goodput({}) == 0.0
+
+
+def test_trace_is_seeded_and_arrivals_scale_with_the_rate(tmp_path):
+    trace = build_trace(TEXT, num_requests=6, prompt_range=(50, 400), output_range=(4, 9), seed=3, source="t")
+    again = build_trace(TEXT, num_requests=6, prompt_range=(50, 400), output_range=(4, 9), seed=3, source="t")
+    assert trace == again and trace != build_trace(TEXT, num_requests=6, prompt_range=(50, 400), seed=4)
+    assert all(50 <= len(r.prompt) <= 400 and 4 <= r.output_tokens <= 9 for r in trace.requests)
+    assert all(set(r.prompt) <= set(TEXT) for r in trace.requests)  # windows of the text (repeated past its end)
+    slow, fast = trace.arrivals(0.5), trace.arrivals(2.0)
+    assert slow[0] == fast[0] == 0.0 and slow == sorted(slow)
+    assert all(s == pytest.approx(4 * f) for s, f in zip(slow, fast))
+    path = tmp_path / "trace.pt"
+    trace.save(path)
+    assert Trace.load(path) == trace
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(prompt_range=(0, 10)), dict(prompt_range=(20, 10)), dict(output_range=(5, 1)), dict(num_requests=0)],
+)
+def test_bad_trace_arguments_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        build_trace(TEXT, **kwargs)
+    with pytest.raises(ValueError, match="rate"):
+        build_trace(TEXT, num_requests=2).arrivals(0.0)
