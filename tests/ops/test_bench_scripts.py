@@ -18,7 +18,10 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("module", ["eval.bench.transfer", "eval.bench.decode_attention", "eval.bench.score_tuning"])
+@pytest.mark.parametrize(
+    "module",
+    ["eval.bench.transfer", "eval.bench.decode_attention", "eval.bench.score_tuning", "eval.bench.prefill_memory"],
+)
 def test_help(module):
     assert "--out" in run_module(module, "--help").stdout
 
@@ -29,7 +32,13 @@ def test_transfer_dry_run_writes_its_ratios(tmp_path):
     result = json.loads(out.read_text())
     assert {"device", "command", "h2d_over_bulk", "d2h_over_bulk", "flash_d2h_over_bulk"} <= result.keys()
     methods = {row["method"] for row in result["rows"]}
-    assert {"bulk", "copy_ per block", "FlashH2D gather", "UVA scatter (default grid)", "FlashD2H (staged + CPU scatter)"} <= methods
+    assert {
+        "bulk",
+        "copy_ per block",
+        "FlashH2D gather",
+        "UVA scatter (default grid)",
+        "FlashD2H (staged + CPU scatter)",
+    } <= methods
     assert result["h2d_over_bulk"] > 0 and "--dry-run" in result["command"]
 
 
@@ -48,3 +57,11 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     result = json.loads(out.read_text())
     assert [(r["kind"], r["block_n"], r["warps"]) for r in result["rows"]] == [("quest", 16, 4), ("hybrid", 16, 4)]
     assert all(r["ms"] > 0 for r in result["rows"]) and set(result["best"]) == {"quest", "hybrid"}
+
+
+def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
+    out = tmp_path / "prefill_memory.json"
+    run_module("eval.bench.prefill_memory", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [r["way"] for r in result["rows"]] == ["dense", "chunked", "layer_segmented"]
+    assert result["layer_kv_bytes"] > 0 and "layer_segmented_over_bound" in result
