@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from sparseserve_hf.generation.metrics import RequestTimes
 
 # The paper's SLO (following Sarathi-Serve / Splitwise): p99 TBT <= 25 x one decode iteration of
 # the dense baseline, and mean queueing delay <= 2 s.
@@ -13,29 +15,14 @@ SLO_TBT_ITERATIONS = 25.0
 SLO_MEAN_QUEUEING_S = 2.0
 
 
-@dataclass
-class RequestRecord:
-    """One request's life in seconds from the start of the run (the trace's time zero)."""
+@dataclass(kw_only=True)
+class RequestRecord(RequestTimes):
+    """One request's life in seconds from the start of the run (the trace's time zero): the
+    Generator's own per-request times, plus the trace index, the output length asked for and an error."""
 
     index: int
-    prompt_tokens: int
-    output_tokens: int  # what the trace asked for
-    arrival: float
-    admitted: float | None = None  # its prefill started
-    token_times: list[float] = field(default_factory=list)
+    output_tokens: int
     error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.arrival if self.token_times else None
-
-    @property
-    def queueing_delay(self) -> float | None:
-        return None if self.admitted is None else self.admitted - self.arrival
-
-    @property
-    def tbt(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

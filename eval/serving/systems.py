@@ -54,7 +54,10 @@ class Budget:
 
 def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
     arrivals = trace.arrivals(rate)
-    return [RequestRecord(r.index, len(r.prompt), r.output_tokens, a) for r, a in zip(trace.requests, arrivals)]
+    return [
+        RequestRecord(arrival=a, prompt_tokens=len(r.prompt), index=r.index, output_tokens=r.output_tokens)
+        for r, a in zip(trace.requests, arrivals)
+    ]
 
 
 # ---- stock generate: static batches of what has arrived ---------------------------------------------

@@ -11,7 +11,10 @@ TEXT = list(range(10, 310))
 
 def record(index, arrival, admitted, times, output_tokens=None, error=None) -> RequestRecord:
     out = len(times) if output_tokens is None else output_tokens
-    return RequestRecord(index, 100, out, arrival, admitted, list(times), error)
+    return RequestRecord(
+        arrival=arrival, prompt_tokens=100, admitted=admitted, token_times=list(times), index=index,
+        output_tokens=out, error=error,
+    )  # fmt: skip
 
 
 def test_summary_by_hand():
