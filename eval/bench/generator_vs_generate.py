@@ -24,30 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
+from eval.bench.decode_step_setup import SHAPES, build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
-
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-    ),
-    "tiny": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512,
-    ),
-}  # fmt: skip
-
-
-def build_model(shape: str, attn: str, device: str, dtype: torch.dtype, max_positions: int) -> torch.nn.Module:
-    """A random-weight Llama of `shape`, built directly on `device` (seeded: both runs get the same weights)."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-    return model.eval()
 
 
 def run_stock(model, prompts: torch.Tensor, new_tokens: int) -> dict:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from eval.bench.generator_vs_generate import SHAPES, build_model
+from eval.bench.decode_step_setup import SHAPES, build_model
 from eval.serving import systems
 from eval.serving.systems import Budget, Clock
 from eval.serving.trace import Trace
@@ -111,4 +111,7 @@ def _model(shape: str, trace: Trace, attn: str) -> torch.nn.Module:
     longest = max(len(r.prompt) + r.output_tokens for r in trace.requests)
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+    top_id, vocab = max(max(r.prompt) for r in trace.requests), SHAPES[shape]["vocab_size"]
+    if top_id >= vocab:
+        raise ValueError(f"the trace holds token id {top_id}, past the {shape} model's vocabulary of {vocab}")
     return build_model(shape, attn, device, dtype, longest + 1)

@@ -16,7 +16,7 @@ CPU_SYSTEMS = ["stock_generate", "stock_generate_batch", "ours_sparse", "ours_of
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serving")
-    trace = build_trace(list(range(10, 400)), num_requests=3, prompt_range=(40, 90), output_range=(3, 5), seed=0)
+    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=(40, 90), output_range=(3, 5), seed=0)
     trace.save(folder / "trace.pt")
     common = ["--trace", str(folder / "trace.pt"), *SMALL, "--out", str(folder / "runs")]
     main(["calibrate", *common])
@@ -48,3 +48,23 @@ def test_report_compares_ours_with_the_best_stock_system(runs, tmp_path):
         assert key in report and key in report["at_1.5r"] or key == "goodput_ratio"
     assert set(report["ladder"]) == {"ours_sparse", "ours_offload", "ours"}
     assert (tmp_path / "serving.png").stat().st_size > 0 and "r*" in (tmp_path / "serving.md").read_text()
+
+
+def test_a_trace_past_the_model_vocabulary_is_refused(tmp_path):
+    trace = build_trace([5, 300], num_requests=1, prompt_range=(8, 8), output_range=(2, 2))
+    trace.save(tmp_path / "trace.pt")
+    with pytest.raises(ValueError, match="vocabulary of 256"):
+        main(
+            [
+                "run",
+                "--system",
+                "ours",
+                "--rate",
+                "1",
+                "--trace",
+                str(tmp_path / "trace.pt"),
+                *SMALL,
+                "--out",
+                str(tmp_path),
+            ]
+        )
