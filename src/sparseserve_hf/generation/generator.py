@@ -263,10 +263,12 @@ class Generator:
         for row in rows:
             row.decode_steps += 1
         steps = torch.tensor([r.decode_steps for r in rows])
-        for row, blocks in zip(rows, self.tracker.observe(self.batch, steps)):
-            row.working_set_blocks = blocks
-        chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows]).tolist()
-        self._emit_tokens(rows, chosen, events)
+        working_sets = self.tracker.observe(self.batch, steps)  # (B,) on the device
+        chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
+        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()  # the step's one read-back
+        for row, size in zip(rows, blocks):
+            row.working_set_blocks = size
+        self._emit_tokens(rows, tokens, events)
 
     def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> None:
         """Start the newly admitted prefills, then advance all picked ones within the budget."""

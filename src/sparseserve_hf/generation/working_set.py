@@ -34,14 +34,17 @@ class WorkingSetTracker:
         self.window = window
         self.stamp = torch.full((0,), NEVER, dtype=torch.long, device=device)  # (C,) per DRAM block id
 
-    def observe(self, cache: SparseServeCache, steps: torch.Tensor) -> list[int]:
+    def observe(self, cache: SparseServeCache, steps: torch.Tensor) -> torch.Tensor:
         """Record the step just decoded and return each row's working set in head-blocks.
+
+        Fixed-shape tensor ops only: the caller reads the sizes back together with the sampled
+        tokens (one host sync per step, not one per layer).
 
         Args:
             cache: the batch cache right after a decode step (its layers' `last_pick` set).
             steps: (B,) each row's decode-step count, this step included.
         Returns:
-            B working-set sizes (unique head-blocks over all layers and KV heads).
+            (B,) long working-set sizes on the device (unique head-blocks over all layers and KV heads).
         """
         self._track(cache)
         steps = steps.to(self.stamp.device)
@@ -49,15 +52,16 @@ class WorkingSetTracker:
             if layer.last_pick is None:
                 continue
             picked, valid = layer.last_pick[0], layer.last_pick[1]  # (B, Hkv, U)
-            ids = torch.gather(layer.block_ids, 2, picked)
-            row_step = steps.view(-1, 1, 1).expand_as(ids)
-            self.stamp[ids[valid]] = row_step[valid]
+            ids = torch.gather(layer.block_ids, 2, picked).clamp(min=0)
+            # Unpicked entries offer NEVER, which "amax" ignores: no boolean mask, no host sync.
+            stamps = torch.where(valid, steps.view(-1, 1, 1), NEVER)
+            self.stamp.scatter_reduce_(0, ids.flatten(), stamps.flatten(), "amax")
         fresh = torch.zeros_like(steps)
         for layer in cache.layers:
             ids = layer.block_ids  # (B, Hkv, N), -1 unused
             recent = self.stamp[ids.clamp(min=0)] > steps.view(-1, 1, 1) - self.window
             fresh += (recent & (ids >= 0)).flatten(1).sum(dim=1)
-        return fresh.tolist()
+        return fresh
 
     def forget(self, cache: SparseServeCache) -> None:
         """Clear the stamps of every block of `cache`'s rows (call before freeing them)."""
