@@ -145,9 +145,9 @@ def markdown(report: dict, command: str) -> str:
     if ruler:
         lines += _score_table("RULER-style suite (score 0-100, string match)", ruler["score"])
         for length, detail in ruler["lengths"].items():
-            lines += [f"**{length} tokens**: ratio of mean scores to dense over "
-                      f"{', '.join(detail['tasks_in_ratio']) or 'no task'} "
-                      f"(left out, dense < {MIN_DENSE_SCORE:g}: {', '.join(detail['tasks_left_out']) or 'none'})", ""]  # fmt: skip
+            lines += [(f"**{length} tokens**: ratio of mean scores to dense over "
+                       f"{', '.join(detail['tasks_in_ratio']) or 'no task'} "
+                       f"(left out, dense < {MIN_DENSE_SCORE:g}: {', '.join(detail['tasks_left_out']) or 'none'})"), ""]  # fmt: skip
             lines += _ratio_table(detail["ratio_to_dense"])
         for fraction, v in report.get("t7_8k", {}).items():
             status = "no data" if v["met"] is None else ("met" if v["met"] else "missed")

@@ -89,9 +89,10 @@ def run_record(device: torch.device) -> dict[str, Any]:
     """
     commit = os.environ.get("SPARSESERVE_COMMIT", "")
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
+        )
     except OSError:
         commit = ""
     return {

@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(
                 {
                     "way": mode,
-                    "peak_bytes": peak_bytes(device, lambda mode=mode: generator_prefill(model, ids, mode, args.chunk))[0],
+                    "peak_bytes": peak_bytes(device, lambda mode=mode: generator_prefill(model, ids, mode, args.chunk))[
+                        0
+                    ],
                 }
             )
     config = model.config

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = pick_device(args.dry_run)
     prepare_triton(device)
     from sparseserve_hf.ops import triton_score  # after prepare_triton: the interpreter on CPU
+
     heads, dim = (Q_HEADS, HEAD_DIM) if not args.dry_run else (4, 16)
     kv_heads = KV_HEADS if not args.dry_run else 2
     if args.dry_run:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for block_n in args.block_n:
             for warps in args.warps:
 
-                def score(block_n=block_n, warps=warps) -> torch.Tensor:
+                def score(block_n=block_n, warps=warps, metadata=metadata, table=table, kind=kind) -> torch.Tensor:
                     return triton_score.score_table(query, metadata, table, kind, block_n=block_n, num_warps=warps)
 
                 ms = graph_ms(score, device) or time_ms(score, device)

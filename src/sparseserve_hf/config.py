@@ -168,8 +168,7 @@ class SparseServeConfig:
                     "or a full batch of decodes would leave no tokens for prefill"
                 )
         _check_positive_int("working_set_window", self.working_set_window)
-        if not isinstance(self.admission, bool):
-            raise ValueError(f"admission must be a bool, got {self.admission!r}")
+        _check_bool("admission", self.admission)
         _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
         if self.max_inject_tokens is not None:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)
@@ -177,8 +176,7 @@ class SparseServeConfig:
         self._check_graph_fields()
 
     def _check_transfer_fields(self) -> None:
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"offload must be a bool, got {self.offload!r}")
+        _check_bool("offload", self.offload)
         _check_choice("transfer", self.transfer, TRANSFERS)
         _check_choice("save_path", self.save_path, SAVE_PATHS)
         if not self.offload and self.hbm_cache_bytes is not None:
@@ -195,8 +193,7 @@ class SparseServeConfig:
             )
 
     def _check_graph_fields(self) -> None:
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        _check_bool("cuda_graphs", self.cuda_graphs)
         if not self.cuda_graphs:
             return
         needs = []  # a captured step holds every pool and table by address: nothing may grow or move
@@ -258,6 +255,11 @@ class SparseServeConfig:
 def _check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):  # a ValueError like every other bad field, not a TypeError
+        raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
 
 
 def _check_non_negative_int(name: str, value: object) -> None:

@@ -69,7 +69,9 @@ def test_no_offload_multi_turn_and_reset(llama):
     expected, tiered = run(llama, ids, new_tokens=6)
     follow_up = torch.cat((ids, tokens, random_ids(1, 25, seed=7)), dim=1)
     again = torch.cat((ids, expected, random_ids(1, 25, seed=7)), dim=1)
-    assert torch.equal(greedy(llama, follow_up, cache, max_new_tokens=6), greedy(llama, again, tiered, max_new_tokens=6))
+    assert torch.equal(
+        greedy(llama, follow_up, cache, max_new_tokens=6), greedy(llama, again, tiered, max_new_tokens=6)
+    )
     assert cache.stats()["dense_read_bytes"] > 0
     cache.reset()
     assert cache.store.dram.num_used == 0 and cache.stats()["hbm_block_cache_bytes"] == 0

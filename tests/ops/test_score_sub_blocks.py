@@ -25,7 +25,9 @@ def test_score_table_with_sub_blocks_matches_reference(poisoned, kind, dtype, su
     if kind == "hybrid":  # ranks: exact, unless two fp16 scores are within rounding of each other
         assert (got.cpu() != expected).float().mean() < (0.02 if dtype == torch.float16 else 1e-9)
         return
-    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32 if dtype == torch.float32 else torch.float16))
+    torch.testing.assert_close(
+        got.cpu(), expected, **tolerance(torch.float32 if dtype == torch.float32 else torch.float16)
+    )
 
 
 def test_score_table_rejects_an_odd_quest_vector_count():
@@ -47,7 +49,9 @@ def test_small_budget_triton_equals_torch_backend_with_hybrid_sub_blocks():
     caches = {
         backend: SparseServeCache(
             model.config,
-            SparseServeConfig(block_size=16, token_budget=64, backend=backend, metadata="hybrid", metadata_sub_blocks=4),
+            SparseServeConfig(
+                block_size=16, token_budget=64, backend=backend, metadata="hybrid", metadata_sub_blocks=4
+            ),
         )
         for backend in ("torch", "triton")
     }

@@ -90,9 +90,7 @@ class TieredBlockStore:
             self.saver.save(blocks, self.dram.storage, ids)
         else:
             self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
-        self.metadata[device_ids] = self.ops.block_metadata(
-            blocks[:, 0], self.config.metadata, self.config.sub_blocks
-        )
+        self.metadata[device_ids] = self.ops.block_metadata(blocks[:, 0], self.config.metadata, self.config.sub_blocks)
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids

@@ -113,7 +113,7 @@ def select_blocks(
         index: (B, H, K) long block indices into the row's table, ascending among valid entries.
         valid: (B, H, K) bool; False where the row has fewer than K blocks.
     """
-    batch, heads, capacity = scores.shape
+    batch, _, capacity = scores.shape
     width = max(capacity, num_selected)
     position = torch.arange(width, device=scores.device)  # (N',)
     count = num_blocks.view(batch, 1, 1)
@@ -121,7 +121,9 @@ def select_blocks(
     forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
     # Three passes over the (B, H, N') scores (this runs every decode step over every block):
     # NaN ranks lowest among scored blocks, non-existent blocks rank last, forced blocks first.
-    rank = torch.nan_to_num(scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
+    rank = torch.nan_to_num(
+        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
+    )
     if width > capacity:
         rank = torch.nn.functional.pad(rank, (0, width - capacity), value=float("-inf"))
     rank.masked_fill_(~exists, float("-inf")).masked_fill_(forced, float("inf"))

@@ -115,7 +115,9 @@ def score_table(
     num_vectors = metadata.shape[1]
     if num_vectors % KINDS[kind]:
         raise ValueError(f"{kind} metadata holds {KINDS[kind]} vectors per sub-block, got {num_vectors} per block")
-    assert metadata.stride(2) == 1 and metadata.stride(1) == dim and metadata.shape[2] == dim, "pool rows must be (M, D)"
+    assert metadata.stride(2) == 1 and metadata.stride(1) == dim and metadata.shape[2] == dim, (
+        "pool rows must be (M, D)"
+    )
     assert num_q_heads % num_kv_heads == 0 and query.device == metadata.device == block_ids.device
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
