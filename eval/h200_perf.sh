@@ -10,6 +10,7 @@
 #   step        one decode step, Llama-3-8B shape, B=16, 32K (T8): eager and CUDA graph vs dense
 #   generator   Generator vs stock generate, 16 requests of 16K tokens
 #   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented (T6)
+#   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -30,7 +31,11 @@ case $part in
     python -m eval.bench.decode_step --graph --out "$out/decode_step.json" 2>&1 | tee "$out/decode_step.log" | tail -40 ;;
   generator)
     python -m eval.bench.generator_vs_generate --out "$out/generator_vs_generate.json" 2>&1 | tee "$out/generator.log" | tail -30 ;;
+  scoring)
+    python -m pytest -q -p no:cacheprovider tests/ops -k "score" 2>&1 | tee "$out/gpu_pytest_score.log" | tail -5
+    python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30
+    python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -20 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring)" >&2; exit 2 ;;
 esac
