@@ -95,10 +95,10 @@ def flash_decode_module(device: torch.device):
 def measure(
     batch: int, context: int, args, device: torch.device, group_union: bool, flash=None, metadata: str = "quest"
 ) -> dict[str, Any]:
-    from sparseserve_hf.config import HYBRID_SUB_BLOCKS
+    from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.ops import reference, triton_decode, triton_score
 
-    vectors = 2 + HYBRID_SUB_BLOCKS if metadata == "hybrid" else 2
+    vectors = SparseServeConfig(metadata=metadata).metadata_vectors  # the kind's default layout
     x = decode_inputs(batch, context, args.budget, group_union, device, vectors)
     scale = HEAD_DIM**-0.5
     topk = min(args.budget // BLOCK - 1, x["table"].shape[2])

@@ -17,6 +17,7 @@ import torch
 
 from eval.bench.common import graph_ms, pick_device, prepare_triton, print_table, run_record, time_ms, write_json
 from eval.bench.decode_attention import copy_bandwidth
+from sparseserve_hf import SparseServeConfig
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -34,12 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def metadata_vectors(kind: str) -> int:
-    from sparseserve_hf.config import HYBRID_SUB_BLOCKS
-
-    return 2 + HYBRID_SUB_BLOCKS if kind == "hybrid" else 2
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
@@ -55,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     query = torch.randn(args.batch, heads, dim, device=device, dtype=DTYPE if device.type == "cuda" else torch.float32)
     rows = []
     for kind in args.kinds:
-        vectors = metadata_vectors(kind)
+        vectors = SparseServeConfig(metadata=kind).metadata_vectors  # the kind's default layout
         metadata = torch.randn(args.batch * kv_heads * num_blocks, vectors, dim, device=device, dtype=query.dtype)
         table = torch.randperm(metadata.shape[0], device=device).view(args.batch, kv_heads, num_blocks)
         moved = metadata.numel() * metadata.element_size() + table.numel() * 8 + args.batch * heads * num_blocks * 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -100,8 +100,7 @@ def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) ->
     cap.apply()
     model = _model(shape, trace, "sdpa")
     median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
-    request = systems.TraceRequestLike(median.prompt, steps + 1)
-    times = systems.generate_step_times(model, [request], Clock(), offloading=False)
+    times = systems.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock(), offloading=False)
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from eval.serving.metrics import RequestRecord
-from eval.serving.trace import Trace
+from eval.serving.trace import Trace, TraceRequest
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 
@@ -116,15 +116,7 @@ def _static_batch(records: list[RequestRecord], first: int, now: float, budget: 
     return batch
 
 
-@dataclass(frozen=True)
-class TraceRequestLike:
-    """What `generate_step_times` reads of a request."""
-
-    prompt: tuple[int, ...]
-    output_tokens: int
-
-
-def generate_step_times(model, requests, clock: Clock, offloading: bool) -> list[float]:
+def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offloading: bool) -> list[float]:
     """Run one left-padded static batch through `generate`; returns the time of each step's tokens."""
     longest = max(len(r.prompt) for r in requests)
     ids = torch.full((len(requests), longest), PAD_ID, dtype=torch.long)
