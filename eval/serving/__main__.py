@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--shape", default="llama3-8b", help="random-weight model shape (tiny: CPU smoke runs)")
         cmd.add_argument("--hbm-cap-gib", type=float, default=40.0, help="weights + KV + work, every system alike")
         cmd.add_argument("--headroom-gib", type=float, default=6.0, help="of the cap, kept for activations")
-        cmd.add_argument("--dram-gib", type=float, default=64.0, help="ours with offload: the pinned host pool")
+        cmd.add_argument("--dram-gib", type=float, default=48.0, help="ours with offload: the pinned host pool")
         cmd.add_argument("--max-batch", type=int, default=16)
         cmd.add_argument("--requests", type=int, default=None, help="only the first N requests of the trace")
         cmd.add_argument("--out", type=Path, required=True, help="folder for the run's JSON")
@@ -75,10 +75,10 @@ def calibrate(args) -> None:
 def run_point(args) -> None:
     trace, cap = _loaded(args), HbmCap.from_args(args)
     runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30))
-    records = runner(args.rate)
-    summary = summarize(records)
+    run = runner(args.rate)
+    summary = summarize(run.records)
     result = {"system": args.system, "rate": args.rate, "summary": summary, **_record(args, trace, cap),
-              "records": [r.as_dict() for r in records]}  # fmt: skip
+              "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
     _write(args.out / f"run_{args.system}_{args.rate:g}.json", result)
     print(json.dumps({"system": args.system, "rate": args.rate} | summary, indent=2))
 

@@ -82,17 +82,30 @@ def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dr
 
 
 def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes: int) -> SparseServeConfig:
-    """A ladder rung's config: without offload the block pool itself is the HBM KV budget."""
+    """A ladder rung's config, its device bytes (block cache or pool, plus metadata) within the KV budget.
+
+    The metadata of every block the pool can hold lives on the device beside the blocks (hybrid:
+    6 vectors per 16 KiB head-block, 9%), so it is counted in the budget: with offload the HBM block
+    cache gets what the DRAM pool's metadata leaves; without, the device pool and its metadata share it.
+    """
     rung = LADDER[system]
-    memory = (
-        dict(hbm_cache_bytes=budget.kv_bytes, dram_bytes=dram_bytes)
-        if rung["offload"]
-        else dict(hbm_cache_bytes=None, dram_bytes=budget.kv_bytes)
-    )
-    return SparseServeConfig(
+    config = SparseServeConfig(
         token_budget=TOKEN_BUDGET, max_batch=budget.max_batch,
-        max_inject_tokens=PREFILL_CHUNK * model.config.num_hidden_layers, **memory, **rung,
+        max_inject_tokens=PREFILL_CHUNK * model.config.num_hidden_layers, **rung,
     )  # fmt: skip
+    head_dim = model.config.head_dim
+    block_bytes = 2 * config.block_size * head_dim * model.dtype.itemsize
+    metadata_bytes = config.metadata_vectors * head_dim * model.dtype.itemsize  # per block
+    if not rung["offload"]:
+        pool_blocks = budget.kv_bytes // (block_bytes + metadata_bytes)
+        return replace(config, hbm_cache_bytes=None, dram_bytes=pool_blocks * block_bytes)
+    cache_bytes = budget.kv_bytes - dram_bytes // block_bytes * metadata_bytes
+    if cache_bytes < block_bytes:
+        raise ValueError(
+            f"the DRAM pool's metadata ({dram_bytes // block_bytes * metadata_bytes} bytes) leaves no HBM block "
+            f"cache in the KV budget of {budget.kv_bytes} bytes: lower --dram-gib or raise --hbm-cap-gib"
+        )
+    return replace(config, hbm_cache_bytes=cache_bytes, dram_bytes=dram_bytes)
 
 
 def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) -> float:
@@ -107,7 +120,7 @@ def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) ->
 def _model(shape: str, trace: Trace, attn: str) -> torch.nn.Module:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    longest = max(len(r.prompt) + r.output_tokens for r in trace.requests)
+    longest = max(len(r.prompt) + max(r.output_tokens, systems.WARMUP_NEW_TOKENS) for r in trace.requests)
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
     top_id, vocab = max(max(r.prompt) for r in trace.requests), SHAPES[shape]["vocab_size"]

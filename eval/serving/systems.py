@@ -3,7 +3,9 @@
 Stock transformers: `model.generate` over static batches formed from what has arrived (optionally
 with `DynamicCache(offloading=True)`), and transformers' own continuous batching (the manager
 behind `generate_batch`, paged attention). Ours: `Generator` under a `SparseServeConfig`. Every
-runner returns one `RequestRecord` per trace request, times in seconds from the run's start.
+runner first serves one short warm-up request (kernel compilation and allocator growth are not
+serving), then starts its clock and returns a `RunResult`: one `RequestRecord` per trace request,
+times in seconds from that start, and what the engine reports about itself.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -23,6 +26,8 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 
 PAD_ID = 0
+WARMUP_PROMPT_TOKENS = 4096  # past the 2048-token budget: the warm-up runs selection and block transfers too
+WARMUP_NEW_TOKENS = 8
 
 
 class Clock:
@@ -52,6 +57,27 @@ class Budget:
     max_batch: int
 
 
+@dataclass
+class RunResult:
+    """One system's run of the trace: a record per request and the engine's own totals."""
+
+    records: list[RequestRecord]
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+def warmup_request(trace: Trace) -> TraceRequest:
+    """The first WARMUP_PROMPT_TOKENS of the trace's first prompt, WARMUP_NEW_TOKENS out; not measured."""
+    first = trace.requests[0]
+    return TraceRequest(index=-1, gap=0.0, prompt=first.prompt[:WARMUP_PROMPT_TOKENS], output_tokens=WARMUP_NEW_TOKENS)
+
+
+def cuda_peak_bytes(model) -> dict[str, int]:
+    """The device's peak allocation so far (the warm-up included), where there is a device."""
+    if model.device.type != "cuda":
+        return {}
+    return {"cuda_peak_bytes": torch.cuda.max_memory_allocated(model.device)}
+
+
 def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
     arrivals = trace.arrivals(rate)
     return [
@@ -78,16 +104,16 @@ class _StepTimes(BaseStreamer):
         pass
 
 
-def run_static_generate(
-    model, trace: Trace, rate: float, budget: Budget, offloading: bool = False
-) -> list[RequestRecord]:
+def run_static_generate(model, trace: Trace, rate: float, budget: Budget, offloading: bool = False) -> RunResult:
     """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output."""
     if offloading and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
-    records, clock, first = new_records(trace, rate), Clock(), 0
+    generate_step_times(model, [warmup_request(trace)], Clock(), offloading)
+    records, clock, first, batch_sizes = new_records(trace, rate), Clock(), 0, []
     while first < len(records):
         clock.wait_until(records[first].arrival)
         batch = _static_batch(records, first, clock.now(), budget)
+        batch_sizes.append(len(batch))
         for record in batch:
             record.admitted = clock.now()
         try:
@@ -99,7 +125,7 @@ def run_static_generate(
                 record.error = f"out of memory: {str(exc).splitlines()[0]}"
             torch.cuda.empty_cache()
         first += len(batch)
-    return records
+    return RunResult(records, {"batch_sizes": batch_sizes, **cuda_peak_bytes(model)})
 
 
 def _static_batch(records: list[RequestRecord], first: int, now: float, budget: Budget) -> list[RequestRecord]:
@@ -139,21 +165,30 @@ def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offlo
 
 
 def run_continuous_batching(
-    model, trace: Trace, rate: float, budget: Budget, block_size: int = 256
-) -> list[RequestRecord]:
-    """transformers' continuous batching with paged attention, requests added as they arrive."""
+    model, trace: Trace, rate: float, budget: Budget, block_size: int = 256, batch_tokens: int = 2048
+) -> RunResult:
+    """transformers' continuous batching with paged attention, requests added as they arrive.
+
+    `batch_tokens` caps the tokens of one forward (prefill is chunked to it, as in vLLM): left to
+    itself the manager sizes it from free memory, and the logits of that many tokens break the cap.
+    """
     from transformers import ContinuousBatchingConfig
 
-    records, clock = new_records(trace, rate), Clock()
-    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.output_tokens for r in records))
+    warmup = warmup_request(trace)
+    longest = max(r.output_tokens for r in trace.requests)
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(longest, warmup.output_tokens))
     blocks = max(1, budget.kv_bytes // (block_size * budget.kv_bytes_per_token))
     size_field = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    # transformers 5.17 calls the page size block_size; async double-buffering would double the memory
     cb_config = ContinuousBatchingConfig(
-        **{size_field: block_size}, num_blocks=blocks, max_requests_per_batch=budget.max_batch
-    )  # transformers 5.17 calls the page size block_size
+        **{size_field: block_size}, num_blocks=blocks, max_requests_per_batch=budget.max_batch,
+        max_batch_tokens=batch_tokens, use_async_batching=False,
+    )  # fmt: skip
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
     manager.start()
     try:
+        _serve_warmup(manager, warmup)
+        records, clock = new_records(trace, rate), Clock()
         by_id: dict[str, RequestRecord] = {}
         for record in records:
             while clock.now() < record.arrival and manager.is_running():
@@ -171,7 +206,17 @@ def run_continuous_batching(
             record.error = "the continuous-batching manager stopped before finishing it"
     finally:
         manager.stop(block=True)
-    return records
+    return RunResult(records, cuda_peak_bytes(model))
+
+
+def _serve_warmup(manager, warmup: TraceRequest, timeout_s: float = 600.0) -> None:
+    """Serve the warm-up request to its end (or until the manager stops or `timeout_s` passes)."""
+    request_id = manager.add_request(list(warmup.prompt), max_new_tokens=warmup.output_tokens)
+    deadline = time.perf_counter() + timeout_s
+    while request_id is not None and manager.is_running() and time.perf_counter() < deadline:
+        result = manager.get_result(timeout=1.0)
+        if result is not None and result.request_id == request_id and result.is_finished():
+            return
 
 
 def _collect(manager, by_id: dict[str, RequestRecord], clock: Clock, timeout: float) -> None:
@@ -188,10 +233,13 @@ def _collect(manager, by_id: dict[str, RequestRecord], clock: Clock, timeout: fl
 # ---- ours: the Generator ------------------------------------------------------------------------------
 
 
-def run_generator(model, trace: Trace, rate: float, config: SparseServeConfig) -> list[RequestRecord]:
+def run_generator(model, trace: Trace, rate: float, config: SparseServeConfig) -> RunResult:
     """Requests submitted to a `Generator` as they arrive; one engine iteration whenever work is queued."""
-    records, clock = new_records(trace, rate), Clock()
-    gen, by_id, submitted = Generator(model, None, config), {}, 0
+    gen = Generator(model, None, config)
+    warmup = warmup_request(trace)
+    gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
+    before = gen.metrics()["totals"]
+    records, clock, by_id, submitted = new_records(trace, rate), Clock(), {}, 0
     while submitted < len(records) or gen.has_unfinished:
         while submitted < len(records) and records[submitted].arrival <= clock.now():
             request = trace.requests[submitted]
@@ -202,9 +250,10 @@ def run_generator(model, trace: Trace, rate: float, config: SparseServeConfig) -
             gen.step()
         else:
             clock.wait_until(records[submitted].arrival)
-    for request_id, times in gen.metrics()["requests"].items():
-        _fill_from_generator(by_id[request_id], times, clock)
-    return records
+    metrics = gen.metrics()
+    for request_id, record in by_id.items():
+        _fill_from_generator(record, metrics["requests"][request_id], clock)
+    return RunResult(records, _engine_totals(metrics["totals"], before))
 
 
 def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> None:
@@ -217,4 +266,26 @@ def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> No
         record.error = "the Generator failed this request"
 
 
-Runner = Callable[..., list[RequestRecord]]
+COUNTED = ("hits", "misses", "h2d_bytes", "iterations", "decode_rows", "prefill_token_layers", "sat_out")
+PEAKS = ("hbm_peak_bytes", "admitted_working_set_peak_bytes", "hbm_cache_bytes", "cuda_peak_bytes")
+
+
+def _engine_totals(totals: dict[str, Any], warmup: dict[str, Any]) -> dict[str, Any]:
+    """The Generator's counters over the trace alone (the warm-up's taken out), and its peaks.
+
+    Per-request latencies are left out: `summarize` computes them from the records on one clock.
+    """
+    out = {key: totals[key] - warmup[key] for key in COUNTED}
+    out |= {key: totals[key] for key in PEAKS if key in totals}
+    looked_up = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / looked_up if looked_up else 0.0
+    out["mean_decode_batch"] = out["decode_rows"] / out["iterations"] if out["iterations"] else 0.0
+    out["iterations_by_kind"] = {
+        kind: {"count": now["count"] - warmup["iterations_by_kind"][kind]["count"],
+               "total_s": now["total_s"] - warmup["iterations_by_kind"][kind]["total_s"]}
+        for kind, now in totals["iterations_by_kind"].items()
+    }  # fmt: skip
+    return out
+
+
+Runner = Callable[..., RunResult]

@@ -36,6 +36,13 @@ def test_every_request_is_served_in_order_of_its_times(runs, system):
         assert len(times) == request.output_tokens == rec["output_tokens"] and rec["error"] is None
         assert rec["arrival"] <= rec["admitted"] <= times[0] and times == sorted(times)
     assert "--system" in result["command"] and result["trace"]["requests"] == 3
+    engine = result["engine"]  # the warm-up request is served first and counted nowhere
+    if system == "stock_generate":
+        assert sum(engine["batch_sizes"]) == 3
+    if system.startswith("ours"):
+        by_kind = engine["iterations_by_kind"].values()
+        assert engine["iterations"] == sum(k["count"] for k in by_kind) > 0
+        assert engine["decode_rows"] == sum(r.output_tokens - 1 for r in trace.requests)
 
 
 def test_report_compares_ours_with_the_best_stock_system(runs, tmp_path):

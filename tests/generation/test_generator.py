@@ -167,3 +167,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llama):
     )[0]
     assert top1.token_ids == greedy.token_ids
     assert torch.tensor(alone).unique().numel() > 1
+
+
+@pytest.mark.core
+def test_iteration_breakdown_counts_every_iteration_and_all_prefill_work(llama):
+    """Iterations split into decode-only / mixed / prefill-only; their prefill work is every prompt token-layer."""
+    config = small_config(prefill_mode="layer_segmented", max_inject_tokens=60)
+    gen = Generator(llama, None, config)
+    first = gen.submit(prompt(80, seed=1), SamplingParams(max_new_tokens=30))
+    gen.step()  # the first request starts alone: a prefill-only iteration
+    gen.submit(prompt(130, seed=2), SamplingParams(max_new_tokens=4))  # its prefill overlaps the first's decode
+    while gen.has_unfinished:
+        gen.step()
+    totals = gen.metrics()["totals"]
+    kinds = totals["iterations_by_kind"]
+    assert sum(k["count"] for k in kinds.values()) == totals["iterations"]
+    assert kinds["prefill"]["count"] >= 1 and kinds["mixed"]["count"] >= 1 and kinds["decode"]["count"] >= 1
+    assert totals["prefill_token_layers"] == (80 + 130) * llama.config.num_hidden_layers
+    assert all(k["total_s"] > 0 for k in kinds.values()) and first in gen.metrics()["requests"]

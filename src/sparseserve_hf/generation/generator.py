@@ -121,15 +121,17 @@ class Generator:
     def step(self) -> list[StreamEvent]:
         """Run one iteration; returns the events it produced (and any left from `cancel`)."""
         events, self._pending = self._pending, []
+        started = self.recorder.now()
         candidates = self._candidates()
         plan = schedule(candidates, self._limits())
         sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
         with torch.no_grad():
             if plan.decode:
                 self._decode(plan.decode, events)
-            self._run_prefills(plan, events)
+            prefilled = self._run_prefills(plan, events)
         self.recorder.memory(self.hbm_bytes_in_use())
-        self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out)
+        seconds = self.recorder.now() - started
+        self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out, seconds, prefilled)
         return events
 
     def cancel(self, request_id: int) -> bool:
@@ -270,11 +272,13 @@ class Generator:
             row.working_set_blocks = size
         self._emit_tokens(rows, tokens, events)
 
-    def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> None:
-        """Start the newly admitted prefills, then advance all picked ones within the budget."""
+    def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> int:
+        """Start the newly admitted prefills, then advance all picked ones within the budget;
+        returns the token-layers of prefill run."""
         for request_id in plan.start:
             self._start_prefill(self._requests[request_id], events)
         budget = self.sizes.prefill_budget(len(plan.decode), self.stack.num_layers)
+        ran = 0
         for request_id in plan.prefill + plan.start:
             request = self._requests.get(request_id)
             if request is None or request.state != PREFILLING:
@@ -286,12 +290,13 @@ class Generator:
             except Exception as exc:  # noqa: BLE001  only this request's own cache was touched
                 events.append(self._finish(request, "error", f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
-            budget = None if budget is None else budget - used
+            budget, ran = None if budget is None else budget - used, ran + used
             if request.job.done:
                 logits = self.prefill.logits(request.job)  # (1, V)
                 request.job, request.state = None, RUNNING
                 token = sample_next(logits, [request.params], [request.generator]).tolist()
                 self._emit_tokens([request], token, events)
+        return ran
 
     def _start_prefill(self, request: Request, events: list[StreamEvent]) -> None:
         request.cache = SparseServeCache(self.model.config, self.config, store=self.store)

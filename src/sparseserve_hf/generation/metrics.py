@@ -58,6 +58,9 @@ class RequestTimes:
         }
 
 
+ITERATION_KINDS = ("decode", "mixed", "prefill")  # decodes only, decodes + prefill work, prefill work only
+
+
 class MetricsRecorder:
     """Collects RequestTimes and memory samples; optionally writes a JSON line per finished request.
 
@@ -72,6 +75,9 @@ class MetricsRecorder:
         self.decode_rows = 0  # summed over iterations
         self.admitted_peak_bytes = 0  # largest M_used admission allowed in one iteration
         self.sat_out = 0  # prefilled requests left out of an iteration, summed over iterations
+        # Wall seconds of each iteration by what it ran: the breakdown that says where serving time goes.
+        self.iteration_s: dict[str, list[float]] = {kind: [] for kind in ITERATION_KINDS}
+        self.prefill_token_layers = 0  # summed over iterations
         self.start: float | None = None
         self._sink = sink
 
@@ -110,13 +116,18 @@ class MetricsRecorder:
         """Sample the device bytes in use (kept as a peak)."""
         self.hbm_peak_bytes = max(self.hbm_peak_bytes, hbm_bytes)
 
-    def iteration(self, decode_rows: int, admitted_bytes: int, sat_out: int) -> None:
+    def iteration(
+        self, decode_rows: int, admitted_bytes: int, sat_out: int, seconds: float = 0.0, prefill_token_layers: int = 0
+    ) -> None:
         """One Generator iteration ran `decode_rows` decodes (`sat_out` more were left out) with
-        working sets totalling `admitted_bytes`."""
+        working sets totalling `admitted_bytes`, and `prefill_token_layers` of prefill, in `seconds`."""
         self.iterations += 1
         self.decode_rows += decode_rows
         self.sat_out += sat_out
         self.admitted_peak_bytes = max(self.admitted_peak_bytes, admitted_bytes)
+        self.prefill_token_layers += prefill_token_layers
+        kind = "mixed" if decode_rows and prefill_token_layers else "decode" if decode_rows else "prefill"
+        self.iteration_s[kind].append(seconds)
 
     def totals(self) -> dict[str, Any]:
         """Throughput and latency summaries over every request seen so far."""
@@ -137,9 +148,15 @@ class MetricsRecorder:
             "mean_queueing_delay_s": _mean([r.queueing_delay for r in reqs]),
             "hbm_peak_bytes": self.hbm_peak_bytes,
             "iterations": self.iterations,
+            "decode_rows": self.decode_rows,
             "mean_decode_batch": self.decode_rows / self.iterations if self.iterations else 0.0,
             "admitted_working_set_peak_bytes": self.admitted_peak_bytes,
             "sat_out": self.sat_out,
+            "prefill_token_layers": self.prefill_token_layers,
+            "iterations_by_kind": {
+                kind: {"count": len(times), "total_s": sum(times), "p50_s": _median(times)}
+                for kind, times in self.iteration_s.items()
+            },
         }
 
 

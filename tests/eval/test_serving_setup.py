@@ -1,0 +1,44 @@
+"""eval.serving's shared setup: every ladder rung keeps its device bytes (blocks + metadata) in the KV budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eval.bench.decode_step_setup import build_model
+from eval.serving.setup import LADDER, ours_config
+from eval.serving.systems import Budget, warmup_request
+from eval.serving.trace import build_trace
+
+BLOCK_BYTES = 2 * 32 * 16 * 4  # tiny shape: 32 tokens x head_dim 16, fp32 keys and values
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny", "sparseserve", "cpu", torch.float32, 128)
+
+
+@pytest.mark.parametrize("system", list(LADDER))
+def test_blocks_and_their_metadata_fit_the_kv_budget(tiny, system):
+    budget = Budget(kv_bytes=10_000 * BLOCK_BYTES, kv_bytes_per_token=0, max_batch=4)
+    dram = 40_000 * BLOCK_BYTES
+    config = ours_config(system, tiny, budget, dram)
+    metadata_per_block = config.metadata_vectors * 16 * 4
+    if LADDER[system]["offload"]:
+        assert config.dram_bytes == dram
+        used = config.hbm_cache_bytes + dram // BLOCK_BYTES * metadata_per_block
+    else:
+        assert config.hbm_cache_bytes is None
+        used = config.dram_bytes + config.dram_bytes // BLOCK_BYTES * metadata_per_block
+    assert budget.kv_bytes - BLOCK_BYTES - metadata_per_block < used <= budget.kv_bytes
+
+
+def test_a_pool_whose_metadata_fills_the_budget_is_refused(tiny):
+    budget = Budget(kv_bytes=100 * BLOCK_BYTES, kv_bytes_per_token=0, max_batch=4)
+    with pytest.raises(ValueError, match="lower --dram-gib"):
+        ours_config("ours", tiny, budget, 10_000 * BLOCK_BYTES)
+
+
+def test_the_warmup_request_is_a_short_cut_of_the_first_prompt():
+    trace = build_trace(list(range(10, 9000)), num_requests=2, prompt_range=(5000, 6000), output_range=(3, 5))
+    warmup = warmup_request(trace)
+    assert warmup.prompt == trace.requests[0].prompt[:4096] and warmup.output_tokens == 8 and warmup.index == -1
