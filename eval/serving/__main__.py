@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+# Every system alike: a capped process must not lose the cap to fragmentation (a KV cache grown by
+# torch.cat, a block cache beside a layer's prefill). Read at the first CUDA allocation.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--trace", type=Path, required=True)
         cmd.add_argument("--shape", default="llama3-8b", help="random-weight model shape (tiny: CPU smoke runs)")
         cmd.add_argument("--hbm-cap-gib", type=float, default=40.0, help="weights + KV + work, every system alike")
-        cmd.add_argument("--headroom-gib", type=float, default=6.0, help="of the cap, kept for activations")
+        cmd.add_argument("--headroom-gib", type=float, default=8.0, help="of the cap, kept for activations")
         cmd.add_argument("--dram-gib", type=float, default=48.0, help="ours with offload: the pinned host pool")
         cmd.add_argument("--max-batch", type=int, default=16)
         cmd.add_argument("--requests", type=int, default=None, help="only the first N requests of the trace")

@@ -12,13 +12,12 @@ import torch
 
 from eval.bench.decode_step_setup import SHAPES, build_model
 from eval.serving import systems
-from eval.serving.systems import Budget, Clock
+from eval.serving.systems import PREFILL_CHUNK, Budget, Clock
 from eval.serving.trace import Trace
 from sparseserve_hf import SparseServeConfig
 
 GIB = 1 << 30
 TOKEN_BUDGET = 2048
-PREFILL_CHUNK = 2048  # tokens per prefill chunk (vLLM's default chunk in the paper's baselines)
 
 # The paper's ablation ladder (Fig. 13): each rung adds one technique to the one before.
 LADDER: dict[str, dict[str, Any]] = {

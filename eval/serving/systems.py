@@ -26,6 +26,7 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 
 PAD_ID = 0
+PREFILL_CHUNK = 2048  # tokens per prefill chunk, every system (vLLM's default chunk in the paper's baselines)
 WARMUP_PROMPT_TOKENS = 4096  # past the 2048-token budget: the warm-up runs selection and block transfers too
 WARMUP_NEW_TOKENS = 8
 
@@ -152,11 +153,14 @@ def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offlo
         mask[row, longest - len(request.prompt) :] = 1
     new_tokens = max(r.output_tokens for r in requests)
     streamer = _StepTimes(clock)
-    caches = {cache_kwarg(model): DynamicCache(config=model.config, offloading=True)} if offloading else {}
+    # generate's chunked prefill: a padded batch's whole-prompt prefill (its 4D mask alone is B x T^2)
+    # does not fit beside the KV under the cap
+    cache = DynamicCache(config=model.config, offloading=offloading)
     with torch.no_grad():
         model.generate(
             ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, streamer=streamer, pad_token_id=PAD_ID, **caches,
+            min_new_tokens=new_tokens, do_sample=False, streamer=streamer, pad_token_id=PAD_ID,
+            prefill_chunk_size=PREFILL_CHUNK, **{cache_kwarg(model): cache},
         )  # fmt: skip
     return streamer.times
 
@@ -165,7 +169,7 @@ def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offlo
 
 
 def run_continuous_batching(
-    model, trace: Trace, rate: float, budget: Budget, block_size: int = 256, batch_tokens: int = 2048
+    model, trace: Trace, rate: float, budget: Budget, block_size: int = 256, batch_tokens: int = PREFILL_CHUNK
 ) -> RunResult:
     """transformers' continuous batching with paged attention, requests added as they arrive.
 
@@ -247,13 +251,29 @@ def run_generator(model, trace: Trace, rate: float, config: SparseServeConfig) -
             by_id[gen.submit(list(request.prompt), params)] = records[submitted]
             submitted += 1
         if gen.has_unfinished:
-            gen.step()
+            try:
+                gen.step()
+            except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
+                return _failed_run(records, by_id, gen, clock, f"out of memory: {str(exc).splitlines()[0]}")
         else:
             clock.wait_until(records[submitted].arrival)
     metrics = gen.metrics()
     for request_id, record in by_id.items():
         _fill_from_generator(record, metrics["requests"][request_id], clock)
     return RunResult(records, _engine_totals(metrics["totals"], before))
+
+
+def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:
+    """The run as far as it got: finished requests keep their times, every other one fails with `error`."""
+    metrics = gen.metrics()
+    for request_id, record in by_id.items():
+        times = metrics["requests"][request_id]
+        if times["finish_reason"] is not None:
+            _fill_from_generator(record, times, clock)
+    for record in records:
+        if not record.token_times or len(record.token_times) < record.output_tokens:
+            record.error = record.error or error
+    return RunResult(records, {"aborted": error})
 
 
 def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> None:
