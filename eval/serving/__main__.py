@@ -17,7 +17,7 @@ import torch
 
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
-from eval.serving.setup import SYSTEMS, HbmCap, build, dense_iteration_s
+from eval.serving.setup import ALLOCATOR, SYSTEMS, HbmCap, build, dense_iteration_s
 from eval.serving.trace import Trace, build_trace, essay_token_ids
 
 
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--out", type=Path, required=True, help="folder for the run's JSON")
     run = sub.choices["run"]
     run.add_argument("--system", choices=sorted(SYSTEMS), required=True)
-    run.add_argument("--rate", type=float, required=True, help="requests per second")
+    run.add_argument("--rate", type=float, nargs="+", required=True, help="requests per second (several: in turn)")
+    run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
     rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
     rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
     rep.add_argument("--out", type=Path, default=Path("eval/results"))
@@ -78,14 +79,22 @@ def calibrate(args) -> None:
 
 
 def run_point(args) -> None:
+    """One system, built and warmed up once, at each rate in turn; one JSON per rate."""
     trace, cap = _loaded(args), HbmCap.from_args(args)
+    allocator = ALLOCATOR.get(args.system)
+    if allocator is not None:  # read when CUDA starts, which `build` does
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", allocator)
     runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30))
-    run = runner(args.rate)
-    summary = summarize(run.records)
-    result = {"system": args.system, "rate": args.rate, "summary": summary, **_record(args, trace, cap),
-              "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
-    _write(args.out / f"run_{args.system}_{args.rate:g}.json", result)
-    print(json.dumps({"system": args.system, "rate": args.rate} | summary, indent=2))
+    for rate in args.rate:
+        run = runner(rate, deadline_s=args.deadline_s)
+        summary = summarize(run.records)
+        result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
+                  "deadline_s": args.deadline_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                  "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
+        _write(args.out / f"run_{args.system}_{rate:g}.json", result)
+        print(json.dumps({"system": args.system, "rate": rate} | summary, indent=2))
+        if "aborted" in run.engine:  # the engine broke (out of memory): no later rate would be meaningful
+            break
 
 
 def make_report(args) -> None:

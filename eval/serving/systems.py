@@ -11,12 +11,15 @@ times in seconds from that start, and what the engine reports about itself.
 from __future__ import annotations
 
 import inspect
+import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -79,6 +82,18 @@ def cuda_peak_bytes(model) -> dict[str, int]:
     return {"cuda_peak_bytes": torch.cuda.max_memory_allocated(model.device)}
 
 
+def progress(total: int, desc: str) -> tqdm:
+    """Requests served so far, on stderr (a sweep's log shows how far each point got)."""
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=10.0)
+
+
+def fail_unfinished(records: list[RequestRecord], deadline_s: float) -> None:
+    """A request without all its tokens and without an error ran into the run's deadline."""
+    for record in records:
+        if record.error is None and len(record.token_times) < record.output_tokens:
+            record.error = f"not finished within the run's deadline of {deadline_s:g} s"
+
+
 def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
     arrivals = trace.arrivals(rate)
     return [
@@ -105,27 +120,33 @@ class _StepTimes(BaseStreamer):
         pass
 
 
-def run_static_generate(model, trace: Trace, rate: float, budget: Budget, offloading: bool = False) -> RunResult:
+def run_static_generate(
+    model, trace: Trace, rate: float, budget: Budget, offloading: bool = False, deadline_s: float = math.inf
+) -> RunResult:
     """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output."""
     if offloading and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
-    generate_step_times(model, [warmup_request(trace)], Clock(), offloading)
     records, clock, first, batch_sizes = new_records(trace, rate), Clock(), 0, []
-    while first < len(records):
-        clock.wait_until(records[first].arrival)
-        batch = _static_batch(records, first, clock.now(), budget)
-        batch_sizes.append(len(batch))
-        for record in batch:
-            record.admitted = clock.now()
-        try:
-            times = generate_step_times(model, [trace.requests[r.index] for r in batch], clock, offloading)
+    with progress(len(records), f"static generate at {rate:g} req/s") as bar:
+        while first < len(records) and records[first].arrival < deadline_s:
+            clock.wait_until(records[first].arrival)
+            batch = _static_batch(records, first, clock.now(), budget)
+            batch_sizes.append(len(batch))
             for record in batch:
-                record.token_times = times[: record.output_tokens]
-        except torch.OutOfMemoryError as exc:  # a batch the cap cannot hold: its requests fail, the run goes on
-            for record in batch:
-                record.error = f"out of memory: {str(exc).splitlines()[0]}"
-            torch.cuda.empty_cache()
-        first += len(batch)
+                record.admitted = clock.now()
+            try:
+                requests = [trace.requests[r.index] for r in batch]
+                left = None if math.isinf(deadline_s) else max(0.0, deadline_s - clock.now())
+                times = generate_step_times(model, requests, clock, offloading, max_time=left)
+                for record in batch:
+                    record.token_times = times[: record.output_tokens]
+            except torch.OutOfMemoryError as exc:  # a batch the cap cannot hold: its requests fail, the run goes on
+                for record in batch:
+                    record.error = f"out of memory: {str(exc).splitlines()[0]}"
+                torch.cuda.empty_cache()
+            first += len(batch)
+            bar.update(len(batch))
+    fail_unfinished(records, deadline_s)
     return RunResult(records, {"batch_sizes": batch_sizes, **cuda_peak_bytes(model)})
 
 
@@ -143,8 +164,11 @@ def _static_batch(records: list[RequestRecord], first: int, now: float, budget: 
     return batch
 
 
-def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offloading: bool) -> list[float]:
-    """Run one left-padded static batch through `generate`; returns the time of each step's tokens."""
+def generate_step_times(
+    model, requests: list[TraceRequest], clock: Clock, offloading: bool, max_time: float | None = None
+) -> list[float]:
+    """Run one left-padded static batch through `generate` (stopped after `max_time` seconds, if
+    given); returns the time of each step's tokens."""
     longest = max(len(r.prompt) for r in requests)
     ids = torch.full((len(requests), longest), PAD_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -160,7 +184,7 @@ def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offlo
         model.generate(
             ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, streamer=streamer, pad_token_id=PAD_ID,
-            prefill_chunk_size=PREFILL_CHUNK, **{cache_kwarg(model): cache},
+            prefill_chunk_size=PREFILL_CHUNK, max_time=max_time, **{cache_kwarg(model): cache},
         )  # fmt: skip
     return streamer.times
 
@@ -169,7 +193,13 @@ def generate_step_times(model, requests: list[TraceRequest], clock: Clock, offlo
 
 
 def run_continuous_batching(
-    model, trace: Trace, rate: float, budget: Budget, block_size: int = 256, batch_tokens: int = PREFILL_CHUNK
+    model,
+    trace: Trace,
+    rate: float,
+    budget: Budget,
+    block_size: int = 256,
+    batch_tokens: int = PREFILL_CHUNK,
+    deadline_s: float = math.inf,
 ) -> RunResult:
     """transformers' continuous batching with paged attention, requests added as they arrive.
 
@@ -194,22 +224,28 @@ def run_continuous_batching(
         _serve_warmup(manager, warmup)
         records, clock = new_records(trace, rate), Clock()
         by_id: dict[str, RequestRecord] = {}
-        for record in records:
-            while clock.now() < record.arrival and manager.is_running():
-                _collect(manager, by_id, clock, timeout=min(0.05, max(0.0, record.arrival - clock.now())))
-            request_id = manager.add_request(
-                list(trace.requests[record.index].prompt), max_new_tokens=record.output_tokens, record_timestamps=True
-            )
-            if request_id is None:  # the manager refused it (its generation thread died)
-                record.error = "dropped by the continuous-batching manager"
-            else:
-                by_id[request_id] = record
-        while by_id and manager.is_running():
-            _collect(manager, by_id, clock, timeout=1.0)
+        with progress(len(records), f"continuous batching at {rate:g} req/s") as bar:
+            for record in records:
+                while clock.now() < min(record.arrival, deadline_s) and manager.is_running():
+                    wait = min(0.05, max(0.0, record.arrival - clock.now()))
+                    bar.update(_collect(manager, by_id, clock, timeout=wait))
+                if clock.now() >= deadline_s:
+                    break
+                request_id = manager.add_request(
+                    list(trace.requests[record.index].prompt), max_new_tokens=record.output_tokens,
+                    record_timestamps=True,
+                )  # fmt: skip
+                if request_id is None:  # the manager refused it (its generation thread died)
+                    record.error = "dropped by the continuous-batching manager"
+                else:
+                    by_id[request_id] = record
+            while by_id and manager.is_running() and clock.now() < deadline_s:
+                bar.update(_collect(manager, by_id, clock, timeout=1.0))
         for record in by_id.values():  # never finished: the manager stopped
             record.error = "the continuous-batching manager stopped before finishing it"
     finally:
         manager.stop(block=True)
+    fail_unfinished(records, deadline_s)
     return RunResult(records, cuda_peak_bytes(model))
 
 
@@ -223,43 +259,59 @@ def _serve_warmup(manager, warmup: TraceRequest, timeout_s: float = 600.0) -> No
             return
 
 
-def _collect(manager, by_id: dict[str, RequestRecord], clock: Clock, timeout: float) -> None:
-    """Record (and forget) one finished result, if one comes within `timeout`."""
+def _collect(manager, by_id: dict[str, RequestRecord], clock: Clock, timeout: float) -> int:
+    """Record (and forget) one finished result, if one comes within `timeout`; returns how many (0 or 1)."""
     result = manager.get_result(timeout=timeout)
-    if result is None or not result.is_finished():
-        return
+    if result is None or not result.is_finished() or result.request_id not in by_id:
+        return 0
     record = by_id.pop(result.request_id)
     record.admitted = clock.since_start(result.lifespan[0]) if result.lifespan[0] > 0 else None
     record.token_times = [clock.since_start(t) for t in (result.timestamps or [])]
     record.error = result.error
+    return 1
 
 
 # ---- ours: the Generator ------------------------------------------------------------------------------
 
 
-def run_generator(model, trace: Trace, rate: float, config: SparseServeConfig) -> RunResult:
-    """Requests submitted to a `Generator` as they arrive; one engine iteration whenever work is queued."""
+def warmed_generator(model, trace: Trace, config: SparseServeConfig) -> Generator:
+    """A Generator that has served the warm-up request (kernels compiled, pools allocated)."""
     gen = Generator(model, None, config)
     warmup = warmup_request(trace)
     gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
+    return gen
+
+
+def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float = math.inf) -> RunResult:
+    """Requests submitted to `gen` as they arrive; one engine iteration whenever work is queued.
+
+    Requests unfinished at the deadline are cancelled, so `gen` can serve the next run.
+    """
     before = gen.metrics()["totals"]
     records, clock, by_id, submitted = new_records(trace, rate), Clock(), {}, 0
-    while submitted < len(records) or gen.has_unfinished:
-        while submitted < len(records) and records[submitted].arrival <= clock.now():
-            request = trace.requests[submitted]
-            params = SamplingParams(max_new_tokens=request.output_tokens, ignore_eos=True)
-            by_id[gen.submit(list(request.prompt), params)] = records[submitted]
-            submitted += 1
-        if gen.has_unfinished:
+    with progress(len(records), f"Generator at {rate:g} req/s") as bar:
+        while (submitted < len(records) or gen.has_unfinished) and clock.now() < deadline_s:
+            while submitted < len(records) and records[submitted].arrival <= clock.now():
+                request = trace.requests[submitted]
+                params = SamplingParams(max_new_tokens=request.output_tokens, ignore_eos=True)
+                by_id[gen.submit(list(request.prompt), params)] = records[submitted]
+                submitted += 1
+            if not gen.has_unfinished:
+                clock.wait_until(min(records[submitted].arrival, deadline_s))
+                continue
             try:
-                gen.step()
+                events = gen.step()
             except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
                 return _failed_run(records, by_id, gen, clock, f"out of memory: {str(exc).splitlines()[0]}")
-        else:
-            clock.wait_until(records[submitted].arrival)
+            bar.update(sum(event.finished for event in events))
+    for request_id in by_id:
+        gen.cancel(request_id)
+    while gen.has_unfinished:
+        gen.step()
     metrics = gen.metrics()
     for request_id, record in by_id.items():
         _fill_from_generator(record, metrics["requests"][request_id], clock)
+    fail_unfinished(records, deadline_s)
     return RunResult(records, _engine_totals(metrics["totals"], before))
 
 
@@ -284,6 +336,8 @@ def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> No
     record.token_times = [submitted + t for t in times["token_times_s"]]
     if times["finish_reason"] == "error":
         record.error = "the Generator failed this request"
+    elif times["finish_reason"] == "cancelled":
+        record.error = "cancelled at the run's deadline"
 
 
 COUNTED = ("hits", "misses", "h2d_bytes", "iterations", "decode_rows", "prefill_token_layers", "sat_out")

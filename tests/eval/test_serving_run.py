@@ -75,3 +75,29 @@ def test_a_trace_past_the_model_vocabulary_is_refused(tmp_path):
                 str(tmp_path),
             ]
         )
+
+
+@pytest.mark.parametrize("system", ["stock_generate", "stock_generate_batch", "ours"])
+def test_a_run_cut_at_its_deadline_fails_the_rest_and_the_system_serves_the_next_rate(runs, system):
+    from eval.serving.setup import HbmCap, build
+    from eval.serving.trace import Trace
+
+    folder, trace = runs
+    trace = Trace.load(folder / "trace.pt")
+    runner = build(system, "tiny", trace, HbmCap(int(0.25 * 2**30), int(0.05 * 2**30)), 16, int(0.05 * 2**30))
+    cut = runner(20.0, deadline_s=1e-4)
+    assert all(r.error is not None for r in cut.records)  # nobody got every token before the deadline
+    assert any("deadline" in r.error for r in cut.records)
+    full = runner(20.0)  # the same model (and Generator) again, with no deadline
+    assert [len(r.token_times) for r in full.records] == [r.output_tokens for r in trace.requests]
+    assert all(r.error is None for r in full.records)
+
+
+def test_several_rates_in_one_process_write_one_json_each(runs, tmp_path):
+    folder, _ = runs
+    main(["run", "--system", "ours", "--rate", "20", "5", "--trace", str(folder / "trace.pt"), *SMALL,
+          "--out", str(tmp_path)])  # fmt: skip
+    for rate in ("20", "5"):
+        result = json.loads((tmp_path / f"run_ours_{rate}.json").read_text())
+        assert result["summary"]["completed"] == 3 and result["engine"]["iterations"] > 0
+        assert result["allocator"] == "expandable_segments:True"
