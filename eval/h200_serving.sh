@@ -1,30 +1,49 @@
 #!/usr/bin/env bash
 # The serving sweep (issue 6) in parts that each fit one 10-minute GPU call; merge them with `report`.
 #
-#   python -m eval.serving trace --out .gpu/serving_trace.pt      # once, on the CPU machine (real text + tokenizer)
-#   bash eval/h200_serving.sh calibrate OUT TRACE                  # the dense decode iteration (SLO unit)
-#   bash eval/h200_serving.sh run OUT TRACE SYSTEM RATE [RATE ...] # one process per (system, rate)
-#   python -m eval.serving report OUT1 OUT2 ... --out eval/results # serving.json / .md / .png
+#   python -m eval.serving trace --out .gpu/serving_trace.pt         # once, on the CPU machine (real text + tokenizer)
+#   bash eval/h200_serving.sh calibrate OUT TRACE                     # the dense decode iteration (SLO unit)
+#   bash eval/h200_serving.sh run OUT TRACE SYSTEM RATE [RATE ...]    # one process: SYSTEM at each rate in turn
+#   bash eval/h200_serving.sh sweep OUT TRACE SYSTEM:R1,R2 [SYSTEM:R1 ...]
+#                                                                     # the jobs spread over every visible GPU,
+#                                                                     # one queue per GPU, jobs dealt in turn
+#   python -m eval.serving report OUT1 OUT2 ... --out eval/results    # serving.json / .md / .png
 #
-# Carry the trace (git-ignored) with the call: carry [".gpu/serving_trace.pt"]. Run from the repo
-# root with PYTHONPATH=src:. ; EXTRA_ARGS (e.g. "--requests 20 --hbm-cap-gib 40") goes to every run.
+# Carry the trace (git-ignored) with the call: carry [".gpu/serving_trace.pt", ".gpu_commit"]. Run from
+# the repo root; EXTRA_ARGS (e.g. "--requests 20 --deadline-s 200") goes to every run. Each job's
+# progress and errors are in OUT/<system>.log; on a machine with two GPUs a sweep runs two jobs at once.
 set -euo pipefail
 part=${1:?part}
 out=${2:?out dir}
 trace=${3:?trace file}
 shift 3
 mkdir -p "$out"
+export PYTHONPATH=src:. PYTHONUNBUFFERED=1
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 read -r -a extra <<< "${EXTRA_ARGS:-}"
+
+run_job() {  # SYSTEM RATES...: one process, its log in OUT/SYSTEM.log, one line of verdict
+  local system=$1 start=$SECONDS rc=0
+  shift
+  python -m eval.serving run --system "$system" --rate "$@" --trace "$trace" --out "$out" "${extra[@]}" \
+    > "$out/$system.log" 2>&1 || rc=$?
+  echo "$system at $* req/s: rc=$rc in $((SECONDS - start)) s (GPU ${CUDA_VISIBLE_DEVICES:-all})"
+}
+
 case $part in
   calibrate)
-    python -m eval.serving calibrate --trace "$trace" --out "$out" "${extra[@]}" 2>&1 | tail -3 ;;
+    python -m eval.serving calibrate --trace "$trace" --out "$out" "${extra[@]}" 2>&1 | tail -1 ;;
   run)
-    system=${1:?system}
-    shift
-    for rate in "$@"; do
-      python -m eval.serving run --system "$system" --rate "$rate" --trace "$trace" --out "$out" "${extra[@]}" \
-        2>&1 | tee "$out/run_${system}_${rate}.log" | grep -E '"(system|rate|completed|failed|throughput_tokens_per_s|mean_ttft_s|p50_tbt_s|mean_queueing_s)"'
-    done ;;
-  *) echo "unknown part '$part' (calibrate, run)" >&2; exit 2 ;;
+    run_job "$@" ;;
+  sweep)
+    gpus=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+    jobs=("$@")
+    for ((gpu = 0; gpu < gpus; gpu++)); do
+      (for ((j = gpu; j < ${#jobs[@]}; j += gpus)); do
+         job=${jobs[j]} rates=${jobs[j]#*:}
+         CUDA_VISIBLE_DEVICES=$gpu run_job "${job%%:*}" ${rates//,/ }
+       done) &
+    done
+    wait ;;
+  *) echo "unknown part '$part' (calibrate, run, sweep)" >&2; exit 2 ;;
 esac

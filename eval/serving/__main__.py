@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     trace = sub.add_parser("trace", help="build the seeded trace from real text (CPU)")
     trace.add_argument("--requests", type=int, default=40)
     trace.add_argument("--prompt-range", type=int, nargs=2, default=[8192, 65536])
-    trace.add_argument("--output-range", type=int, nargs=2, default=[64, 512])
+    trace.add_argument(
+        "--output-range", type=int, nargs=2, default=[32, 128], help="output tokens (short: a point fits one GPU call)"
+    )
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--out", type=Path, required=True)
     for name, helptext in (

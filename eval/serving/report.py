@@ -42,13 +42,29 @@ def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str
     if not stock or "ours" not in table or dense is None:
         result["missing"] = "need a calibration, a stock system and `ours` to compare"
         return result
-    best = max(stock, key=lambda s: (good[s], _at(table[s], good[s], "throughput_tokens_per_s") or 0.0))
-    r_star = good[best]
-    result |= {"best_stock": best, "r_star": r_star, "goodput_ratio": _ratio(good["ours"], r_star)}
-    result |= _ratios(table["ours"], table[best], r_star)
-    result["at_1.5r"] = _ratios(table["ours"], table[best], 1.5 * r_star)
-    result["ladder"] = {s: good[s] for s in LADDER if s in good}
+    lowest = {s: min(table[s]) for s in stock}
+
+    def judged_rate(system: str) -> float:  # its goodput, or its lowest rate where it met the SLO at none
+        return good[system] if good[system] > 0 else lowest[system]
+
+    best = max(stock, key=lambda s: (good[s], _at(table[s], judged_rate(s), "throughput_tokens_per_s") or 0.0))
+    r_star, judged = good[best], judged_rate(best)
+    result |= {"best_stock": best, "r_star": r_star, "judged_at": judged, "goodput_ratio": _ratio(good["ours"], r_star)}
+    if r_star == 0:
+        result["r_star_note"] = f"{best} met the SLO at no measured rate (r* < {judged:g}): ratios at {judged:g} req/s"
+    result |= _ratios(table["ours"], table[best], judged)
+    result["at_1.5r"] = _ratios(table["ours"], table[best], 1.5 * judged)
+    result["ladder"] = {s: _ladder_row(table[s], good[s], judged) for s in LADDER if s in table}
+    result["engine"] = {
+        s: {f"{rate:g}": run.get("engine", {}) for rate, run in sorted(runs[s].items())} for s in LADDER if s in runs
+    }
     return result
+
+
+def _ladder_row(table: dict[float, dict], good: float, rate: float) -> dict[str, float | None]:
+    """One rung: its goodput and, at the rate T5 is judged at, its throughput and latencies."""
+    keys = ("throughput_tokens_per_s", "mean_ttft_s", "p50_tbt_s", "mean_queueing_s")
+    return {"goodput": good, "rate": rate} | {key: _at(table, rate, key) for key in keys}
 
 
 def _ratios(ours: dict[float, dict], stock: dict[float, dict], rate: float) -> dict[str, float | None]:
@@ -101,10 +117,21 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["| system | goodput (req/s) |", "|---|---|"] + [f"| {s} | {g:g} |" for s, g in result["goodput"].items()]
     if "r_star" in result:
         lines += ["", f"r* = {result['r_star']:g} req/s (best stock: {result['best_stock']})", ""]
+        if "r_star_note" in result:
+            lines += [result["r_star_note"], ""]
         lines += ["| at | throughput x | mean TTFT x | p50 TBT (ours/stock) |", "|---|---|---|---|"]
         for row in (result, result["at_1.5r"]):
             lines.append(f"| {row['rate']:g} req/s | {_fmt(row['throughput_ratio_vs_best_stock'])} | "
                          f"{_fmt(row['ttft_ratio_vs_best_stock'])} | {_fmt(row['tbt_p50_ratio'])} |")  # fmt: skip
+    lines += ["", "| system | rate | served | tokens/s | mean TTFT s | p50 TBT s | p99 TBT s | mean queueing s | SLO |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for system, by_rate in result["systems"].items():
+        for rate, v in by_rate.items():
+            lines.append(
+                f"| {system} | {rate} | {v['completed']}/{v['requests']} | {_fmt(v['throughput_tokens_per_s'])} | "
+                f"{_fmt(v['mean_ttft_s'])} | {_fmt(v['p50_tbt_s'])} | {_fmt(v['p99_tbt_s'])} | "
+                f"{_fmt(v['mean_queueing_s'])} | {'met' if v.get('meets_slo') else 'missed'} |"
+            )
     lines += ["", "Commands:", ""] + [f"- `{c}`" for c in result["runs"]]
     return "\n".join(lines) + "\n"
 

@@ -78,7 +78,7 @@ def build_trace(
     *,
     num_requests: int = 40,
     prompt_range: tuple[int, int] = (8192, 65536),
-    output_range: tuple[int, int] = (64, 512),
+    output_range: tuple[int, int] = (32, 128),
     seed: int = 0,
     source: str = "",
 ) -> Trace:

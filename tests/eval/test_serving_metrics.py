@@ -63,3 +63,25 @@ def test_bad_trace_arguments_are_refused(kwargs):
         build_trace(TEXT, **kwargs)
     with pytest.raises(ValueError, match="rate"):
         build_trace(TEXT, num_requests=2).arrivals(0.0)
+
+
+def _run(records) -> dict:
+    return {"records": [r.as_dict() for r in records]}
+
+
+def test_report_judges_at_the_lowest_rate_when_no_stock_system_meets_the_slo():
+    from eval.serving.report import analyse
+
+    slow = [record(0, 0.0, 5.0, [6.0, 6.1])]  # queued 5 s: misses the SLO
+    quick = [record(0, 0.0, 0.1, [0.3, 0.35])]  # 2 tokens in 0.35 s: meets it
+    runs = {
+        "stock_generate": {0.1: _run(slow), 0.15: _run(slow)},
+        "stock_generate_batch": {0.1: _run(slow)},
+        "ours": {0.1: _run(quick), 0.15: _run(quick)},
+    }
+    result = analyse(runs, dense=0.01)
+    assert result["r_star"] == 0.0 and result["judged_at"] == 0.1 and "r* < 0.1" in result["r_star_note"]
+    assert result["goodput"]["ours"] == 0.15 and result["goodput_ratio"] is None  # ours / 0
+    assert result["ttft_ratio_vs_best_stock"] == pytest.approx(6.0 / 0.3)
+    assert result["at_1.5r"]["rate"] == pytest.approx(0.15) and result["at_1.5r"]["tbt_p50_ratio"] == pytest.approx(0.5)
+    assert result["ladder"]["ours"]["goodput"] == 0.15

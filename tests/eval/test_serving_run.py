@@ -101,3 +101,22 @@ def test_several_rates_in_one_process_write_one_json_each(runs, tmp_path):
         result = json.loads((tmp_path / f"run_ours_{rate}.json").read_text())
         assert result["summary"]["completed"] == 3 and result["engine"]["iterations"] > 0
         assert result["allocator"] == "expandable_segments:True"
+
+
+def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    folder, _ = runs
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"EXTRA_ARGS": " ".join(SMALL), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        ["bash", "eval/h200_serving.sh", "sweep", str(tmp_path), str(folder / "trace.pt"), "ours:20,5",
+         "stock_generate:20"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ours at 20 5 req/s: rc=0" in done.stdout and "stock_generate at 20 req/s: rc=0" in done.stdout
+    names = sorted(p.name for p in tmp_path.glob("run_*.json"))
+    assert names == ["run_ours_20.json", "run_ours_5.json", "run_stock_generate_20.json"]
