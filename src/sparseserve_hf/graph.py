@@ -39,6 +39,7 @@ HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(positi
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph (a stand-in in CPU tests)
     logits: torch.Tensor  # (B, V) in the graph's memory pool, overwritten by every replay
+    picks: list[Any]  # each layer's `last_pick` as captured: tensors every replay overwrites
 
 
 class CudaGraphs:
@@ -212,17 +213,25 @@ class DecodeGraphRunner:
         captured.graph.replay()
         for layer in self.layers:
             layer.num_positions += 1  # what `update` counts when the Python runs
+        self._set_picks(captured.picks)  # a replay runs no Python: point `last_pick` at what it wrote
         return captured.logits
 
     def _capture(self, key: tuple[int, int]) -> torch.Tensor:
         """Run this step for real (the warm-up capture needs), then capture it for the next ones."""
         logits = self.graphs.warm_up(self._static_step)
+        step_picks = [layer.last_pick for layer in self.layers]  # this step's selections (the warm-up ran it)
         graph, static_logits = self.graphs.record(self._static_step)
         for layer in self.layers:
             layer.num_positions -= 1  # the capture ran the Python (`update` counted) but no kernel
-        self._captured[key] = _Captured(graph, static_logits)
+        self._captured[key] = _Captured(graph, static_logits, [layer.last_pick for layer in self.layers])
+        self._set_picks(step_picks)  # the captured ones hold nothing yet
         self.num_captures += 1
         return logits
+
+    def _set_picks(self, picks: list[Any]) -> None:
+        """Each layer's `last_pick` (what the working-set tracker reads after a step)."""
+        for layer, pick in zip(self.layers, picks):
+            layer.last_pick = pick
 
     def _graph_state(self) -> tuple:
         """The store's epoch and the address of every tensor a graph holds: a change means recapture."""

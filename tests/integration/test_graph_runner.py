@@ -131,6 +131,7 @@ class FakeGraphs:
         for t, value in zip(tensors.values(), saved):
             t.copy_(value)
         graph = FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()})
+        graph.picks = [layer.last_pick for layer in self.runner.layers]  # outputs a replay writes into
         self.pool.add(graph)
         return graph, out
 
@@ -147,10 +148,14 @@ class FakeGraph:
         moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
         assert not moved, f"replayed a graph whose tensors moved: {moved}"
         layers = self.graphs.runner.layers
-        counters = [(layer.num_positions, layer._tail_len_mirror) for layer in layers]
+        counters = [(layer.num_positions, layer._tail_len_mirror, layer.last_pick) for layer in layers]
         self.out.copy_(self.fn())
-        for layer, (positions, mirror) in zip(layers, counters):
-            layer.num_positions, layer._tail_len_mirror = positions, mirror
+        for layer, static in zip(layers, self.picks):  # kernels write the captured outputs in place
+            for fresh, held in zip(layer.last_pick, static):
+                if isinstance(held, torch.Tensor):
+                    held.copy_(fresh)
+        for layer, (positions, mirror, pick) in zip(layers, counters):  # no Python ran
+            layer.num_positions, layer._tail_len_mirror, layer.last_pick = positions, mirror, pick
         self.replays += 1
 
 
@@ -167,6 +172,9 @@ def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(
             store.metadata = store.metadata.clone()  # as if the pool had been reallocated
         assert torch.equal(runner.step(), reference.step()), f"step {step}"
         captures.append(runner.num_captures)
+        for mine, theirs in zip(runner.layers, reference.cache.layers):  # what the working-set tracker reads
+            ours, eager = mine.last_selection, theirs.last_selection
+            assert torch.equal(ours.sort(-1).values, eager.sort(-1).values), f"step {step}: selections differ"
     # step 0: first capture; step 1: the table widens to 20 blocks; step 12: the metadata moved
     assert captures == [1] + [2] * 11 + [3] * 8
     layers = runner.cache.layers
