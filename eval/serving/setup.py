@@ -19,13 +19,16 @@ from sparseserve_hf import SparseServeConfig
 GIB = 1 << 30
 TOKEN_BUDGET = 2048
 
-# The paper's ablation ladder (Fig. 13): each rung adds one technique to the one before.
+# The paper's ablation ladder (Fig. 13), each rung adding one technique to the one before, then ours.
 LADDER: dict[str, dict[str, Any]] = {
     "ours_sparse": dict(offload=False, admission=False, prefill_mode="chunked"),  # sparse attention, KV in HBM
     "ours_offload": dict(offload=True, transfer="copy", admission=False, prefill_mode="chunked"),  # + DRAM tier
     "ours_fast_transfer": dict(offload=True, transfer="kernel", admission=False, prefill_mode="chunked"),  # + FlashH2D
     "ours_admission": dict(offload=True, transfer="kernel", admission=True, prefill_mode="chunked"),  # + working set
-    "ours": dict(offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented"),  # + layered prefill
+    "ours_layered": dict(offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented"),  # + layered
+    "ours": dict(  # + decode steps replayed as CUDA graphs (not in the paper's ladder; T5's 10x needs them)
+        offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented", cuda_graphs=True
+    ),
 }
 STOCK = ("stock_generate", "stock_offload", "stock_generate_batch")
 SYSTEMS = STOCK + tuple(LADDER)
@@ -95,7 +98,8 @@ def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes:
     6 vectors per 16 KiB head-block, 9%), so it is counted in the budget: with offload the HBM block
     cache gets what the DRAM pool's metadata leaves; without, the device pool and its metadata share it.
     """
-    rung = LADDER[system]
+    rung = dict(LADDER[system])
+    graphs = rung.pop("cuda_graphs", False)  # valid only once the pools are sized, below
     config = SparseServeConfig(
         token_budget=TOKEN_BUDGET, max_batch=budget.max_batch,
         max_inject_tokens=PREFILL_CHUNK * model.config.num_hidden_layers, **rung,
@@ -105,14 +109,14 @@ def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes:
     metadata_bytes = config.metadata_vectors * head_dim * model.dtype.itemsize  # per block
     if not rung["offload"]:
         pool_blocks = budget.kv_bytes // (block_bytes + metadata_bytes)
-        return replace(config, hbm_cache_bytes=None, dram_bytes=pool_blocks * block_bytes)
+        return replace(config, hbm_cache_bytes=None, dram_bytes=pool_blocks * block_bytes, cuda_graphs=graphs)
     cache_bytes = budget.kv_bytes - dram_bytes // block_bytes * metadata_bytes
     if cache_bytes < block_bytes:
         raise ValueError(
             f"the DRAM pool's metadata ({dram_bytes // block_bytes * metadata_bytes} bytes) leaves no HBM block "
             f"cache in the KV budget of {budget.kv_bytes} bytes: lower --dram-gib or raise --hbm-cap-gib"
         )
-    return replace(config, hbm_cache_bytes=cache_bytes, dram_bytes=dram_bytes)
+    return replace(config, hbm_cache_bytes=cache_bytes, dram_bytes=dram_bytes, cuda_graphs=graphs)
 
 
 def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) -> float:

@@ -114,7 +114,7 @@ def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
     done = subprocess.run(
         ["bash", "eval/h200_serving.sh", "sweep", str(tmp_path), str(folder / "trace.pt"), "ours:20,5",
          "stock_generate:20"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "ours at 20 5 req/s: rc=0" in done.stdout and "stock_generate at 20 req/s: rc=0" in done.stdout

@@ -42,3 +42,9 @@ def test_the_warmup_request_is_a_short_cut_of_the_first_prompt():
     trace = build_trace(list(range(10, 9000)), num_requests=2, prompt_range=(5000, 6000), output_range=(3, 5))
     warmup = warmup_request(trace)
     assert warmup.prompt == trace.requests[0].prompt[:4096] and warmup.output_tokens == 8 and warmup.index == -1
+
+
+def test_only_the_last_rung_replays_cuda_graphs(tiny):
+    budget = Budget(kv_bytes=10_000 * BLOCK_BYTES, kv_bytes_per_token=0, max_batch=4)
+    graphs = {system: ours_config(system, tiny, budget, 4000 * BLOCK_BYTES).cuda_graphs for system in LADDER}
+    assert graphs == {system: system == "ours" for system in LADDER}

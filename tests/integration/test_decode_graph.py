@@ -14,7 +14,7 @@ from test_graph_runner import EagerReference
 from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 
 from sparseserve_hf.graph import DecodeGraphRunner
-from tiny_models import tiny_model
+from tiny_models import random_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
 STEPS = 3 * BLOCK + 5  # every row's tail fills three times
@@ -84,3 +84,19 @@ def test_a_table_width_change_recaptures_and_keeps_the_tokens():
         assert torch.equal(graph.step().clone(), eager.step()), f"step {step}"
         widths.add(graph.cache.layers[0].block_ids.shape[2])
     assert len(widths) >= 2 and graph.num_captures == len(widths)
+
+
+def test_generator_with_cuda_graphs_gives_the_eager_generators_tokens():
+    """Plan test (c): staggered joins, sit-outs and finishes (a restart and recapture each), max_batch 3."""
+    from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+    model = model_on_cuda(torch.float32)
+    values = dict(block_size=16, token_budget=64, max_batch=3, hbm_cache_bytes=40 * 2048, dram_bytes=4000 * 2048,
+                  prefill_mode="layer_segmented", max_inject_tokens=60, backend="triton")  # fmt: skip
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (5, 37, 80, 130, 16, 1)]
+    params = SamplingParams(max_new_tokens=3 * BLOCK)
+    eager = Generator(model, None, SparseServeConfig(**values)).generate(prompts, params)
+    graphed_gen = Generator(model, None, SparseServeConfig(**values, cuda_graphs=True))
+    graphed = graphed_gen.generate(prompts, params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert graphed_gen._runner.num_captures > 1

@@ -9,7 +9,6 @@ advances by hand after a replay. tests/integration/test_decode_graph.py runs rea
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 from unittest import mock
 
@@ -18,6 +17,7 @@ import torch
 from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
 from test_sync_free_decode import fixed_shape_gather
 
+from fake_graphs import FakeGraphs
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
@@ -101,62 +101,6 @@ def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(ll
             other.reset()  # frees its blocks from both tiers
         assert addresses(runner.cache) == before, f"step {step}"
     assert store.epoch == epoch and runner.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
-
-
-class FakeGraphs:
-    """CPU stand-in for `graph.CudaGraphs`, with what a real graph does to state.
-
-    A capture runs the step's Python but no kernel: every tensor is put back afterwards. A replay
-    runs the kernels but no Python: Python counters are put back afterwards, and it refuses to
-    run once a tensor it holds has moved (a real graph would read the old address).
-    """
-
-    def __init__(self, runner: DecodeGraphRunner) -> None:
-        self.runner = runner
-        self.pool: weakref.WeakSet | None = None  # the graphs captured into the current pool
-
-    def new_pool(self) -> None:
-        self.pool = None
-
-    def warm_up(self, fn):
-        return fn()
-
-    def record(self, fn):
-        # Like PyTorch: a pool whose graphs are all gone is released, and capturing into it asserts.
-        assert self.pool is None or len(self.pool) > 0, "captured into a released graph pool"
-        self.pool = weakref.WeakSet() if self.pool is None else self.pool
-        tensors = self._tensors()
-        saved = [t.clone() for t in tensors.values()]
-        out = fn()
-        for t, value in zip(tensors.values(), saved):
-            t.copy_(value)
-        graph = FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()})
-        graph.picks = [layer.last_pick for layer in self.runner.layers]  # outputs a replay writes into
-        self.pool.add(graph)
-        return graph, out
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        return self.runner.cache.graph_tensors() | {"ids": self.runner._ids, "positions": self.runner._positions}
-
-
-class FakeGraph:
-    def __init__(self, graphs: FakeGraphs, fn, out: torch.Tensor, held: dict[str, int]) -> None:
-        self.graphs, self.fn, self.out, self.held = graphs, fn, out, held
-        self.replays = 0
-
-    def replay(self) -> None:
-        moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
-        assert not moved, f"replayed a graph whose tensors moved: {moved}"
-        layers = self.graphs.runner.layers
-        counters = [(layer.num_positions, layer._tail_len_mirror, layer.last_pick) for layer in layers]
-        self.out.copy_(self.fn())
-        for layer, static in zip(layers, self.picks):  # kernels write the captured outputs in place
-            for fresh, held in zip(layer.last_pick, static):
-                if isinstance(held, torch.Tensor):
-                    held.copy_(fresh)
-        for layer, (positions, mirror, pick) in zip(layers, counters):  # no Python ran
-            layer.num_positions, layer._tail_len_mirror, layer.last_pick = positions, mirror, pick
-        self.replays += 1
 
 
 def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(llama):

@@ -30,6 +30,7 @@ import torch
 from ..cache import SparseServeCache
 from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
+from ..graph import DecodeGraphRunner
 from ..ops import get_ops
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
@@ -88,6 +89,9 @@ class Generator:
         self._requests: dict[int, Request] = {}  # in flight and waiting, in arrival (FCFS) order
         self._pending: list[StreamEvent] = []  # events produced between steps (cancel) or set aside
         self._next_id = 0
+        self._runner, self._graph_rows = None, None  # cuda_graphs: the decode runner and the rows it started on
+        if self.config.cuda_graphs:  # on CPU the runner runs the static step eagerly (a graph's reference)
+            self._runner = DecodeGraphRunner(model, self.batch, capture=device.type == "cuda")
 
     # ---- engine-level API ------------------------------------------------------------------
 
@@ -255,10 +259,9 @@ class Generator:
         tokens = torch.tensor([[r.output[-1]] for r in rows], device=self.stack.device)  # (B, 1)
         positions = torch.tensor([[r.position] for r in rows], device=self.stack.device)  # (B, 1)
         try:
-            hidden = self.stack.run_layers(
-                self.stack.embed(tokens), 0, self.stack.num_layers, cache=self.batch, position_ids=positions
-            )  # (B, 1, H)
-            logits = self.stack.logits(hidden)[:, -1]  # (B, V)
+            logits = (
+                self._graph_step(tokens, positions) if self.config.cuda_graphs else self._eager_step(tokens, positions)
+            )
         except Exception as exc:  # noqa: BLE001  a failed step leaves the rows' layers inconsistent
             self._fail_batch(f"decode step failed: {type(exc).__name__}: {exc}", events)
             return
@@ -271,6 +274,27 @@ class Generator:
         for row, size in zip(rows, blocks):
             row.working_set_blocks = size
         self._emit_tokens(rows, tokens, events)
+
+    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V) next-token logits of the batch rows, one eager forward."""
+        hidden = self.stack.run_layers(
+            self.stack.embed(tokens), 0, self.stack.num_layers, cache=self.batch, position_ids=positions
+        )  # (B, 1, H)
+        return self.stack.logits(hidden)[:, -1]
+
+    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of the same step through `DecodeGraphRunner` (a CUDA-graph replay on CUDA).
+
+        The runner restarts, and so captures again, whenever the batch's rows change (a request
+        joined, left or sat out): its graphs hold the rows' tensors by address and their lengths
+        on the host. A steady batch replays.
+        """
+        rows = tuple(self.batch_ids)
+        if self._graph_rows != rows:
+            self._runner.start(tokens, positions)
+            self._graph_rows = rows
+        self._runner.step(tokens)
+        return self._runner.logits
 
     def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> int:
         """Start the newly admitted prefills, then advance all picked ones within the budget;
@@ -360,7 +384,7 @@ class Generator:
     def _fail_batch(self, message: str, events: list[StreamEvent]) -> None:
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
-        failed, self.batch_ids = self.batch_ids, []
+        failed, self.batch_ids, self._graph_rows = self.batch_ids, [], None
         for request_id in failed:
             events.append(self._finish(self._requests[request_id], "error", message))
 

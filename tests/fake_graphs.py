@@ -1,0 +1,76 @@
+"""A CPU stand-in for `graph.CudaGraphs` that does to state what a real CUDA graph does."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from sparseserve_hf.graph import DecodeGraphRunner
+
+
+class FakeGraphs:
+    """CPU stand-in for `graph.CudaGraphs`, with what a real graph does to state.
+
+    A capture runs the step's Python but no kernel: it runs on the state before the warm-up (so
+    that, as on a GPU, no kernel ever sees the warmed-up state twice, e.g. a tail the warm-up
+    filled) and every tensor is put back to the warmed-up state afterwards. A replay
+    runs the kernels but no Python: Python counters are put back afterwards, and it refuses to
+    run once a tensor it holds has moved (a real graph would read the old address).
+    """
+
+    def __init__(self, runner: DecodeGraphRunner) -> None:
+        self.runner = runner
+        self.pool: weakref.WeakSet | None = None  # the graphs captured into the current pool
+
+    def new_pool(self) -> None:
+        self.pool = None
+
+    def warm_up(self, fn):
+        self._before_warm_up = [t.clone() for t in self._tensors().values()]
+        return fn()
+
+    def record(self, fn):
+        # Like PyTorch: a pool whose graphs are all gone is released, and capturing into it asserts.
+        assert self.pool is None or len(self.pool) > 0, "captured into a released graph pool"
+        tensors = self._tensors()
+        saved = [t.clone() for t in tensors.values()]
+        for t, value in zip(tensors.values(), self._before_warm_up):
+            t.copy_(value)
+        out = fn()
+        for t, value in zip(tensors.values(), saved):
+            t.copy_(value)
+        self.pool = weakref.WeakSet() if self.pool is None else self.pool
+        # No kernel ran: what the capture produced holds nothing yet (here: zeros) until a replay.
+        out.zero_()
+        for layer in self.runner.layers:
+            for t in layer.last_pick or ():
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+        graph = FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()})
+        graph.picks = [layer.last_pick for layer in self.runner.layers]  # outputs a replay writes into
+        self.pool.add(graph)
+        return graph, out
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return self.runner.cache.graph_tensors() | {"ids": self.runner._ids, "positions": self.runner._positions}
+
+
+class FakeGraph:
+    def __init__(self, graphs: FakeGraphs, fn, out: torch.Tensor, held: dict[str, int]) -> None:
+        self.graphs, self.fn, self.out, self.held = graphs, fn, out, held
+        self.replays = 0
+
+    def replay(self) -> None:
+        moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
+        assert not moved, f"replayed a graph whose tensors moved: {moved}"
+        layers = self.graphs.runner.layers
+        counters = [(layer.num_positions, layer._tail_len_mirror, layer.last_pick) for layer in layers]
+        self.out.copy_(self.fn())
+        for layer, static in zip(layers, self.picks):  # kernels write the captured outputs in place
+            for fresh, held in zip(layer.last_pick, static):
+                if isinstance(held, torch.Tensor):
+                    held.copy_(fresh)
+        for layer, (positions, mirror, pick) in zip(layers, counters):  # no Python ran
+            layer.num_positions, layer._tail_len_mirror, layer.last_pick = positions, mirror, pick
+        self.replays += 1
