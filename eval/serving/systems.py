@@ -241,8 +241,9 @@ def run_continuous_batching(
                     by_id[request_id] = record
             while by_id and manager.is_running() and clock.now() < deadline_s:
                 bar.update(_collect(manager, by_id, clock, timeout=1.0))
-        for record in by_id.values():  # never finished: the manager stopped
-            record.error = "the continuous-batching manager stopped before finishing it"
+        if not manager.is_running():  # its generation thread died (the deadline's are failed below)
+            for record in by_id.values():
+                record.error = "the continuous-batching manager stopped before finishing it"
     finally:
         manager.stop(block=True)
     fail_unfinished(records, deadline_s)
