@@ -10,8 +10,8 @@
 #   python -m eval.serving report OUT1 OUT2 ... --out eval/results    # serving.json / .md / .png
 #
 # Carry the trace (git-ignored) with the call: carry [".gpu/serving_trace.pt", ".gpu_commit"]. Run from
-# the repo root; EXTRA_ARGS (e.g. "--requests 20 --deadline-s 200") goes to every run. Each job's
-# progress and errors are in OUT/<system>.log; on a machine with two GPUs a sweep runs two jobs at once.
+# the repo root; EXTRA_ARGS (e.g. "--requests 20 --deadline-s 200") goes to every run; PYTHON picks
+# the interpreter (default: python). Each job's progress and errors are in OUT/<system>.log; on a machine with two GPUs a sweep runs two jobs at once.
 set -euo pipefail
 part=${1:?part}
 out=${2:?out dir}
@@ -21,22 +21,23 @@ mkdir -p "$out"
 export PYTHONPATH=src:. PYTHONUNBUFFERED=1
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 read -r -a extra <<< "${EXTRA_ARGS:-}"
+python=${PYTHON:-python}  # the interpreter with torch (tests pass their own)
 
 run_job() {  # SYSTEM RATES...: one process, its log in OUT/SYSTEM.log, one line of verdict
   local system=$1 start=$SECONDS rc=0
   shift
-  python -m eval.serving run --system "$system" --rate "$@" --trace "$trace" --out "$out" "${extra[@]}" \
+  "$python" -m eval.serving run --system "$system" --rate "$@" --trace "$trace" --out "$out" "${extra[@]}" \
     > "$out/$system.log" 2>&1 || rc=$?
   echo "$system at $* req/s: rc=$rc in $((SECONDS - start)) s (GPU ${CUDA_VISIBLE_DEVICES:-all})"
 }
 
 case $part in
   calibrate)
-    python -m eval.serving calibrate --trace "$trace" --out "$out" "${extra[@]}" 2>&1 | tail -1 ;;
+    "$python" -m eval.serving calibrate --trace "$trace" --out "$out" "${extra[@]}" 2>&1 | tail -1 ;;
   run)
     run_job "$@" ;;
   sweep)
-    gpus=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+    gpus=$("$python" -c "import torch; print(max(1, torch.cuda.device_count()))")
     jobs=("$@")
     for ((gpu = 0; gpu < gpus; gpu++)); do
       (for ((j = gpu; j < ${#jobs[@]}; j += gpus)); do

@@ -106,11 +106,12 @@ def test_several_rates_in_one_process_write_one_json_each(runs, tmp_path):
 def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     folder, _ = runs
     root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"EXTRA_ARGS": " ".join(SMALL), "CUDA_VISIBLE_DEVICES": ""}
+    env = os.environ | {"EXTRA_ARGS": " ".join(SMALL), "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", "eval/h200_serving.sh", "sweep", str(tmp_path), str(folder / "trace.pt"), "ours:20,5",
          "stock_generate:20"],
