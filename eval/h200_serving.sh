@@ -11,7 +11,8 @@
 #
 # Carry the trace (git-ignored) with the call: carry [".gpu/serving_trace.pt", ".gpu_commit"]. Run from
 # the repo root; EXTRA_ARGS (e.g. "--requests 20 --deadline-s 200") goes to every run; PYTHON picks
-# the interpreter (default: python). Each job's progress and errors are in OUT/<system>.log; on a machine with two GPUs a sweep runs two jobs at once.
+# the interpreter (default: python). Each job's progress and errors are in OUT/<system>.log; on a
+# machine with two GPUs a sweep runs two jobs at once.
 set -euo pipefail
 part=${1:?part}
 out=${2:?out dir}
