@@ -8,11 +8,16 @@ import torch
 def grown(tensor: torch.Tensor, size: int, fill: float = 0, dim: int = 0) -> torch.Tensor:
     """`tensor` extended along `dim` to `size` entries, new entries set to `fill` (same dtype/device).
 
-    Returns `tensor` itself when it is already at least that large.
+    Returns `tensor` itself when it is already at least that large. The result is allocated once
+    and the old entries copied in: growing peaks at old + new bytes (a `torch.cat` with a filled
+    extension would peak at old + extension + new; from empty, twice the table: 9 GiB for the
+    metadata of a 48 GiB DRAM pool, which broke a 40 GiB cap on the H200).
     """
     have = tensor.shape[dim]
     if size <= have:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = size - have
-    return torch.cat((tensor, tensor.new_full(shape, fill)), dim=dim)
+    shape[dim] = size
+    out = tensor.new_full(shape, fill)
+    out.narrow(dim, 0, have).copy_(tensor)
+    return out
