@@ -5,8 +5,11 @@ goodput; a report with the paper's plots (metric vs rate).
 
     python -m eval.serving trace --out .gpu/serving_trace.pt           # CPU: real text, the default tokenizer
     python -m eval.serving calibrate --trace T --out DIR               # GPU: the dense decode iteration (SLO unit)
-    python -m eval.serving run --system NAME --rate R --trace T --out DIR
+    python -m eval.serving run --system NAME --rate R [R ...] --trace T --out DIR
     python -m eval.serving report DIR [DIR ...] --out eval/results      # serving.json, plots, markdown
 
-`bash eval/h200_serving.sh` runs the sweep in parts that each fit one GPU call.
+Modules: `trace` (the requests), `setup` (systems, the HBM cap, the ladder), `common` (clock,
+budget, warm-up, run results), `stock` and `ours` (the runners), `metrics` (per-request records,
+SLO, goodput), `report`. `bash eval/h200_serving.sh` runs the sweep in parts that each fit one
+GPU call, spread over every visible GPU.
 """

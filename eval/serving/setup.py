@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from eval.bench.decode_step_setup import SHAPES, build_model
-from eval.serving import systems
-from eval.serving.systems import PREFILL_CHUNK, Budget, Clock
+from eval.serving import ours, stock
+from eval.serving.common import PREFILL_CHUNK, WARMUP_NEW_TOKENS, Budget, Clock, Runner, warmup_request
 from eval.serving.trace import Trace
 from sparseserve_hf import SparseServeConfig
 
@@ -71,7 +71,7 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
-def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dram_bytes: int) -> systems.Runner:
+def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dram_bytes: int) -> Runner:
     """`system` warmed up on its model under `cap`: a function (rate, deadline_s) -> RunResult.
 
     One build serves several rates in turn (the model, and the Generator's pinned pool, are made once).
@@ -83,12 +83,12 @@ def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dr
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
     if system in ("stock_generate", "stock_offload"):
         offloading = system == "stock_offload"
-        systems.generate_step_times(model, [systems.warmup_request(trace)], Clock(), offloading)
-        return functools.partial(systems.run_static_generate, model, trace, budget=budget, offloading=offloading)
+        stock.generate_step_times(model, [warmup_request(trace)], Clock(), offloading)
+        return functools.partial(stock.run_static_generate, model, trace, budget=budget, offloading=offloading)
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
-        return functools.partial(systems.run_continuous_batching, model, trace, budget=budget)
-    gen = systems.warmed_generator(model, trace, ours_config(system, model, budget, dram_bytes))
-    return functools.partial(systems.run_generator, gen, trace)
+        return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
+    gen = ours.warmed_generator(model, trace, ours_config(system, model, budget, dram_bytes))
+    return functools.partial(ours.run_generator, gen, trace)
 
 
 def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes: int) -> SparseServeConfig:
@@ -124,14 +124,14 @@ def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) ->
     cap.apply()
     model = _model(shape, trace, "sdpa")
     median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
-    times = systems.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock(), offloading=False)
+    times = stock.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock(), offloading=False)
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 
 def _model(shape: str, trace: Trace, attn: str) -> torch.nn.Module:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    longest = max(len(r.prompt) + max(r.output_tokens, systems.WARMUP_NEW_TOKENS) for r in trace.requests)
+    longest = max(len(r.prompt) + max(r.output_tokens, WARMUP_NEW_TOKENS) for r in trace.requests)
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
     top_id, vocab = max(max(r.prompt) for r in trace.requests), SHAPES[shape]["vocab_size"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from eval.bench.decode_step_setup import build_model
+from eval.serving.common import Budget, warmup_request
 from eval.serving.setup import LADDER, ours_config
-from eval.serving.systems import Budget, warmup_request
 from eval.serving.trace import build_trace
 
 BLOCK_BYTES = 2 * 32 * 16 * 4  # tiny shape: 32 tokens x head_dim 16, fp32 keys and values

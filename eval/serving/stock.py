@@ -1,108 +1,33 @@
-"""The systems the trace runs through, each in real time against the trace's arrival times.
-
-Stock transformers: `model.generate` over static batches formed from what has arrived (optionally
-with `DynamicCache(offloading=True)`), and transformers' own continuous batching (the manager
-behind `generate_batch`, paged attention). Ours: `Generator` under a `SparseServeConfig`. Every
-runner first serves one short warm-up request (kernel compilation and allocator growth are not
-serving), then starts its clock and returns a `RunResult`: one `RequestRecord` per trace request,
-times in seconds from that start, and what the engine reports about itself.
-"""
+"""Stock transformers under the trace: `model.generate` over static batches formed from what has
+arrived (optionally with `DynamicCache(offloading=True)`), and transformers' own continuous
+batching (the manager behind `generate_batch`, paged attention)."""
 
 from __future__ import annotations
 
 import inspect
 import math
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from eval.serving.common import (
+    PREFILL_CHUNK,
+    Budget,
+    Clock,
+    RunResult,
+    cuda_peak_bytes,
+    fail_unfinished,
+    new_records,
+    progress,
+    warmup_request,
+)  # fmt: skip
 from eval.serving.metrics import RequestRecord
 from eval.serving.trace import Trace, TraceRequest
-from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 
 PAD_ID = 0
-PREFILL_CHUNK = 2048  # tokens per prefill chunk, every system (vLLM's default chunk in the paper's baselines)
-WARMUP_PROMPT_TOKENS = 4096  # past the 2048-token budget: the warm-up runs selection and block transfers too
-WARMUP_NEW_TOKENS = 8
-
-
-class Clock:
-    """Seconds since the run started (time.perf_counter based, like the engines' own timestamps)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def since_start(self, perf_counter_time: float) -> float:
-        return perf_counter_time - self.start
-
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one system may keep in HBM for KV (bytes), and the bytes one token's KV takes."""
-
-    kv_bytes: int
-    kv_bytes_per_token: int
-    max_batch: int
-
-
-@dataclass
-class RunResult:
-    """One system's run of the trace: a record per request and the engine's own totals."""
-
-    records: list[RequestRecord]
-    engine: dict[str, Any] = field(default_factory=dict)
-
-
-def warmup_request(trace: Trace) -> TraceRequest:
-    """The first WARMUP_PROMPT_TOKENS of the trace's first prompt, WARMUP_NEW_TOKENS out; not measured."""
-    first = trace.requests[0]
-    return TraceRequest(index=-1, gap=0.0, prompt=first.prompt[:WARMUP_PROMPT_TOKENS], output_tokens=WARMUP_NEW_TOKENS)
-
-
-def cuda_peak_bytes(model) -> dict[str, int]:
-    """The device's peak allocation so far (the warm-up included), where there is a device."""
-    if model.device.type != "cuda":
-        return {}
-    return {"cuda_peak_bytes": torch.cuda.max_memory_allocated(model.device)}
-
-
-def progress(total: int, desc: str) -> tqdm:
-    """Requests served so far, on stderr (a sweep's log shows how far each point got)."""
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=10.0)
-
-
-def fail_unfinished(records: list[RequestRecord], deadline_s: float) -> None:
-    """A request without all its tokens and without an error ran into the run's deadline."""
-    for record in records:
-        if record.error is None and len(record.token_times) < record.output_tokens:
-            record.error = f"not finished within the run's deadline of {deadline_s:g} s"
-
-
-def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
-    arrivals = trace.arrivals(rate)
-    return [
-        RequestRecord(arrival=a, prompt_tokens=len(r.prompt), index=r.index, output_tokens=r.output_tokens)
-        for r, a in zip(trace.requests, arrivals)
-    ]
-
-
-# ---- stock generate: static batches of what has arrived ---------------------------------------------
 
 
 class _StepTimes(BaseStreamer):
@@ -270,97 +195,3 @@ def _collect(manager, by_id: dict[str, RequestRecord], clock: Clock, timeout: fl
     record.token_times = [clock.since_start(t) for t in (result.timestamps or [])]
     record.error = result.error
     return 1
-
-
-# ---- ours: the Generator ------------------------------------------------------------------------------
-
-
-def warmed_generator(model, trace: Trace, config: SparseServeConfig) -> Generator:
-    """A Generator that has served the warm-up request (kernels compiled, pools allocated)."""
-    gen = Generator(model, None, config)
-    warmup = warmup_request(trace)
-    gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
-    return gen
-
-
-def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float = math.inf) -> RunResult:
-    """Requests submitted to `gen` as they arrive; one engine iteration whenever work is queued.
-
-    Requests unfinished at the deadline are cancelled, so `gen` can serve the next run.
-    """
-    before = gen.metrics()["totals"]
-    records, clock, by_id, submitted = new_records(trace, rate), Clock(), {}, 0
-    with progress(len(records), f"Generator at {rate:g} req/s") as bar:
-        while (submitted < len(records) or gen.has_unfinished) and clock.now() < deadline_s:
-            while submitted < len(records) and records[submitted].arrival <= clock.now():
-                request = trace.requests[submitted]
-                params = SamplingParams(max_new_tokens=request.output_tokens, ignore_eos=True)
-                by_id[gen.submit(list(request.prompt), params)] = records[submitted]
-                submitted += 1
-            if not gen.has_unfinished:
-                clock.wait_until(min(records[submitted].arrival, deadline_s))
-                continue
-            try:
-                events = gen.step()
-            except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
-                return _failed_run(records, by_id, gen, clock, f"out of memory: {str(exc).splitlines()[0]}")
-            bar.update(sum(event.finished for event in events))
-    for request_id in by_id:
-        gen.cancel(request_id)
-    while gen.has_unfinished:
-        gen.step()
-    metrics = gen.metrics()
-    for request_id, record in by_id.items():
-        _fill_from_generator(record, metrics["requests"][request_id], clock)
-    fail_unfinished(records, deadline_s)
-    return RunResult(records, _engine_totals(metrics["totals"], before))
-
-
-def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:
-    """The run as far as it got: finished requests keep their times, every other one fails with `error`."""
-    metrics = gen.metrics()
-    for request_id, record in by_id.items():
-        times = metrics["requests"][request_id]
-        if times["finish_reason"] is not None:
-            _fill_from_generator(record, times, clock)
-    for record in records:
-        if not record.token_times or len(record.token_times) < record.output_tokens:
-            record.error = record.error or error
-    return RunResult(records, {"aborted": error})
-
-
-def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> None:
-    """The Generator's per-request times (relative to its submit) onto the trace's clock."""
-    submitted = clock.since_start(times["arrival"])
-    if times["admitted_s"] is not None:
-        record.admitted = submitted + times["admitted_s"]
-    record.token_times = [submitted + t for t in times["token_times_s"]]
-    if times["finish_reason"] == "error":
-        record.error = "the Generator failed this request"
-    elif times["finish_reason"] == "cancelled":
-        record.error = "cancelled at the run's deadline"
-
-
-COUNTED = ("hits", "misses", "h2d_bytes", "iterations", "decode_rows", "prefill_token_layers", "sat_out")
-PEAKS = ("hbm_peak_bytes", "admitted_working_set_peak_bytes", "hbm_cache_bytes", "cuda_peak_bytes")
-
-
-def _engine_totals(totals: dict[str, Any], warmup: dict[str, Any]) -> dict[str, Any]:
-    """The Generator's counters over the trace alone (the warm-up's taken out), and its peaks.
-
-    Per-request latencies are left out: `summarize` computes them from the records on one clock.
-    """
-    out = {key: totals[key] - warmup[key] for key in COUNTED}
-    out |= {key: totals[key] for key in PEAKS if key in totals}
-    looked_up = out["hits"] + out["misses"]
-    out["hit_rate"] = out["hits"] / looked_up if looked_up else 0.0
-    out["mean_decode_batch"] = out["decode_rows"] / out["iterations"] if out["iterations"] else 0.0
-    out["iterations_by_kind"] = {
-        kind: {"count": now["count"] - warmup["iterations_by_kind"][kind]["count"],
-               "total_s": now["total_s"] - warmup["iterations_by_kind"][kind]["total_s"]}
-        for kind, now in totals["iterations_by_kind"].items()
-    }  # fmt: skip
-    return out
-
-
-Runner = Callable[..., RunResult]

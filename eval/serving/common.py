@@ -1,0 +1,96 @@
+"""What every serving system shares: the run clock, the KV budget, the warm-up request, run results.
+
+Every runner (`stock.py`, `ours.py`) first serves one short warm-up request (kernel compilation and
+allocator growth are not serving), then starts its clock and returns a `RunResult`: one
+`RequestRecord` per trace request, times in seconds from that start, and what the engine reports
+about itself. A run stops at its deadline; requests unfinished then fail.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.serving.metrics import RequestRecord
+from eval.serving.trace import Trace, TraceRequest
+
+PREFILL_CHUNK = 2048  # tokens per prefill chunk, every system (vLLM's default chunk in the paper's baselines)
+WARMUP_PROMPT_TOKENS = 4096  # past the 2048-token budget: the warm-up runs selection and block transfers too
+WARMUP_NEW_TOKENS = 8
+
+
+class Clock:
+    """Seconds since the run started (time.perf_counter based, like the engines' own timestamps)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def since_start(self, perf_counter_time: float) -> float:
+        return perf_counter_time - self.start
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one system may keep in HBM for KV (bytes), and the bytes one token's KV takes."""
+
+    kv_bytes: int
+    kv_bytes_per_token: int
+    max_batch: int
+
+
+@dataclass
+class RunResult:
+    """One system's run of the trace: a record per request and the engine's own totals."""
+
+    records: list[RequestRecord]
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+def warmup_request(trace: Trace) -> TraceRequest:
+    """The first WARMUP_PROMPT_TOKENS of the trace's first prompt, WARMUP_NEW_TOKENS out; not measured."""
+    first = trace.requests[0]
+    return TraceRequest(index=-1, gap=0.0, prompt=first.prompt[:WARMUP_PROMPT_TOKENS], output_tokens=WARMUP_NEW_TOKENS)
+
+
+def cuda_peak_bytes(model) -> dict[str, int]:
+    """The device's peak allocation so far (the warm-up included), where there is a device."""
+    if model.device.type != "cuda":
+        return {}
+    return {"cuda_peak_bytes": torch.cuda.max_memory_allocated(model.device)}
+
+
+def progress(total: int, desc: str) -> tqdm:
+    """Requests served so far, on stderr (a sweep's log shows how far each point got)."""
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=10.0)
+
+
+def fail_unfinished(records: list[RequestRecord], deadline_s: float) -> None:
+    """A request without all its tokens and without an error ran into the run's deadline."""
+    for record in records:
+        if record.error is None and len(record.token_times) < record.output_tokens:
+            record.error = f"not finished within the run's deadline of {deadline_s:g} s"
+
+
+def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
+    arrivals = trace.arrivals(rate)
+    return [
+        RequestRecord(arrival=a, prompt_tokens=len(r.prompt), index=r.index, output_tokens=r.output_tokens)
+        for r, a in zip(trace.requests, arrivals)
+    ]
+
+
+Runner = Callable[..., RunResult]  # (rate, deadline_s=math.inf) -> RunResult

@@ -1,0 +1,101 @@
+"""Ours under the trace: requests submitted to a `Generator` as they arrive."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from eval.serving.common import Clock, RunResult, fail_unfinished, new_records, progress, warmup_request
+from eval.serving.metrics import RequestRecord
+from eval.serving.trace import Trace
+from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+
+def warmed_generator(model, trace: Trace, config: SparseServeConfig) -> Generator:
+    """A Generator that has served the warm-up request (kernels compiled, pools allocated)."""
+    gen = Generator(model, None, config)
+    warmup = warmup_request(trace)
+    gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
+    return gen
+
+
+def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float = math.inf) -> RunResult:
+    """Requests submitted to `gen` as they arrive; one engine iteration whenever work is queued.
+
+    Requests unfinished at the deadline are cancelled, so `gen` can serve the next run.
+    """
+    before = gen.metrics()["totals"]
+    records, clock, by_id, submitted = new_records(trace, rate), Clock(), {}, 0
+    with progress(len(records), f"Generator at {rate:g} req/s") as bar:
+        while (submitted < len(records) or gen.has_unfinished) and clock.now() < deadline_s:
+            while submitted < len(records) and records[submitted].arrival <= clock.now():
+                request = trace.requests[submitted]
+                params = SamplingParams(max_new_tokens=request.output_tokens, ignore_eos=True)
+                by_id[gen.submit(list(request.prompt), params)] = records[submitted]
+                submitted += 1
+            if not gen.has_unfinished:
+                clock.wait_until(min(records[submitted].arrival, deadline_s))
+                continue
+            try:
+                events = gen.step()
+            except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
+                return _failed_run(records, by_id, gen, clock, f"out of memory: {str(exc).splitlines()[0]}")
+            bar.update(sum(event.finished for event in events))
+    for request_id in by_id:
+        gen.cancel(request_id)
+    while gen.has_unfinished:
+        gen.step()
+    metrics = gen.metrics()
+    for request_id, record in by_id.items():
+        _fill_from_generator(record, metrics["requests"][request_id], clock)
+    fail_unfinished(records, deadline_s)
+    return RunResult(records, _engine_totals(metrics["totals"], before))
+
+
+def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:
+    """The run as far as it got: finished requests keep their times, every other one fails with `error`."""
+    metrics = gen.metrics()
+    for request_id, record in by_id.items():
+        times = metrics["requests"][request_id]
+        if times["finish_reason"] is not None:
+            _fill_from_generator(record, times, clock)
+    for record in records:
+        if not record.token_times or len(record.token_times) < record.output_tokens:
+            record.error = record.error or error
+    return RunResult(records, {"aborted": error})
+
+
+def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> None:
+    """The Generator's per-request times (relative to its submit) onto the trace's clock."""
+    submitted = clock.since_start(times["arrival"])
+    if times["admitted_s"] is not None:
+        record.admitted = submitted + times["admitted_s"]
+    record.token_times = [submitted + t for t in times["token_times_s"]]
+    if times["finish_reason"] == "error":
+        record.error = "the Generator failed this request"
+    elif times["finish_reason"] == "cancelled":
+        record.error = "cancelled at the run's deadline"
+
+
+COUNTED = ("hits", "misses", "h2d_bytes", "iterations", "decode_rows", "prefill_token_layers", "sat_out")
+PEAKS = ("hbm_peak_bytes", "admitted_working_set_peak_bytes", "hbm_cache_bytes", "cuda_peak_bytes")
+
+
+def _engine_totals(totals: dict[str, Any], warmup: dict[str, Any]) -> dict[str, Any]:
+    """The Generator's counters over the trace alone (the warm-up's taken out), and its peaks.
+
+    Per-request latencies are left out: `summarize` computes them from the records on one clock.
+    """
+    out = {key: totals[key] - warmup[key] for key in COUNTED}
+    out |= {key: totals[key] for key in PEAKS if key in totals}
+    looked_up = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / looked_up if looked_up else 0.0
+    out["mean_decode_batch"] = out["decode_rows"] / out["iterations"] if out["iterations"] else 0.0
+    out["iterations_by_kind"] = {
+        kind: {"count": now["count"] - warmup["iterations_by_kind"][kind]["count"],
+               "total_s": now["total_s"] - warmup["iterations_by_kind"][kind]["total_s"]}
+        for kind, now in totals["iterations_by_kind"].items()
+    }  # fmt: skip
+    return out
