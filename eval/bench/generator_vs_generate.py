@@ -5,7 +5,9 @@ of 16K random tokens, 128 new tokens each (EOS ignored, so both produce every to
   - stock: `model.generate` with SDPA attention and a DynamicCache, all 16 prompts as one static
     batch (no padding: equal lengths), greedy;
   - generator: `Generator` over the "sparseserve" attention (token_budget 2048, HBM block cache of
-    `--hbm-cache-gib`, admission on), same prompts, greedy.
+    `--hbm-cache-gib`, admission on), same prompts, greedy;
+  - generator_graphs (with `--cuda-graphs`): the same with `cuda_graphs=True` (decode steps replayed).
+Each first serves a short warm-up (WARMUP_TOKENS of the first prompt, 8 new tokens) outside the clock.
 Tokens/s counts generated tokens over wall time from the first submit (or generate call) to the
 last token, prefill included. Prints a table; writes JSON with the device, the command and both
 numbers.
@@ -21,6 +23,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,9 +32,13 @@ import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve
 from eval.bench.decode_step_setup import SHAPES, build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
+WARMUP_TOKENS = 4096  # past the token budget: the warm-up runs selection and block transfers too
+
 
 def run_stock(model, prompts: torch.Tensor, new_tokens: int) -> dict:
     """One static batch through stock generate."""
+    with torch.no_grad():
+        model.generate(prompts[:1, :WARMUP_TOKENS], max_new_tokens=8, min_new_tokens=8, do_sample=False)
     _sync()
     start = time.perf_counter()
     with torch.no_grad():
@@ -45,6 +52,8 @@ def run_stock(model, prompts: torch.Tensor, new_tokens: int) -> dict:
 def run_generator(model, prompts: torch.Tensor, new_tokens: int, config: SparseServeConfig) -> dict:
     """The same prompts through the Generator."""
     gen = Generator(model, None, config)
+    gen.generate([prompts[0, :WARMUP_TOKENS].tolist()], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    warmup = gen.metrics()["totals"]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     _sync()
     start = time.perf_counter()
@@ -53,10 +62,20 @@ def run_generator(model, prompts: torch.Tensor, new_tokens: int, config: SparseS
     seconds = time.perf_counter() - start
     totals = gen.metrics()["totals"]
     generated = sum(len(o.token_ids) for o in outs)
-    keep = ("mean_ttft_s", "p50_tbt_s", "hit_rate", "mean_decode_batch", "sat_out", "hbm_peak_bytes", "cuda_peak_bytes")
-    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds} | {
-        k: totals.get(k) for k in keep
-    }
+    keep = ("hbm_peak_bytes", "cuda_peak_bytes")
+    ttft = [r["ttft_s"] for rid, r in gen.metrics()["requests"].items() if rid > 0]  # id 0: the warm-up
+    by_kind = {
+        kind: {key: now[key] - warmup["iterations_by_kind"][kind][key] for key in ("count", "total_s")}
+        for kind, now in totals["iterations_by_kind"].items()
+    }  # the timed run's iterations alone
+    hits, misses = totals["hits"] - warmup["hits"], totals["misses"] - warmup["misses"]
+    rows = totals["decode_rows"] - warmup["decode_rows"]
+    iterations = totals["iterations"] - warmup["iterations"]
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "mean_ttft_s": sum(ttft) / len(ttft), "hit_rate": hits / max(1, hits + misses),
+            "mean_decode_batch": rows / max(1, iterations), "iterations_by_kind": by_kind,
+            "graph_captures": gen._runner.num_captures if gen._runner is not None else None,
+            } | {k: totals.get(k) for k in keep}  # fmt: skip
 
 
 def _sync() -> None:
@@ -80,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dram-gib", type=float, default=40.0, help="host pool, allocated (pinned) once")
     parser.add_argument("--max-inject-tokens", type=int, default=2048 * 32, help="token-layers of prefill per step")
     parser.add_argument("--skip-stock", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true", help="also run the Generator with cuda_graphs=True")
     parser.add_argument("--out", type=Path, default=Path("eval/results/generator_vs_generate.json"))
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         max_inject_tokens=args.max_inject_tokens,
     )
     results["generator"] = run_generator(model, prompts, args.new_tokens, config) | {"peak_bytes": _peak()}
+    if args.cuda_graphs:
+        graphs = replace(config, cuda_graphs=True)
+        results["generator_graphs"] = run_generator(model, prompts, args.new_tokens, graphs) | {"peak_bytes": _peak()}
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "command": " ".join([sys.executable, "-m", "eval.bench.generator_vs_generate", *(argv or sys.argv[1:])]),

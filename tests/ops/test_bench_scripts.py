@@ -65,3 +65,18 @@ def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
     result = json.loads(out.read_text())
     assert [r["way"] for r in result["rows"]] == ["dense", "chunked", "layer_segmented"]
     assert result["layer_kv_bytes"] > 0 and "layer_segmented_over_bound" in result
+
+
+def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp_path):
+    out = tmp_path / "gvg.json"
+    run_module(
+        "eval.bench.generator_vs_generate", "--shape", "tiny", "--requests", "3", "--prompt-tokens", "200",
+        "--new-tokens", "6", "--hbm-cache-gib", "0.05", "--dram-gib", "0.1", "--cuda-graphs", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert {r["generated_tokens"] for r in results.values()} == {18}  # the warm-ups are not counted
+    assert (
+        results["generator_graphs"]["graph_captures"] == 0 and results["generator"]["graph_captures"] is None
+    )  # CPU: the static step, eagerly
+    kinds = results["generator"]["iterations_by_kind"]
+    assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
