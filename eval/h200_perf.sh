@@ -8,7 +8,7 @@
 #   tests       every GPU-marked kernel / cache / graph test (flash-attn-4 tests skip without fa4)
 #   kernels     transfer (T1, T2 with the save-grid sweep), decode attention (T3; fa4 column if installed), score launch sweep
 #   step        one decode step, Llama-3-8B shape, B=16, 32K (T8): eager and CUDA graph vs dense
-#   generator   Generator vs stock generate, 16 requests of 16K tokens
+#   generator   Generator (eager and CUDA graphs) vs stock generate, 16 requests of 16K tokens
 #   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented (T6)
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -30,7 +30,7 @@ case $part in
   step)
     python -m eval.bench.decode_step --graph --out "$out/decode_step.json" 2>&1 | tee "$out/decode_step.log" | tail -40 ;;
   generator)
-    python -m eval.bench.generator_vs_generate --out "$out/generator_vs_generate.json" 2>&1 | tee "$out/generator.log" | tail -30 ;;
+    python -m eval.bench.generator_vs_generate --cuda-graphs --out "$out/generator_vs_generate.json" 2>&1 | tee "$out/generator.log" | tail -30 ;;
   scoring)
     python -m pytest -q -p no:cacheprovider tests/ops -k "score" 2>&1 | tee "$out/gpu_pytest_score.log" | tail -5
     python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30
