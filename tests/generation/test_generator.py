@@ -179,12 +179,13 @@ def test_iteration_breakdown_counts_every_iteration_and_all_prefill_work(llama):
     gen.submit(prompt(130, seed=2), SamplingParams(max_new_tokens=4))  # its prefill overlaps the first's decode
     while gen.has_unfinished:
         gen.step()
+    gen.step()  # nothing left to run: an idle iteration
     totals = gen.metrics()["totals"]
     kinds = totals["iterations_by_kind"]
-    assert sum(k["count"] for k in kinds.values()) == totals["iterations"]
+    assert sum(k["count"] for k in kinds.values()) == totals["iterations"] and kinds["idle"]["count"] == 1
     assert kinds["prefill"]["count"] >= 1 and kinds["mixed"]["count"] >= 1 and kinds["decode"]["count"] >= 1
     assert totals["prefill_token_layers"] == (80 + 130) * llama.config.num_hidden_layers
-    assert all(k["total_s"] > 0 for k in kinds.values()) and first in gen.metrics()["requests"]
+    assert all(kinds[k]["total_s"] > 0 for k in ("decode", "mixed", "prefill")) and first in gen.metrics()["requests"]
 
 
 GRAPH_CONFIG = dict(

@@ -58,7 +58,7 @@ class RequestTimes:
         }
 
 
-ITERATION_KINDS = ("decode", "mixed", "prefill")  # decodes only, decodes + prefill work, prefill work only
+ITERATION_KINDS = ("decode", "mixed", "prefill", "idle")  # decodes only, + prefill work, prefill only, neither
 
 
 class MetricsRecorder:
@@ -126,7 +126,10 @@ class MetricsRecorder:
         self.sat_out += sat_out
         self.admitted_peak_bytes = max(self.admitted_peak_bytes, admitted_bytes)
         self.prefill_token_layers += prefill_token_layers
-        kind = "mixed" if decode_rows and prefill_token_layers else "decode" if decode_rows else "prefill"
+        if decode_rows:
+            kind = "mixed" if prefill_token_layers else "decode"
+        else:
+            kind = "prefill" if prefill_token_layers else "idle"
         self.iteration_s[kind].append(seconds)
 
     def totals(self) -> dict[str, Any]:
