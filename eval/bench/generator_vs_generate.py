@@ -74,7 +74,7 @@ def run_generator(model, prompts: torch.Tensor, new_tokens: int, config: SparseS
     return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
             "mean_ttft_s": sum(ttft) / len(ttft), "hit_rate": hits / max(1, hits + misses),
             "mean_decode_batch": rows / max(1, iterations), "iterations_by_kind": by_kind,
-            "graph_captures": gen._runner.num_captures if gen._runner is not None else None,
+            "graph_captures": totals["graph_captures"] - warmup["graph_captures"] if config.cuda_graphs else None,
             } | {k: totals.get(k) for k in keep}  # fmt: skip
 
 

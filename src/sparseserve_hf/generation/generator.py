@@ -220,6 +220,7 @@ class Generator:
             "hbm_bytes_in_use": self.hbm_bytes_in_use(),
             "dram_bytes_in_use": self.dram_bytes_in_use(),
             "hbm_cache_bytes": self.config.hbm_cache_bytes,
+            "graph_captures": self._runner.num_captures if self._runner is not None else 0,
         }
         if torch.cuda.is_available() and self.stack.device.type == "cuda":
             totals["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.stack.device)
