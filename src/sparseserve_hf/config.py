@@ -99,9 +99,9 @@ class SparseServeConfig:
             layer from Python. A captured step holds every pool by address, so it needs a fixed
             `dram_bytes`, a fixed `hbm_cache_bytes` with offload, `transfer="kernel"` and no
             `dense_layers` (the backend is checked at capture, where the device is known: the
-            torch reference's block copy syncs). The `Generator` captures again whenever its
-            batch's rows change and replays while they stay; on CPU it runs the same static
-            step eagerly.
+            torch reference's block copy syncs). The `Generator` captures once per batch size
+            and table width and copies changed rows into the captured tensors; on CPU it runs
+            the same static step eagerly.
     """
 
     block_size: int = 32

@@ -8,7 +8,9 @@ step splits in three:
 1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
    (a multiple of `table_step` blocks with room for every row's next block); save every full tail
    block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
-   tokens of a row); drop the graphs if a tensor they hold by address has moved.
+   tokens of a row); drop the graphs if a store tensor they hold by address has moved. The rows'
+   own tensors (tail, lengths, block table) may move freely, e.g. when a batch's rows change:
+   before a replay they are copied into the ones its graph was captured with.
 2. the static step: `model(ids, position_ids=positions)` over the cache with no attention mask,
    the greedy pick written back into `ids`, positions + 1. Fixed shapes, no host sync, no
    Python decision that depends on the data: captured once per (rows, table width), then replayed.
@@ -40,6 +42,9 @@ class _Captured:
     graph: Any  # torch.cuda.CUDAGraph (a stand-in in CPU tests)
     logits: torch.Tensor  # (B, V) in the graph's memory pool, overwritten by every replay
     picks: list[Any]  # each layer's `last_pick` as captured: tensors every replay overwrites
+    ids: torch.Tensor  # (B, 1) the inputs it reads (and writes the greedy pick into)
+    positions: torch.Tensor  # (B, 1)
+    rows: list[dict[str, torch.Tensor]]  # each layer's per-row tensors (`SparseServeLayer.graph_tensors`)
 
 
 class CudaGraphs:
@@ -140,7 +145,9 @@ class DecodeGraphRunner:
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()
         self._last_position = int(self._positions.max())
-        self._drop_graphs()  # new static buffers: graphs of an earlier start point at the old ones
+        # Graphs of an earlier start stay: a replay first copies these rows into the tensors its
+        # graph was captured with (`_seat`), so a batch whose rows changed captures nothing new
+        # unless its (rows, table width) is new.
 
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per row; returns the (B, 1) greedy picks (a static buffer: clone to keep).
@@ -210,6 +217,7 @@ class DecodeGraphRunner:
         captured = self._captured.get(key)
         if captured is None:
             return self._capture(key)
+        self._seat(captured)
         captured.graph.replay()
         for layer in self.layers:
             layer.num_positions += 1  # what `update` counts when the Python runs
@@ -223,10 +231,27 @@ class DecodeGraphRunner:
         graph, static_logits = self.graphs.record(self._static_step)
         for layer in self.layers:
             layer.num_positions -= 1  # the capture ran the Python (`update` counted) but no kernel
-        self._captured[key] = _Captured(graph, static_logits, [layer.last_pick for layer in self.layers])
+        picks, rows = [layer.last_pick for layer in self.layers], [layer.graph_tensors() for layer in self.layers]
+        self._captured[key] = _Captured(graph, static_logits, picks, self._ids, self._positions, rows)
         self._set_picks(step_picks)  # the captured ones hold nothing yet
         self.num_captures += 1
         return logits
+
+    def _seat(self, captured: _Captured) -> None:
+        """Put the current rows into the tensors `captured` reads and writes (copies where they differ).
+
+        The rows' tensors move whenever the batch changes (rows joined or left); the graph's do not.
+        """
+        if self._ids is not captured.ids:
+            captured.ids.copy_(self._ids)
+            captured.positions.copy_(self._positions)
+            self._ids, self._positions = captured.ids, captured.positions
+        for layer, rows in zip(self.layers, captured.rows):
+            for name, held in rows.items():
+                current = getattr(layer, name)
+                if current is not held:
+                    held.copy_(current)
+                    setattr(layer, name, held)
 
     def _set_picks(self, picks: list[Any]) -> None:
         """Each layer's `last_pick` (what the working-set tracker reads after a step)."""
@@ -234,8 +259,9 @@ class DecodeGraphRunner:
             layer.last_pick = pick
 
     def _graph_state(self) -> tuple:
-        """The store's epoch and the address of every tensor a graph holds: a change means recapture."""
-        addresses = tuple(t.data_ptr() for t in self.cache.graph_tensors().values())
+        """The store's epoch and the address of every store tensor the graphs hold: a change means
+        recapturing them all. (The rows' own tensors are put back into place by `_seat`.)"""
+        addresses = tuple(t.data_ptr() for t in self.cache.store.graph_tensors().values())
         return self.cache.store.epoch, addresses
 
 

@@ -286,9 +286,9 @@ class Generator:
     def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of the same step through `DecodeGraphRunner` (a CUDA-graph replay on CUDA).
 
-        The runner restarts, and so captures again, whenever the batch's rows change (a request
-        joined, left or sat out): its graphs hold the rows' tensors by address and their lengths
-        on the host. A steady batch replays.
+        The runner restarts (reads the rows' lengths back once) whenever the batch's rows change
+        (a request joined, left or sat out); it captures only a (rows, table width) it has not
+        seen, and otherwise copies the new rows into the graph's own tensors and replays.
         """
         rows = tuple(self.batch_ids)
         if self._graph_rows != rows:
