@@ -54,8 +54,12 @@ def dense_prefill(model, ids: torch.Tensor) -> None:
         model(ids, logits_to_keep=1, **{cache_kwarg(model): DynamicCache(config=model.config)})
 
 
-def generator_prefill(model, ids: torch.Tensor, mode: str, chunk: int) -> None:
-    """One request through the Generator until its first token (the prefill, all layers)."""
+def generator_prefill(model, ids: torch.Tensor, mode: str, chunk: int) -> dict[str, Any]:
+    """One request through the Generator until its first token (the prefill, all layers).
+
+    Returns the work it did; raises RuntimeError when the request did not finish normally (a
+    refused or failed prefill would otherwise leave only the Generator's construction to measure).
+    """
     layers = model.config.num_hidden_layers
     kv_bytes = 2 * layers * model.config.num_key_value_heads * model.config.head_dim * model.dtype.itemsize
     config = SparseServeConfig(
@@ -63,7 +67,11 @@ def generator_prefill(model, ids: torch.Tensor, mode: str, chunk: int) -> None:
         hbm_cache_bytes=256 << 20, max_batch=1,
     )  # fmt: skip
     gen = Generator(model, None, config)
-    gen.generate([ids[0].tolist()], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    out = gen.generate([ids[0].tolist()], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+    if out.finish_reason != "length":
+        raise RuntimeError(f"{mode} prefill ended with {out.finish_reason!r}: {getattr(out, 'error', None)}")
+    totals = gen.metrics()["totals"]
+    return {"iterations": totals["iterations"], "prefill_token_layers": totals["prefill_token_layers"]}
 
 
 def layer_forward_extra(model, ids: torch.Tensor, device: torch.device) -> int | None:
@@ -98,14 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del model
         model = build_model(shape, "sparseserve", device, dtype, args.context + 2)
         for mode in MODES:
-            rows.append(
-                {
-                    "way": mode,
-                    "peak_bytes": peak_bytes(device, lambda mode=mode: generator_prefill(model, ids, mode, args.chunk))[
-                        0
-                    ],
-                }
-            )
+            peak, work = peak_bytes(device, lambda mode=mode: generator_prefill(model, ids, mode, args.chunk))
+            rows.append({"way": mode, "peak_bytes": peak, **work})
     config = model.config
     layer_kv = 2 * args.context * config.num_key_value_heads * config.head_dim * dtype.itemsize
     bound = None if weights is None else 1.1 * (weights + layer_kv + extra)
