@@ -51,7 +51,7 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
     for request_id, record in by_id.items():
         _fill_from_generator(record, metrics["requests"][request_id], clock)
     fail_unfinished(records, deadline_s)
-    return RunResult(records, _engine_totals(metrics["totals"], before))
+    return RunResult(records, _engine_totals(metrics["totals"], before) | {"config": gen.config.to_dict()})
 
 
 def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:

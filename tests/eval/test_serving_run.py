@@ -43,6 +43,7 @@ def test_every_request_is_served_in_order_of_its_times(runs, system):
         by_kind = engine["iterations_by_kind"].values()
         assert engine["iterations"] == sum(k["count"] for k in by_kind) > 0
         assert engine["decode_rows"] == sum(r.output_tokens - 1 for r in trace.requests)
+        assert engine["config"]["cuda_graphs"] == (system == "ours") and engine["config"]["token_budget"] == 2048
 
 
 def test_report_compares_ours_with_the_best_stock_system(runs, tmp_path):
