@@ -223,3 +223,22 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
         # one capture per (rows, table width) ever seen, however often the batch changed (12 times here)
         assert mine["totals"]["graph_captures"] == len(runner._captured) == 3 < len(starts)
         assert mine["totals"]["hits"] + mine["totals"]["misses"] > 0
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs):
+    """One read-back per iteration (the sampled tokens with the working-set sizes); the memory peak
+    stays on the device. (The torch reference's block gather filters with masks; the GPU kernels do not.)"""
+    from sync_guard import forbid_host_syncs
+
+    steady = GRAPH_CONFIG | dict(max_batch=4, hbm_cache_bytes=400 * 2048, max_inject_tokens=600)  # all decode by step 8
+    gen = Generator(llama, None, small_config(**steady, cuda_graphs=cuda_graphs))
+    for n in (200, 150, 180):
+        gen.submit(prompt(n, seed=n), SamplingParams(max_new_tokens=40))
+    for _ in range(8):
+        gen.step()
+    with forbid_host_syncs() as seen:
+        gen.step()
+    assert [op for op in seen if "boolean mask" not in op] == ["Tensor.tolist"]
+    assert gen.metrics()["totals"]["hbm_peak_bytes"] >= gen.store.block_bytes  # read back here, once

@@ -76,7 +76,11 @@ class HbmBlockCache:
 
     @property
     def num_resident(self) -> int:
-        return int((self.slot_block >= 0).sum())
+        return int(self.resident_count())
+
+    def resident_count(self) -> torch.Tensor:
+        """() long on the device: blocks now resident (no host sync; `num_resident` reads it back)."""
+        return (self.slot_block >= 0).sum()
 
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""

@@ -89,6 +89,7 @@ class Generator:
         self._requests: dict[int, Request] = {}  # in flight and waiting, in arrival (FCFS) order
         self._pending: list[StreamEvent] = []  # events produced between steps (cancel) or set aside
         self._next_id = 0
+        self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
         self._runner, self._graph_rows = None, None  # cuda_graphs: the decode runner and the rows it started on
         if self.config.cuda_graphs:  # on CPU the runner runs the static step eagerly (a graph's reference)
             self._runner = DecodeGraphRunner(model, self.batch, capture=device.type == "cuda")
@@ -133,7 +134,7 @@ class Generator:
             if plan.decode:
                 self._decode(plan.decode, events)
             prefilled = self._run_prefills(plan, events)
-        self.recorder.memory(self.hbm_bytes_in_use())
+        self._track_hbm_peak()
         seconds = self.recorder.now() - started
         self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out, seconds, prefilled)
         return events
@@ -196,11 +197,26 @@ class Generator:
 
     def hbm_bytes_in_use(self) -> int:
         """Device bytes held for KV: resident blocks, block metadata and every row's tail block."""
+        return self.store.block_cache_bytes() + self._host_known_hbm_bytes()
+
+    def _host_known_hbm_bytes(self) -> int:
+        """The part of `hbm_bytes_in_use` the host knows without reading the device: metadata and tails."""
         caches = [self.batch] + [r.cache for r in self._requests.values() if r.cache is not None]
         tails = sum(
             layer.tail.numel() * layer.tail.element_size() for c in caches for layer in c.layers if layer.is_initialized
         )
-        return self.store.block_cache_bytes() + self.store.metadata_bytes() + tails
+        return self.store.metadata_bytes() + tails
+
+    def _track_hbm_peak(self) -> None:
+        """Running max of `hbm_bytes_in_use` without a host sync per iteration (a prefill-only
+        iteration has none otherwise): the HBM cache's resident count stays on the device, in a
+        device-side max that `metrics()` reads back."""
+        host_known = self._host_known_hbm_bytes()
+        if not self.config.offload:  # the pool is the device's block memory; the host knows its use
+            self.recorder.memory(self.store.block_cache_bytes() + host_known)
+            return
+        now = self.store.hbm.resident_count() * self.store.block_bytes + host_known  # () on the device
+        self._hbm_peak = now if self._hbm_peak is None else torch.maximum(self._hbm_peak, now)
 
     def dram_bytes_in_use(self) -> int:
         """Host bytes of live KV blocks (0 with offload=False: they are in `hbm_bytes_in_use`)."""
@@ -210,6 +226,8 @@ class Generator:
         """{"requests": {id: per-request dict}, "totals": engine totals}; see `MetricsRecorder`."""
         for request in self._requests.values():
             self._record_working_set(request)
+        if self._hbm_peak is not None:
+            self.recorder.memory(int(self._hbm_peak))
         stats = self.store.stats
         looked_up = stats.hits + stats.misses
         totals = self.recorder.totals() | {
