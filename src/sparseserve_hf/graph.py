@@ -23,6 +23,7 @@ tokens must equal.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from .compat import cache_kwarg
 from .ops import resolve_backend
 
 DEFAULT_TABLE_STEP = 128  # blocks: a new table width (and a recapture) every 4K tokens at block_size 32
+DEFAULT_MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first): bounds their memory pools
 HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
 
 
@@ -95,6 +97,8 @@ class DecodeGraphRunner:
             the static step eagerly; None follows `cache.config.cuda_graphs`.
         table_step: block-table widths are multiples of this many blocks. Unused entries cost
             one id read each when scoring; crossing a width reallocates the tables and recaptures.
+        max_graphs: graphs kept, one per (rows, table width) seen; past it the least recently
+            replayed one is dropped (with its memory), so a long-running server stays bounded.
 
     Example:
         >>> runner = DecodeGraphRunner(model, cache)
@@ -109,17 +113,20 @@ class DecodeGraphRunner:
         *,
         capture: bool | None = None,
         table_step: int = DEFAULT_TABLE_STEP,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         self.capture = cache.config.cuda_graphs if capture is None else capture
         check_graph_ready(model, cache, self.capture)
-        if not isinstance(table_step, int) or table_step <= 0:
-            raise ValueError(f"table_step must be a positive int, got {table_step!r}")
+        for name, value in (("table_step", table_step), ("max_graphs", max_graphs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_graphs = max_graphs
         self.model, self.cache, self.table_step = model, cache, table_step
         self.layers: list[SparseServeLayer] = list(cache.layers)
         self.graphs = CudaGraphs() if self.capture else None
         self.num_captures = 0
         self.logits: torch.Tensor | None = None  # (B, V) of the last step; a replay overwrites it
-        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._captured: OrderedDict[tuple[int, int], _Captured] = OrderedDict()  # least recently replayed first
         self._state: tuple | None = None  # what the captured graphs point at (see `_graph_state`)
         self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
         self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
@@ -217,6 +224,7 @@ class DecodeGraphRunner:
         captured = self._captured.get(key)
         if captured is None:
             return self._capture(key)
+        self._captured.move_to_end(key)
         self._seat(captured)
         captured.graph.replay()
         for layer in self.layers:
@@ -232,6 +240,8 @@ class DecodeGraphRunner:
         for layer in self.layers:
             layer.num_positions -= 1  # the capture ran the Python (`update` counted) but no kernel
         picks, rows = [layer.last_pick for layer in self.layers], [layer.graph_tensors() for layer in self.layers]
+        if len(self._captured) >= self.max_graphs:  # the new graph keeps the pool alive: never all dropped
+            self._captured.popitem(last=False)
         self._captured[key] = _Captured(graph, static_logits, picks, self._ids, self._positions, rows)
         self._set_picks(step_picks)  # the captured ones hold nothing yet
         self.num_captures += 1

@@ -242,3 +242,28 @@ def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs):
         gen.step()
     assert [op for op in seen if "boolean mask" not in op] == ["Tensor.tolist"]
     assert gen.metrics()["totals"]["hbm_peak_bytes"] >= gen.store.block_bytes  # read back here, once
+
+
+@pytest.mark.core
+def test_graphs_past_max_graphs_are_dropped_least_recently_used_first(llama):
+    """Three batch sizes, room for two graphs: the least recently replayed goes, tokens stay the eager ones."""
+    from fake_graphs import FakeGraphs
+
+    prompts = [prompt(n, seed=n) for n in LENGTHS]
+    params = SamplingParams(max_new_tokens=24)
+    graphed = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))
+    runner = graphed._runner
+    runner.capture, runner.graphs, runner.max_graphs = True, FakeGraphs(runner), 2
+    outs = graphed.generate(prompts, params)
+    eager = Generator(llama, None, small_config(**GRAPH_CONFIG)).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert len(runner._captured) == 2 and runner.num_captures > 3  # 3 batch sizes: evictions forced recaptures
+
+
+def test_graph_runner_refuses_a_bad_max_graphs(llama):
+    from sparseserve_hf.graph import DecodeGraphRunner
+
+    gen = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_graphs must be a positive int"):
+            DecodeGraphRunner(llama, gen.batch, capture=False, max_graphs=bad)
