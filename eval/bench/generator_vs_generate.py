@@ -30,6 +30,7 @@ import torch
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
 from eval.bench.decode_step_setup import SHAPES, build_model
+from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 WARMUP_TOKENS = 4096  # past the token budget: the warm-up runs selection and block transfers too
@@ -60,22 +61,15 @@ def run_generator(model, prompts: torch.Tensor, new_tokens: int, config: SparseS
     outs = gen.generate([row.tolist() for row in prompts], params)
     _sync()
     seconds = time.perf_counter() - start
-    totals = gen.metrics()["totals"]
+    metrics = gen.metrics()
+    engine = engine_totals_since(metrics["totals"], warmup)  # the timed run alone
     generated = sum(len(o.token_ids) for o in outs)
-    keep = ("hbm_peak_bytes", "cuda_peak_bytes")
-    ttft = [r["ttft_s"] for rid, r in gen.metrics()["requests"].items() if rid > 0]  # id 0: the warm-up
-    by_kind = {
-        kind: {key: now[key] - warmup["iterations_by_kind"][kind][key] for key in ("count", "total_s")}
-        for kind, now in totals["iterations_by_kind"].items()
-    }  # the timed run's iterations alone
-    hits, misses = totals["hits"] - warmup["hits"], totals["misses"] - warmup["misses"]
-    rows = totals["decode_rows"] - warmup["decode_rows"]
-    iterations = totals["iterations"] - warmup["iterations"]
+    ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid > 0]  # id 0: the warm-up
+    keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "hbm_peak_bytes", "cuda_peak_bytes")
     return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
-            "mean_ttft_s": sum(ttft) / len(ttft), "hit_rate": hits / max(1, hits + misses),
-            "mean_decode_batch": rows / max(1, iterations), "iterations_by_kind": by_kind,
-            "graph_captures": totals["graph_captures"] - warmup["graph_captures"] if config.cuda_graphs else None,
-            } | {k: totals.get(k) for k in keep}  # fmt: skip
+            "mean_ttft_s": sum(ttft) / len(ttft),
+            "graph_captures": engine["graph_captures"] if config.cuda_graphs else None,
+            } | {k: engine.get(k) for k in keep}  # fmt: skip
 
 
 def _sync() -> None:

@@ -51,7 +51,7 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
     for request_id, record in by_id.items():
         _fill_from_generator(record, metrics["requests"][request_id], clock)
     fail_unfinished(records, deadline_s)
-    return RunResult(records, _engine_totals(metrics["totals"], before) | {"config": gen.config.to_dict()})
+    return RunResult(records, engine_totals_since(metrics["totals"], before) | {"config": gen.config.to_dict()})
 
 
 def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:
@@ -85,8 +85,8 @@ COUNTED = (
 PEAKS = ("hbm_peak_bytes", "admitted_working_set_peak_bytes", "hbm_cache_bytes", "cuda_peak_bytes")
 
 
-def _engine_totals(totals: dict[str, Any], warmup: dict[str, Any]) -> dict[str, Any]:
-    """The Generator's counters over the trace alone (the warm-up's taken out), and its peaks.
+def engine_totals_since(totals: dict[str, Any], warmup: dict[str, Any]) -> dict[str, Any]:
+    """The Generator's counters since `warmup` (its totals then: a warm-up's taken out), and its peaks.
 
     Per-request latencies are left out: `summarize` computes them from the records on one clock.
     """

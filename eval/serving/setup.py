@@ -15,6 +15,7 @@ from eval.serving import ours, stock
 from eval.serving.common import WARMUP_NEW_TOKENS, Budget, Clock, Runner, warmup_request
 from eval.serving.trace import Trace
 from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.generation.sizing import EngineSizes
 
 GIB = 1 << 30
 TOKEN_BUDGET = 2048
@@ -71,9 +72,8 @@ class HbmCap:
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    sizes = EngineSizes(model.config, SparseServeConfig(), model.dtype)  # KV sizes do not depend on the config
+    return sizes.num_layers * sizes.kv_bytes_per_token_layer
 
 
 def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dram_bytes: int) -> Runner:
@@ -109,9 +109,9 @@ def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes:
         token_budget=TOKEN_BUDGET, max_batch=budget.max_batch,
         max_inject_tokens=INJECT_TOKEN_LAYERS, **rung,
     )  # fmt: skip
-    head_dim = model.config.head_dim
-    block_bytes = 2 * config.block_size * head_dim * model.dtype.itemsize
-    metadata_bytes = config.metadata_vectors * head_dim * model.dtype.itemsize  # per block
+    sizes = EngineSizes(model.config, config, model.dtype)
+    block_bytes = sizes.block_bytes
+    metadata_bytes = config.metadata_vectors * sizes.head_dim * model.dtype.itemsize  # per block
     if not rung["offload"]:
         pool_blocks = budget.kv_bytes // (block_bytes + metadata_bytes)
         return replace(config, hbm_cache_bytes=None, dram_bytes=pool_blocks * block_bytes, cuda_graphs=graphs)
