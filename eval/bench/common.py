@@ -81,24 +81,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _git_head() -> str:
+    """This checkout's HEAD commit, or "" outside git."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return done.stdout.strip()
+
+
 def run_record(device: torch.device) -> dict[str, Any]:
     """Where and how the numbers were taken.
 
     The commit comes from $SPARSESERVE_COMMIT where set: the GPU machine receives a copy of the
     working tree whose .git is not this checkout's (eval/h200_perf.sh passes the local HEAD on).
     """
-    commit = os.environ.get("SPARSESERVE_COMMIT", "")
-    try:
-        commit = (
-            commit
-            or subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
-        )
-    except OSError:
-        commit = ""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
         "command": " ".join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
-        "git_commit": commit,
+        "git_commit": os.environ.get("SPARSESERVE_COMMIT") or _git_head(),
         "torch": torch.__version__,
         "triton": _triton_version(),
     }

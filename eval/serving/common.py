@@ -85,6 +85,11 @@ def fail_unfinished(records: list[RequestRecord], deadline_s: float) -> None:
             record.error = f"not finished within the run's deadline of {deadline_s:g} s"
 
 
+def out_of_memory(exc: torch.OutOfMemoryError) -> str:
+    """A request's error when the cap broke: the first line of PyTorch's message."""
+    return f"out of memory: {str(exc).splitlines()[0]}"
+
+
 def new_records(trace: Trace, rate: float) -> list[RequestRecord]:
     arrivals = trace.arrivals(rate)
     return [

@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from eval.serving.common import Clock, RunResult, fail_unfinished, new_records, progress, warmup_request
+from eval.serving.common import (
+    Clock,
+    RunResult,
+    fail_unfinished,
+    new_records,
+    out_of_memory,
+    progress,
+    warmup_request,
+)
 from eval.serving.metrics import RequestRecord
 from eval.serving.trace import Trace
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
@@ -41,7 +49,7 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
             try:
                 events = gen.step()
             except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
-                return _failed_run(records, by_id, gen, clock, f"out of memory: {str(exc).splitlines()[0]}")
+                return _failed_run(records, by_id, gen, clock, out_of_memory(exc))
             bar.update(sum(event.finished for event in events))
     for request_id in by_id:
         gen.cancel(request_id)

@@ -20,9 +20,10 @@ from eval.serving.common import (
     cuda_peak_bytes,
     fail_unfinished,
     new_records,
+    out_of_memory,
     progress,
     warmup_request,
-)  # fmt: skip
+)
 from eval.serving.metrics import RequestRecord
 from eval.serving.trace import Trace, TraceRequest
 from sparseserve_hf.compat import cache_kwarg
@@ -67,7 +68,7 @@ def run_static_generate(
                     record.token_times = times[: record.output_tokens]
             except torch.OutOfMemoryError as exc:  # a batch the cap cannot hold: its requests fail, the run goes on
                 for record in batch:
-                    record.error = f"out of memory: {str(exc).splitlines()[0]}"
+                    record.error = out_of_memory(exc)
                 torch.cuda.empty_cache()
             first += len(batch)
             bar.update(len(batch))
