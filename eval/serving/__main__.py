@@ -9,10 +9,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-# Every system alike: a capped process must not lose the cap to fragmentation (a KV cache grown by
-# torch.cat, a block cache beside a layer's prefill). Read at the first CUDA allocation.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
 import torch
 
 from eval.serving import report as report_mod

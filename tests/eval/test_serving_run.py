@@ -112,7 +112,9 @@ def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
 
     folder, _ = runs
     root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"EXTRA_ARGS": " ".join(SMALL), "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    # A fresh process per job: stock keeps the default allocator, ours gets expandable segments.
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env |= {"EXTRA_ARGS": " ".join(SMALL), "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", "eval/h200_serving.sh", "sweep", str(tmp_path), str(folder / "trace.pt"), "ours:20,5",
          "stock_generate:20"],
@@ -122,3 +124,6 @@ def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
     assert "ours at 20 5 req/s: rc=0" in done.stdout and "stock_generate at 20 req/s: rc=0" in done.stdout
     names = sorted(p.name for p in tmp_path.glob("run_*.json"))
     assert names == ["run_ours_20.json", "run_ours_5.json", "run_stock_generate_20.json"]
+    allocators = {name: json.loads((tmp_path / name).read_text())["allocator"] for name in names}
+    assert allocators == {"run_ours_20.json": "expandable_segments:True", "run_ours_5.json": "expandable_segments:True",
+                          "run_stock_generate_20.json": None}  # fmt: skip
