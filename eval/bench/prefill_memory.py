@@ -7,7 +7,8 @@ Llama-3-8B shape, random bf16 weights, one prompt of `--context` tokens (128K). 
 from the weights alone on the device and records `torch.cuda.max_memory_allocated`:
   - dense: stock `model(ids, logits_to_keep=1)` with a DynamicCache (all layers' KV stay in HBM);
   - chunked / layer_segmented: the `Generator` prefilling the prompt with that `prefill_mode`
-    (KV saved to the pinned DRAM pool as each block fills / each layer ends).
+    (KV saved to the pinned DRAM pool as each block fills / each layer ends), its HBM block cache
+    sized to what that prefill holds on the device (every layer's KV of the prompt / one layer's).
 T6's bound, from the same run: weights + one layer's KV of the prompt + the measured peak of one
 decoder-layer forward over the prompt (its activations above its input), + 10%.
 """
@@ -15,6 +16,7 @@ decoder-layer forward over the prompt (its activations above its input), + 10%.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from eval.bench.common import pick_device, print_table, run_record, write_json
 from eval.bench.decode_step_setup import build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.generation.sizing import EngineSizes
 
 GIB = 1 << 30
 MODES = ("chunked", "layer_segmented")
@@ -60,18 +63,20 @@ def generator_prefill(model, ids: torch.Tensor, mode: str, chunk: int) -> dict[s
     Returns the work it did; raises RuntimeError when the request did not finish normally (a
     refused or failed prefill would otherwise leave only the Generator's construction to measure).
     """
-    layers = model.config.num_hidden_layers
-    kv_bytes = 2 * layers * model.config.num_key_value_heads * model.config.head_dim * model.dtype.itemsize
-    config = SparseServeConfig(
-        prefill_mode=mode, max_inject_tokens=chunk * layers, dram_bytes=int(1.1 * ids.shape[1] * kv_bytes) + (64 << 20),
-        hbm_cache_bytes=256 << 20, max_batch=1,
-    )  # fmt: skip
-    gen = Generator(model, None, config)
+    config = SparseServeConfig(prefill_mode=mode, max_inject_tokens=chunk * model.config.num_hidden_layers, max_batch=1)
+    sizes = EngineSizes(model.config, config, model.dtype)
+    # Each way gets the HBM block cache its prefill needs (the Generator refuses a prompt whose prefill
+    # outgrows the cache) plus the first decode step's working set; the cache is part of the peak.
+    first_step = sizes.num_layers * sizes.num_kv_heads * config.budget_blocks * sizes.block_bytes
+    cache_bytes = sizes.prefill_bytes(ids.shape[1]) + first_step
+    dram_bytes = int(1.1 * sizes.lifetime_dram_blocks(ids.shape[1] + 1) * sizes.block_bytes)
+    gen = Generator(model, None, replace(config, hbm_cache_bytes=cache_bytes, dram_bytes=dram_bytes))
     out = gen.generate([ids[0].tolist()], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
     if out.finish_reason != "length":
         raise RuntimeError(f"{mode} prefill ended with {out.finish_reason!r}: {getattr(out, 'error', None)}")
     totals = gen.metrics()["totals"]
-    return {"iterations": totals["iterations"], "prefill_token_layers": totals["prefill_token_layers"]}
+    work = {"iterations": totals["iterations"], "prefill_token_layers": totals["prefill_token_layers"]}
+    return work | {"hbm_cache_bytes": cache_bytes}
 
 
 def layer_forward_extra(model, ids: torch.Tensor, device: torch.device) -> int | None:

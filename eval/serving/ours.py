@@ -41,7 +41,11 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
             while submitted < len(records) and records[submitted].arrival <= clock.now():
                 request = trace.requests[submitted]
                 params = SamplingParams(max_new_tokens=request.output_tokens, ignore_eos=True)
-                by_id[gen.submit(list(request.prompt), params)] = records[submitted]
+                try:
+                    by_id[gen.submit(list(request.prompt), params)] = records[submitted]
+                except ValueError as exc:  # a prompt the Generator can never run fails alone, with its reason
+                    records[submitted].error = str(exc)
+                    bar.update(1)
                 submitted += 1
             if not gen.has_unfinished:
                 clock.wait_until(min(records[submitted].arrival, deadline_s))
@@ -50,6 +54,9 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
                 events = gen.step()
             except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
                 return _failed_run(records, by_id, gen, clock, out_of_memory(exc))
+            for event in events:
+                if event.finished and event.output.error:  # why the Generator failed it, kept for the record
+                    by_id[event.request_id].error = event.output.error
             bar.update(sum(event.finished for event in events))
     for request_id in by_id:
         gen.cancel(request_id)
@@ -82,7 +89,7 @@ def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> No
         record.admitted = submitted + times["admitted_s"]
     record.token_times = [submitted + t for t in times["token_times_s"]]
     if times["finish_reason"] == "error":
-        record.error = "the Generator failed this request"
+        record.error = record.error or "the Generator failed this request"
     elif times["finish_reason"] == "cancelled":
         record.error = "cancelled at the run's deadline"
 

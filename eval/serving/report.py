@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.serving.metrics import RequestRecord, goodput, summarize
+from eval.serving.metrics import SLO_MEAN_QUEUEING_S, SLO_TBT_ITERATIONS, RequestRecord, goodput, summarize
 from eval.serving.setup import LADDER, STOCK
 
 PLOTTED = (("throughput_tokens_per_s", "throughput (tokens/s)"), ("mean_ttft_s", "mean TTFT (s)"),
@@ -27,7 +27,7 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float 
             run = json.loads(path.read_text())
             runs.setdefault(run["system"], {})[float(run["rate"])] = run
             commands.append(run["command"])
-    return runs, dense, commands
+    return runs, dense, list(dict.fromkeys(commands))  # one line per process, not per rate
 
 
 def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str, Any]:
@@ -54,11 +54,19 @@ def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str
         result["r_star_note"] = f"{best} met the SLO at no measured rate (r* < {judged:g}): ratios at {judged:g} req/s"
     result |= _ratios(table["ours"], table[best], judged)
     result["at_1.5r"] = _ratios(table["ours"], table[best], 1.5 * judged)
-    result["ladder"] = {s: _ladder_row(table[s], good[s], judged) for s in LADDER if s in table}
+    rungs = [s for s in LADDER if s in table]
+    ladder_rate = _ladder_rate([table[s] for s in rungs], judged)
+    result["ladder"] = {s: _ladder_row(table[s], good[s], ladder_rate) for s in rungs}
     result["engine"] = {
         s: {f"{rate:g}": run.get("engine", {}) for rate, run in sorted(runs[s].items())} for s in LADDER if s in runs
     }
     return result
+
+
+def _ladder_rate(tables: list[dict[float, dict]], judged: float) -> float:
+    """The rate the rungs are compared at: T5's, or else the highest rate every rung ran."""
+    shared = set.intersection(*(set(t) for t in tables)) if tables else set()
+    return judged if judged in shared or not shared else max(shared)
 
 
 def _ladder_row(table: dict[float, dict], good: float, rate: float) -> dict[str, float | None]:
@@ -113,6 +121,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Dense decode iteration (SLO unit): {_fmt(result.get('dense_iteration_s'))} s",
         "",
+        (
+            f"SLO: p99 TBT <= {SLO_TBT_ITERATIONS:g} dense iterations, mean queueing delay <= {SLO_MEAN_QUEUEING_S:g} s, "
+            "and every request served in full. Goodput: the highest rate below the first missed one."
+        ),
+        "",
     ]
     lines += ["| system | goodput (req/s) |", "|---|---|"] + [f"| {s} | {g:g} |" for s, g in result["goodput"].items()]
     if "r_star" in result:
@@ -132,6 +145,19 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fmt(v['mean_ttft_s'])} | {_fmt(v['p50_tbt_s'])} | {_fmt(v['p99_tbt_s'])} | "
                 f"{_fmt(v['mean_queueing_s'])} | {'met' if v.get('meets_slo') else 'missed'} |"
             )
+    if result.get("ladder"):
+        lines += ["", "Ablation ladder (each rung adds one switch; `ours` adds CUDA graphs to the last):", "",
+                  "| rung | rate | tokens/s | mean TTFT s | p50 TBT s | mean queueing s |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for rung, v in result["ladder"].items():
+            lines.append(f"| {rung} | {v['rate']:g} | {_fmt(v['throughput_tokens_per_s'])} | {_fmt(v['mean_ttft_s'])} | "
+                         f"{_fmt(v['p50_tbt_s'])} | {_fmt(v['mean_queueing_s'])} |")  # fmt: skip
+    if result.get("engine"):
+        lines += ["", "Engine breakdown (ours and its rungs): seconds in iterations by kind (count)", "",
+                  "| rung | rate | hit rate | H2D GiB | graph captures | decode | mixed | prefill |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for rung, by_rate in result["engine"].items():
+            for rate, e in by_rate.items():
+                lines.append(f"| {rung} | {rate} | {_fmt(e.get('hit_rate'))} | {_fmt(e.get('h2d_bytes', 0) / 2**30)} | "
+                             f"{e.get('graph_captures', 'n/a')} | " + " | ".join(_kind(e, k) for k in ("decode", "mixed", "prefill")) + " |")  # fmt: skip
     lines += ["", "Commands:", ""] + [f"- `{c}`" for c in result["runs"]]
     return "\n".join(lines) + "\n"
 
@@ -144,17 +170,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    colors = {system: f"C{i % 10}" for i, system in enumerate(result["systems"])}  # one per system in every panel
     for ax, (key, label) in zip(axes.flat, PLOTTED):
         for system, by_rate in result["systems"].items():
             points = [(float(r), v.get(key)) for r, v in by_rate.items() if v.get(key) is not None]
             if points:
-                ax.plot(*zip(*sorted(points)), marker="o", label=system)
+                ax.plot(*zip(*sorted(points)), marker="o", label=system, color=colors[system])
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel(label)
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _kind(engine: dict[str, Any], kind: str) -> str:
+    spent = engine.get("iterations_by_kind", {}).get(kind)
+    return "n/a" if spent is None else f"{spent['total_s']:.3g} ({spent['count']})"
 
 
 def _fmt(value: float | None) -> str:

@@ -85,3 +85,24 @@ def test_report_judges_at_the_lowest_rate_when_no_stock_system_meets_the_slo():
     assert result["ttft_ratio_vs_best_stock"] == pytest.approx(6.0 / 0.3)
     assert result["at_1.5r"]["rate"] == pytest.approx(0.15) and result["at_1.5r"]["tbt_p50_ratio"] == pytest.approx(0.5)
     assert result["ladder"]["ours"]["goodput"] == 0.15
+
+
+def test_the_ladder_is_compared_at_a_rate_every_rung_ran_and_commands_are_listed_once(tmp_path):
+    import json
+
+    from eval.serving.report import analyse, load_runs
+
+    quick = [record(0, 0.0, 0.1, [0.3, 0.35])]
+    runs = {
+        "stock_generate": {0.1: _run(quick)},
+        "ours_sparse": {0.225: _run(quick)},  # the rungs ran at 0.225 only, T5 is judged at 0.1
+        "ours": {0.1: _run(quick), 0.225: _run(quick)},
+    }
+    result = analyse(runs, dense=0.01)
+    assert result["judged_at"] == 0.1
+    assert {rung: row["rate"] for rung, row in result["ladder"].items()} == {"ours_sparse": 0.225, "ours": 0.225}
+    assert result["ladder"]["ours_sparse"]["p50_tbt_s"] == pytest.approx(0.05)
+    for rate in (0.1, 0.225):  # one process served both rates: one command
+        data = {"system": "ours", "rate": rate, "command": "run --rate 0.1 0.225", **_run(quick)}
+        (tmp_path / f"run_ours_{rate:g}.json").write_text(json.dumps(data))
+    assert load_runs([tmp_path])[2] == ["run --rate 0.1 0.225"]

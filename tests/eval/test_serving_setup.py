@@ -6,8 +6,11 @@ import pytest
 import torch
 from eval.bench.decode_step_setup import build_model
 from eval.serving.common import Budget, warmup_request
+from eval.serving.ours import run_generator
 from eval.serving.setup import LADDER, ours_config
 from eval.serving.trace import build_trace
+
+from sparseserve_hf import Generator, SparseServeConfig
 
 BLOCK_BYTES = 2 * 32 * 16 * 4  # tiny shape: 32 tokens x head_dim 16, fp32 keys and values
 
@@ -48,3 +51,15 @@ def test_only_the_last_rung_replays_cuda_graphs(tiny):
     budget = Budget(kv_bytes=10_000 * BLOCK_BYTES, kv_bytes_per_token=0, max_batch=4)
     graphs = {system: ours_config(system, tiny, budget, 4000 * BLOCK_BYTES).cuda_graphs for system in LADDER}
     assert graphs == {system: system == "ours" for system in LADDER}
+
+
+def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
+    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=(40, 90), output_range=(3, 5), seed=0)
+    longest = max(len(request.prompt) for request in trace.requests)
+    config = SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=64 * BLOCK_BYTES)
+    needed = Generator(tiny, None, config).sizes.prefill_bytes(longest)
+    gen = Generator(tiny, None, SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=needed - 1))
+    records = run_generator(gen, trace, rate=100.0).records
+    failed = [record for record in records if record.prompt_tokens == longest]
+    assert failed and all("cannot fit alone" in record.error for record in failed)
+    assert all(record.error is None for record in records if record.prompt_tokens < longest)

@@ -67,6 +67,9 @@ def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
     assert result["layer_kv_bytes"] > 0 and "layer_segmented_over_bound" in result
     for row in result["rows"][1:]:  # each Generator way really prefilled: 300 tokens x 2 layers
         assert row["prefill_token_layers"] == 600 and row["iterations"] > 1
+    chunked, segmented = (row["hbm_cache_bytes"] for row in result["rows"][1:])
+    layer_kv = result["layer_kv_bytes"]  # chunked holds both layers' KV of the prompt, layer-segmented one
+    assert chunked - segmented == layer_kv
 
 
 def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp_path):
