@@ -13,7 +13,9 @@ import functools
 import logging
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from .cache import handoff
 from .cache.layer import SparseServeLayer
@@ -78,6 +80,12 @@ def dense_attention_with_past(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )[0]
     past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
+    unpadded = attention_mask is None or bool(new_token_mask(attention_mask, num_new, 1).all())
+    if batch == 1 and unpadded and getattr(module, "sliding_window", None) is None:
+        # One full-attention row without padding (the Generator's prefill): its past is whole, so the
+        # mask is causal aligned to the last key. A materialized (T, L + T) mask costs GiBs at 64K tokens.
+        keys, values = torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
+        return causal_attention_over_past(query, keys, values, scaling, dropout)
     if attention_mask is None:
         new_part = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).tril()
     else:
@@ -90,6 +98,21 @@ def dense_attention_with_past(
     keys = torch.cat((past_keys, key), dim=2)
     values = torch.cat((past_values, value), dim=2)
     return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+def causal_attention_over_past(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, dropout: float = 0.0
+) -> torch.Tensor:
+    """(B, T, Hq, D) attention of T new queries over L + T keys, query t seeing keys up to L + t.
+
+    query (B, Hq, T, D); keys/values (B, Hkv, L + T, D). PyTorch's lower-right causal bias runs
+    flash / memory-efficient SDPA on CUDA without building the mask (CPU builds it).
+    """
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)  # (B, Hq, L + T, D)
+    bias = causal_lower_right(query.shape[2], keys.shape[2])
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
