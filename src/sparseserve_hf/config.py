@@ -240,10 +240,12 @@ class SparseServeConfig:
         return (2 if self.metadata == "quest" else 1) * self.sub_blocks
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, ready for `json.dumps` (`dense_layers` goes out as a list)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SparseServeConfig:
+        """Inverse of `to_dict` (lists from JSON are fine); unknown keys raise ValueError, not ignored."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

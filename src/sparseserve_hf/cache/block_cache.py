@@ -57,6 +57,7 @@ class HbmBlockCache:
 
     @property
     def num_slots(self) -> int:
+        """P, the device pool's slots of one head-block each (it grows only when `num_slots` was None)."""
         return self.pool.shape[0]
 
     @property
@@ -76,6 +77,7 @@ class HbmBlockCache:
 
     @property
     def num_resident(self) -> int:
+        """Blocks now resident, read back to the host (a sync: not for the decode step)."""
         return int(self.resident_count())
 
     def resident_count(self) -> torch.Tensor:

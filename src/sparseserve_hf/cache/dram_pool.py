@@ -52,10 +52,12 @@ class DramPool:
 
     @property
     def capacity(self) -> int:
+        """Head-blocks the pool holds now (a growable pool may hold more later)."""
         return self.storage.shape[0]
 
     @property
     def num_used(self) -> int:
+        """Block ids allocated and not yet freed."""
         return self.capacity - len(self._free)
 
     def allocate(self, count: int) -> torch.Tensor | None:

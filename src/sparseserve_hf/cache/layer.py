@@ -58,6 +58,7 @@ class SparseServeLayer(CacheLayerMixin):
     # ---- HF cache contract -------------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Size the tail blocks and block table from the first `update`'s (B, Hkv, S, D) keys."""
         batch, num_kv_heads, _, head_dim = key_states.shape
         self.store = self._store_for(key_states)
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -90,15 +91,19 @@ class SparseServeLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
+        """Positions cached so far, left padding included (what HF builds positions from)."""
         return self.num_positions
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) for HF's mask: every cached position plus the query, no offset."""
         return self.num_positions + query_length, 0
 
     def get_max_length(self) -> int:
+        """-1: unbounded (the block pool grows unless `dram_bytes` fixes its size)."""
         return -1
 
     def reset(self) -> None:
+        """Free this layer's DRAM blocks back to the store and forget every position."""
         if self.is_initialized and self.store is not None:
             self.store.free(self.block_ids.flatten())
         self._clear()

@@ -158,6 +158,7 @@ class ReferenceLru:
         return [self.block_slot[i] if i >= 0 else -1 for i in block_ids], len(unique), len(misses)
 
     def invalidate(self, block_ids: list[int]) -> None:
+        """Forget the freed DRAM ids `block_ids` (the spec of `invalidate_`); unknown ids are ignored."""
         for block in block_ids:
             slot = self.block_slot.pop(block, None)
             if slot is not None:

@@ -33,10 +33,12 @@ class ResidentBlocks:
 
     @property
     def num_slots(self) -> int:
+        """Slots = the pool's capacity: with offload=False every pool block is its own slot."""
         return self.dram.capacity
 
     @property
     def num_resident(self) -> int:
+        """Blocks in use in the pool, all of them resident (offload=False)."""
         return self.dram.num_used
 
     def track_blocks(self, capacity: int) -> None:

@@ -66,14 +66,17 @@ class PrefillJob:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt tokens of the job, T of its (1, T) input ids."""
         return self.input_ids.shape[1]
 
     @property
     def total_token_layers(self) -> int:
+        """Work of the whole prefill in token-layers (`max_inject_tokens` units): T x layers."""
         return self.num_tokens * self.num_layers
 
     @property
     def remaining_token_layers(self) -> int:
+        """Token-layers still to run before the prompt's first token can be sampled."""
         return self.total_token_layers - self.token_layers_done
 
 

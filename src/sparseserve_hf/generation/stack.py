@@ -64,10 +64,12 @@ class DecoderStack:
 
     @property
     def device(self) -> torch.device:
+        """Where the decoder runs (that of its embedding weights)."""
         return self.embed_tokens.weight.device
 
     @property
     def max_positions(self) -> int | None:
+        """The model's `max_position_embeddings`, None when its config has none."""
         return getattr(self.config, "max_position_embeddings", None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
