@@ -80,11 +80,10 @@ def dense_attention_with_past(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )[0]
     past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
-    unpadded = attention_mask is None or bool(new_token_mask(attention_mask, num_new, 1).all())
-    if batch == 1 and unpadded and getattr(module, "sliding_window", None) is None:
+    keys, values = torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
+    if batch == 1 and getattr(module, "sliding_window", None) is None and _unpadded(attention_mask, num_new):
         # One full-attention row without padding (the Generator's prefill): its past is whole, so the
         # mask is causal aligned to the last key. A materialized (T, L + T) mask costs GiBs at 64K tokens.
-        keys, values = torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
         return causal_attention_over_past(query, keys, values, scaling, dropout)
     if attention_mask is None:
         new_part = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).tril()
@@ -95,9 +94,12 @@ def dense_attention_with_past(
         dim=-1,
     )  # (B, 1, T, L + T)
     mask |= ~mask.any(dim=-1, keepdim=True)  # fully masked (padding) queries: any finite output will do
-    keys = torch.cat((past_keys, key), dim=2)
-    values = torch.cat((past_values, value), dim=2)
     return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+
+
+def _unpadded(attention_mask: torch.Tensor | None, num_new: int) -> bool:
+    """True when every new token of the single row is real (reads the mask back: prefill only)."""
+    return attention_mask is None or bool(new_token_mask(attention_mask, num_new, 1).all())
 
 
 def causal_attention_over_past(
