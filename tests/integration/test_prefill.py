@@ -422,3 +422,31 @@ def test_peak_memory_does_not_grow_with_depth():
     dense_growth = peak_prefill_bytes(6, "dynamic") - peak_prefill_bytes(2, "dynamic")
     assert sparse_growth < one_layer, (sparse_growth, one_layer)
     assert dense_growth >= 4 * one_layer, (dense_growth, one_layer)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("cache_kind", ["sparse", "dynamic"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sparse_full_layers_build_no_mask(arch, cache_kind, monkeypatch):
+    """A chunk over its past builds no (T, past + T) mask for a SparseServeCache's full-attention
+    layers (their attention is causal by itself; at 128K that mask was 8 GiB, the prefill's peak),
+    while sliding layers and other caches still get HF's masks. Logits stay those of `model(ids)`."""
+    import sparseserve_hf.generation.stack as stack_module
+
+    built = []
+    for kind, make_mask in dict(stack_module._MASK_FUNCTIONS).items():
+
+        def counting(*args, _kind=kind, _make=make_mask, **kwargs):
+            built.append(_kind)
+            return _make(*args, **kwargs)
+
+        monkeypatch.setitem(stack_module._MASK_FUNCTIONS, kind, counting)
+    m = model(arch)
+    runner, job, _ = prefill(m, random_ids(1, T), make_cache(cache_kind, m), "split30")
+    torch.testing.assert_close(runner.logits(job), reference_logits(arch), atol=ATOL, rtol=ATOL)
+    full_built = built.count(stack_module.FULL)
+    if cache_kind == "sparse":
+        assert full_built == 0
+        assert built.count(stack_module.SLIDING) == (2 * 3 if arch == "gemma3" else 0)  # 2 sliding layers x 3 chunks
+    else:
+        assert full_built > 0

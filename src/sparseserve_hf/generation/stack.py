@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ..cache.cache import attention_layer_types
+from ..cache.layer import SparseServeLayer
 from ..compat import cache_kwarg
 
 FULL = "full_attention"
@@ -165,6 +166,8 @@ class DecoderStack:
         Sized by this layer's own cache state (`layer_idx`), not by the model's first layer:
         during layer-segmented prefill, layers before the current one already hold the prompt.
         """
+        if self._causal_built_in(layer_idx, cache, attention_mask_2d):
+            return None
         kind = self.layer_types[layer_idx]
         key = (kind, _seq_length(cache, layer_idx), _mask_sizes(cache, hidden.shape[1], layer_idx))
         if key not in memo:
@@ -173,6 +176,19 @@ class DecoderStack:
                 self.config, hidden, attention_mask_2d, cache, position_ids=position_ids, layer_idx=layer_idx
             )
         return memo[key]
+
+    def _causal_built_in(self, layer_idx: int, cache: Cache | None, attention_mask_2d: torch.Tensor | None) -> bool:
+        """True when this layer's attention needs no mask: an unpadded full-attention layer of a
+        SparseServeCache under "sparseserve" attention applies causality itself (lower-right SDPA).
+
+        HF would build a (T, past + T) bool mask for a chunk over its past, which the attention
+        never reads: 8 GiB for the second 64K-token half of a 128K prompt, the peak of the prefill.
+        """
+        if attention_mask_2d is not None or self.layer_types[layer_idx] != FULL or cache is None:
+            return False
+        if getattr(self.config, "_attn_implementation", None) != "sparseserve" or layer_idx >= len(cache.layers):
+            return False
+        return isinstance(cache.layers[layer_idx], SparseServeLayer)
 
 
 def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
