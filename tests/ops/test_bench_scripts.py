@@ -85,3 +85,13 @@ def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp
     )  # CPU: the static step, eagerly
     kinds = results["generator"]["iterations_by_kind"]
     assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
+
+
+def test_lookup_cost_times_every_part_at_a_tiny_size():
+    """The bookkeeping microbenchmark's case runs (plain calls on CPU) and reports each part."""
+    from eval.bench.lookup_cost import one_case
+
+    line = one_case(batch=2, width=128, slots=4096, dram_blocks=8192, device="cpu")
+    assert line.startswith("B=2 N=128 P=4096 n=") and all(
+        f"{part} " in line for part in ("select", "lookup_", "lru_victims", "topk-only")
+    )
