@@ -57,3 +57,80 @@ def test_observe_runs_no_host_sync_and_counts_the_stamped_blocks(llama):
         assert torch.equal(gen.tracker.stamp[ids[valid]], row_steps[valid])
         picked_total += valid.flatten(1).sum(1)
     assert bool((sizes >= picked_total).all())  # the window holds at least this step's picks
+
+
+def per_layer_observe(stamp: torch.Tensor, layers, steps: torch.Tensor, window: int) -> torch.Tensor:
+    """The estimator's spec, one layer at a time: stamp every valid pick, count each row's fresh blocks."""
+    steps = steps.view(-1, 1, 1)
+    for layer in layers:
+        if layer.last_pick is not None:
+            picked, valid = layer.last_pick[0], layer.last_pick[1]
+            ids = torch.gather(layer.block_ids, 2, picked)
+            for row, head, slot in valid.nonzero().tolist():
+                block = int(ids[row, head, slot])
+                stamp[block] = max(int(stamp[block]), int(steps[row, 0, 0]))
+    fresh = torch.zeros(steps.shape[0], dtype=torch.long)
+    for layer in layers:
+        ids = layer.block_ids
+        recent = (stamp[ids.clamp(min=0)] > steps - window) & (ids >= 0)
+        fresh += recent.flatten(1).sum(1)
+    return fresh
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("widths", [(12, 12, 12), (12, 20, 12)])
+def test_observe_equals_the_per_layer_spec(widths):
+    """All layers at once (equal table widths) or one at a time (unequal): the same stamps and sizes."""
+    from types import SimpleNamespace
+
+    from sparseserve_hf.generation.working_set import WorkingSetTracker
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, union, capacity, window = 3, 2, 5, 200, 3
+    layers = []
+    for width in widths:
+        table = torch.randperm(capacity, generator=gen)[: batch * heads * width].view(batch, heads, width)
+        table[0, :, width - 3 :] = -1  # row 0 holds fewer blocks
+        picked = torch.randint(0, width - 3, (batch, heads, union), generator=gen)
+        valid = torch.rand(batch, heads, union, generator=gen) < 0.7
+        layers.append(SimpleNamespace(block_ids=table, last_pick=(picked, valid, None, 1)))
+    layers.append(SimpleNamespace(block_ids=layers[0].block_ids.clone(), last_pick=None))  # a layer that picked nothing
+    tracker = WorkingSetTracker(window, torch.device("cpu"))
+    tracker.stamp = torch.randint(-3, 4, (capacity,), generator=gen)
+    expected_stamp = tracker.stamp.clone()
+    steps = torch.tensor([4, 2, 5])
+    expected = per_layer_observe(expected_stamp, layers, steps, window)
+    sizes = tracker.observe(SimpleNamespace(layers=layers, store=None), steps)
+    assert torch.equal(tracker.stamp, expected_stamp) and torch.equal(sizes, expected)
+
+
+@pytest.mark.core
+def test_observe_issues_the_same_ops_for_any_number_of_layers():
+    """After a CUDA-graph replay the estimator runs eagerly: its kernel count must not grow with depth."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparseserve_hf.generation.working_set import WorkingSetTracker
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_for(num_layers: int) -> int:
+        layer = SimpleNamespace(
+            block_ids=torch.arange(2 * 2 * 8).view(2, 2, 8),
+            last_pick=(torch.zeros(2, 2, 3, dtype=torch.long), torch.ones(2, 2, 3, dtype=torch.bool), None, 1),
+        )
+        tracker = WorkingSetTracker(4, torch.device("cpu"))
+        tracker.stamp = torch.zeros(64, dtype=torch.long)
+        with CountOps() as counter:
+            tracker.observe(SimpleNamespace(layers=[layer] * num_layers, store=None), torch.tensor([1, 1]))
+        return counter.count
+
+    assert ops_for(32) == ops_for(2)

@@ -47,20 +47,18 @@ class WorkingSetTracker:
             (B,) long working-set sizes on the device (unique head-blocks over all layers and KV heads).
         """
         self._track(cache)
-        steps = steps.to(self.stamp.device)
-        for layer in cache.layers:
-            if layer.last_pick is None:
-                continue
-            picked, valid = layer.last_pick[0], layer.last_pick[1]  # (B, Hkv, U)
-            ids = torch.gather(layer.block_ids, 2, picked).clamp(min=0)
+        steps = steps.to(self.stamp.device).view(-1, 1, 1)  # (B, 1, 1)
+        tables = [layer.block_ids for layer in cache.layers]  # (B, Hkv, N) each, -1 unused
+        picks = [(layer.block_ids, *layer.last_pick[:2]) for layer in cache.layers if layer.last_pick is not None]
+        for table, picked, valid in _stacked(picks):  # (L, B, Hkv, N), (L, B, Hkv, U) x 2
+            ids = torch.gather(table, -1, picked).clamp(min=0)
             # Unpicked entries offer NEVER, which "amax" ignores: no boolean mask, no host sync.
-            stamps = torch.where(valid, steps.view(-1, 1, 1), NEVER)
+            stamps = torch.where(valid, steps, NEVER)
             self.stamp.scatter_reduce_(0, ids.flatten(), stamps.flatten(), "amax")
-        fresh = torch.zeros_like(steps)
-        for layer in cache.layers:
-            ids = layer.block_ids  # (B, Hkv, N), -1 unused
-            recent = self.stamp[ids.clamp(min=0)] > steps.view(-1, 1, 1) - self.window
-            fresh += (recent & (ids >= 0)).flatten(1).sum(dim=1)
+        fresh = torch.zeros_like(steps.view(-1))
+        for (ids,) in _stacked([(table,) for table in tables]):  # (L, B, Hkv, N)
+            recent = self.stamp[ids.clamp(min=0)] > steps - self.window
+            fresh += (recent & (ids >= 0)).transpose(0, -3).flatten(1).sum(dim=1)
         return fresh
 
     def forget(self, cache: SparseServeCache) -> None:
@@ -74,6 +72,15 @@ class WorkingSetTracker:
     def _track(self, cache: SparseServeCache) -> None:
         if cache.store is not None:
             self.stamp = grown(self.stamp, cache.store.dram.capacity, fill=NEVER)
+
+
+def _stacked(items: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """The layers' tensors stacked along a new first axis: one tuple of (L, ...) stacks when every
+    layer's shapes agree (a handful of kernels for all layers instead of a handful per layer; this
+    runs after each CUDA-graph replay, on the host's clock), else one (1, ...) tuple per layer."""
+    if len({tuple(t.shape for t in item) for item in items}) > 1:
+        return [tuple(t.unsqueeze(0) for t in item) for item in items]
+    return [tuple(torch.stack(parts) for parts in zip(*items))] if items else []
 
 
 def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int) -> int:
