@@ -6,7 +6,7 @@ change a shape, allocate where the graph does not expect it or take a Python bra
 step splits in three:
 
 1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
-   (a multiple of `table_step` blocks with room for every row's next block); save every full tail
+   (`table_width`: `table_step` blocks times 1, 2, 3, 4, 6, 8, ..., with room for every row's next block); save every full tail
    block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
    tokens of a row); drop the graphs if a store tensor they hold by address has moved. The rows'
    own tensors (tail, lengths, block table) may move freely, e.g. when a batch's rows change:
@@ -34,9 +34,24 @@ from .cache.layer import SparseServeLayer
 from .compat import cache_kwarg
 from .ops import resolve_backend
 
-DEFAULT_TABLE_STEP = 128  # blocks: a new table width (and a recapture) every 4K tokens at block_size 32
+DEFAULT_TABLE_STEP = 128  # blocks: table widths are 128 x (1, 2, 3, 4, 6, 8, ...) blocks (4K tokens at block_size 32)
 DEFAULT_MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first): bounds their memory pools
 HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
+
+
+def table_width(blocks: int, step: int) -> int:
+    """The block-table width that holds `blocks`: `step` x the first of 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+    (2^k and 1.5 x 2^k) at least `blocks / step`.
+
+    Every width is one more graph per batch size. Geometric widths keep the captures logarithmic in
+    the context: linear 4K-token steps gave 14 widths between 10K and 64K tokens, these give 6, at the
+    price of a table under 1.5x the `step`-rounded need (each unused entry: one id read when scoring).
+    """
+    units = -(-blocks // step)
+    if units <= 1:
+        return step
+    half = 1 << ((units - 1).bit_length() - 1)  # the largest power of two below `units`
+    return step * (half * 3 // 2 if units <= half * 3 // 2 else 2 * half)
 
 
 @dataclass
@@ -95,8 +110,9 @@ class DecodeGraphRunner:
         cache: the SparseServeCache holding the rows (prefilled, every layer a SparseServeLayer).
         capture: True replays CUDA graphs (a CUDA model, backend "triton" or "flash"); False runs
             the static step eagerly; None follows `cache.config.cuda_graphs`.
-        table_step: block-table widths are multiples of this many blocks. Unused entries cost
-            one id read each when scoring; crossing a width reallocates the tables and recaptures.
+        table_step: block-table widths are this many blocks times 1, 2, 3, 4, 6, 8, ... (`table_width`).
+            Unused entries cost one id read each when scoring; crossing a width reallocates the
+            tables and recaptures.
         max_graphs: graphs kept, one per (rows, table width) seen; past it the least recently
             replayed one is dropped (with its memory), so a long-running server stays bounded.
 
@@ -177,7 +193,7 @@ class DecodeGraphRunner:
         limit = getattr(self.cache.model_config, "max_position_embeddings", None)
         if limit is not None and self._last_position >= limit:  # the cache's own check runs only at capture
             raise ValueError(f"position {self._last_position} is past the model's max_position_embeddings ({limit})")
-        width = -(-(max(self._num_blocks) + 1) // self.table_step) * self.table_step  # room for each row's next block
+        width = table_width(max(self._num_blocks) + 1, self.table_step)  # room for each row's next block
         if self.layers[0].block_ids.shape[2] != width:
             for layer in self.layers:
                 layer.set_table_width(width)
