@@ -7,7 +7,7 @@ tables. Per (rows B, table width N, HBM slots P): the selection chain (hybrid ra
 top-k, union over the GQA group, table gather), the whole HBM-cache lookup (`lru.lookup_`), its
 victim choice alone (`lru.lru_victims`, a top-k over every slot) and a bare `topk` of that size.
 P = 822K is the serving sweep's 13.5 GB cache; 2.6M the decode-step bench's 40 GiB. The LRU is
-warmed with the same ids first, so lookups hit. Microseconds, medians of 200 replays.
+warmed with the same ids first, so lookups hit. Microseconds, the mean of 200 replays.
 """
 
 from __future__ import annotations

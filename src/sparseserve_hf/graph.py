@@ -6,7 +6,7 @@ change a shape, allocate where the graph does not expect it or take a Python bra
 step splits in three:
 
 1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
-   (`table_width`: `table_step` blocks times 1, 2, 3, 4, 6, 8, ..., with room for every row's next block); save every full tail
+   (`table_width`: `table_step` x 1, 2, 3, 4, 6, 8, ... blocks, room for every row's next block); save every full tail
    block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
    tokens of a row); drop the graphs if a store tensor they hold by address has moved. The rows'
    own tensors (tail, lengths, block table) may move freely, e.g. when a batch's rows change:
@@ -45,7 +45,8 @@ def table_width(blocks: int, step: int) -> int:
 
     Every width is one more graph per batch size. Geometric widths keep the captures logarithmic in
     the context: linear 4K-token steps gave 14 widths between 10K and 64K tokens, these give 6, at the
-    price of a table under 1.5x the `step`-rounded need (each unused entry: one id read when scoring).
+    price of a table under 1.5x the `step`-rounded need: scoring and top-k work grows with the width
+    (the selection chain: 198 us per layer at 1024 blocks, 215 us at 2048, eval/results/lookup_cost.txt).
     """
     units = -(-blocks // step)
     if units <= 1:
@@ -111,8 +112,8 @@ class DecodeGraphRunner:
         capture: True replays CUDA graphs (a CUDA model, backend "triton" or "flash"); False runs
             the static step eagerly; None follows `cache.config.cuda_graphs`.
         table_step: block-table widths are this many blocks times 1, 2, 3, 4, 6, 8, ... (`table_width`).
-            Unused entries cost one id read each when scoring; crossing a width reallocates the
-            tables and recaptures.
+            Unused entries add scoring and top-k work; crossing a width reallocates the tables and
+            recaptures.
         max_graphs: graphs kept, one per (rows, table width) seen; past it the least recently
             replayed one is dropped (with its memory), so a long-running server stays bounded.
 

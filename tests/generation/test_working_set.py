@@ -78,9 +78,11 @@ def per_layer_observe(stamp: torch.Tensor, layers, steps: torch.Tensor, window: 
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("widths", [(12, 12, 12), (12, 20, 12)])
-def test_observe_equals_the_per_layer_spec(widths):
-    """All layers at once (equal table widths) or one at a time (unequal): the same stamps and sizes."""
+@pytest.mark.parametrize(
+    ("widths", "idle_layer"), [((12, 12, 12, 12), False), ((12, 12, 12, 12), True), ((12, 20, 12, 12), False)]
+)
+def test_observe_equals_the_per_layer_spec(widths, idle_layer):
+    """All layers at once (equal widths, all picked) or one at a time: the same stamps and sizes."""
     from types import SimpleNamespace
 
     from sparseserve_hf.generation.working_set import WorkingSetTracker
@@ -94,7 +96,8 @@ def test_observe_equals_the_per_layer_spec(widths):
         picked = torch.randint(0, width - 3, (batch, heads, union), generator=gen)
         valid = torch.rand(batch, heads, union, generator=gen) < 0.7
         layers.append(SimpleNamespace(block_ids=table, last_pick=(picked, valid, None, 1)))
-    layers.append(SimpleNamespace(block_ids=layers[0].block_ids.clone(), last_pick=None))  # a layer that picked nothing
+    if idle_layer:
+        layers.append(SimpleNamespace(block_ids=layers[0].block_ids.clone(), last_pick=None))  # picked nothing
     tracker = WorkingSetTracker(window, torch.device("cpu"))
     tracker.stamp = torch.randint(-3, 4, (capacity,), generator=gen)
     expected_stamp = tracker.stamp.clone()

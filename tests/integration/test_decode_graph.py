@@ -76,7 +76,7 @@ def test_replays_do_not_sync_with_the_host():
 
 
 def test_a_table_width_change_recaptures_and_keeps_the_tokens():
-    """Plan test (e): widths in steps of 4 blocks, so the rows cross several during the run."""
+    """Plan test (e): widths of 4 x 1, 2, 3, 4 blocks, so the rows cross several during the run."""
     model = model_on_cuda(torch.float32)
     graph, eager = runner_for(model, capture=True, table_step=4), runner_for(model, capture=False, table_step=4)
     widths = set()

@@ -20,7 +20,7 @@ from test_sync_free_decode import fixed_shape_gather
 from fake_graphs import FakeGraphs
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import DecodeGraphRunner, table_width
 from sync_guard import forbid_host_syncs
 from tiny_models import random_ids, tiny_model
 
@@ -57,7 +57,7 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
     """Plan tests (f) and (g): rows filling at different steps, table widths crossed, block evictions."""
     config = static_config()
     reference = EagerReference(llama, config)
-    runner = started_runner(llama, config, table_step=4)  # a new table width every 4 blocks
+    runner = started_runner(llama, config, table_step=4)  # table widths of 4 x 1, 2, 3, 4 blocks
     runner.cache.store.hbm.gather_blocks = fixed_shape_gather  # the torch reference's copy masks by value
     static_step, seen_per_step = runner._static_step, []
 
@@ -177,3 +177,16 @@ def test_runner_refuses_positions_past_the_model_limit(llama):
     runner._last_position = llama.config.max_position_embeddings
     with pytest.raises(ValueError, match="max_position_embeddings"):
         runner.step()
+
+
+@pytest.mark.core
+def test_table_widths_follow_the_geometric_buckets(llama):
+    """Each step's table is `table_width` wide: 12 blocks, not 11, for rows needing 11 (step 1)."""
+    runner = started_runner(llama, static_config(), table_step=1)
+    widths = []
+    for _ in range(BLOCK + 2):  # every row fills a block
+        runner.step()
+        needed = max(runner._num_blocks) + 1
+        widths.append((needed, runner.layers[0].block_ids.shape[2]))
+    assert all(width == table_width(needed, 1) for needed, width in widths)
+    assert any(width != needed for needed, width in widths)  # a linear width would fail the line above

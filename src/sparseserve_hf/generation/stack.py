@@ -5,7 +5,9 @@ mask per layer type sized from the cache. Layer-segmented and chunked prefill ne
 any layer (or any chunk of one layer) and resume later, so this adapter exposes the same steps
 separately and rebuilds, for every layer it runs, what the model's forward would have given that
 layer: its mask (causal or sliding, padding, sized by that layer's own cache fill level), its
-rotary embedding (per layer type on Gemma-3) and the cache under the right keyword.
+rotary embedding (per layer type on Gemma-3) and the cache under the right keyword. One exception:
+an unpadded full-attention layer of a SparseServeCache gets no mask, since its attention applies
+causality itself and HF's mask for a chunk over its past is a (T, past + T) tensor.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ class DecoderStack:
         position_ids: torch.Tensor,
         attention_mask_2d: torch.Tensor | None,
     ) -> Any:
-        """The mask `model(...)` would give this layer, built once per (type, cache fill level).
+        """The mask `model(...)` would give this layer, built once per (type, cache fill level);
+        None where the layer's attention is causal by itself (`_causal_built_in`).
 
         Sized by this layer's own cache state (`layer_idx`), not by the model's first layer:
         during layer-segmented prefill, layers before the current one already hold the prompt.
