@@ -48,6 +48,8 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
                     bar.update(1)
                 submitted += 1
             if not gen.has_unfinished:
+                if submitted == len(records):  # the last arrival was refused at submit: nothing left
+                    break
                 clock.wait_until(min(records[submitted].arrival, deadline_s))
                 continue
             try:

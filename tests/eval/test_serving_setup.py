@@ -63,3 +63,14 @@ def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
     failed = [record for record in records if record.prompt_tokens == longest]
     assert failed and all("cannot fit alone" in record.error for record in failed)
     assert all(record.error is None for record in records if record.prompt_tokens < longest)
+
+
+def test_a_run_whose_last_arrivals_are_all_refused_ends_with_their_reasons(tiny):
+    """Nothing in flight after the last refusal: the run ends (it used to index past the trace)."""
+    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=(80, 90), output_range=(3, 5), seed=0)
+    shortest = min(len(request.prompt) for request in trace.requests)
+    config = SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=64 * BLOCK_BYTES)
+    needed = Generator(tiny, None, config).sizes.prefill_bytes(shortest)
+    gen = Generator(tiny, None, SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=needed - 1))
+    records = run_generator(gen, trace, rate=100.0).records
+    assert len(records) == 3 and all("cannot fit alone" in record.error for record in records)
