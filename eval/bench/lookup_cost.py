@@ -1,11 +1,13 @@
 """GPU time per layer of the sparse decode step's bookkeeping, as CUDA-graph replays (H200, ~1 min).
 
-    python eval/bench/lookup_cost.py > eval/results/lookup_cost.txt
+    PYTHONPATH=src:. python eval/bench/lookup_cost.py > eval/results/lookup_cost.txt
 
 Llama-3-8B's head counts (32 query, 8 KV heads, 63 top-k blocks per head), random scores and
 tables. Per (rows B, table width N, HBM slots P): the selection chain (hybrid rank combination,
 top-k, union over the GQA group, table gather), the whole HBM-cache lookup (`lru.lookup_`), its
-victim choice alone (`lru.lru_victims`, a top-k over every slot) and a bare `topk` of that size.
+victim choice alone (`lru.lru_victims`) and a bare `topk` of the selection's size over every slot
+(what the victim choice was until the eviction order was kept: the results file's first run,
+at f6872a4, timed that top-k as `lru_victims`).
 P = 822K is the serving sweep's 13.5 GB cache; 2.6M the decode-step bench's 40 GiB. The LRU is
 warmed with the same ids first, so lookups hit. Microseconds, the mean of 200 replays.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from eval.bench.common import run_record
 from sparseserve_hf.cache import lru
 from sparseserve_hf.ops import reference
 
@@ -69,6 +72,8 @@ def one_case(batch: int, width: int, slots: int, dram_blocks: int, device: str =
     slot_tick = torch.full((slots + 1,), -1, device=device)
     clock = torch.zeros(1, dtype=torch.long, device=device)
     slot_index = torch.arange(slots, device=device)
+    slot_order = slot_index.clone()
+    tables = block_slot, slot_block, slot_tick, slot_order
 
     def select() -> torch.Tensor:  # (B, Hkv, U) DRAM ids of the union
         scores = reference.combine_by_rank(first, second, depth=TOP_K)
@@ -78,11 +83,11 @@ def one_case(batch: int, width: int, slots: int, dram_blocks: int, device: str =
 
     ids = select()
     for _ in range(3):  # warm the LRU with these ids so the timed lookups hit
-        lru.lookup_(ids, block_slot, slot_block, slot_tick, clock, slot_index)
+        lru.lookup_(ids, *tables, clock, slot_index)
     count = ids.numel()
     selection = replay_us(select)
-    lookup = replay_us(lambda: lru.lookup_(ids, block_slot, slot_block, slot_tick, clock, slot_index))
-    victims = replay_us(lambda: lru.lru_victims(slot_tick[:slots], clock, count, slot_index))
+    lookup = replay_us(lambda: lru.lookup_(ids, *tables, clock, slot_index))
+    victims = replay_us(lambda: lru.lru_victims(slot_order, slot_tick[:slots], clock, count))
     topk = replay_us(lambda: slot_tick[:slots].topk(count, largest=False, sorted=True))
     return (
         f"B={batch} N={width} P={slots} n={count}: select {selection:.0f} us, lookup_ {lookup:.0f} us, "
@@ -91,5 +96,7 @@ def one_case(batch: int, width: int, slots: int, dram_blocks: int, device: str =
 
 
 if __name__ == "__main__":
+    record = run_record(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"{record['device']}, commit {record['git_commit']}, torch {record['torch']}")
     for case in CASES:
         print(one_case(*case))

@@ -18,6 +18,7 @@ def tables(num_slots: int, num_blocks: int) -> dict[str, torch.Tensor]:
         block_slot=torch.full((num_blocks + 1,), -1),
         slot_block=torch.full((num_slots + 1,), -1),
         slot_tick=torch.full((num_slots + 1,), -1),
+        slot_order=torch.arange(num_slots),
         clock=torch.zeros(1, dtype=torch.long),
         slot_index=torch.arange(num_slots),
     )
@@ -39,6 +40,8 @@ def assert_same_state(t: dict[str, torch.Tensor], ref: lru.ReferenceLru) -> None
     block_slot = t["block_slot"][:-1].tolist()
     assert {b: s for b, s in enumerate(block_slot) if s >= 0} == ref.block_slot
     assert int(t["clock"]) == ref.clock
+    # the kept eviction order is the sorted one, so victims are the reference's (last use, slot) order
+    assert torch.equal(t["slot_order"], lru.eviction_order(t["slot_tick"][:num_slots]))
 
 
 @pytest.mark.core
@@ -58,7 +61,9 @@ def test_lookup_matches_reference_on_random_selections(seed):
         assert_same_state(t, ref)
         if step % 7 == 6:  # blocks freed in between: their ids will be reused
             gone = torch.randint(-1, num_blocks, (5,), generator=gen)
-            lru.invalidate_(gone, t["block_slot"], t["slot_block"], t["slot_tick"])
+            lru.invalidate_(
+                gone, *(t[k] for k in ("block_slot", "slot_block", "slot_tick", "slot_order", "slot_index"))
+            )
             ref.invalidate([i for i in gone.tolist() if i >= 0])
             assert_same_state(t, ref)
 
@@ -73,8 +78,28 @@ def test_dedupe_marks_first_copies_only():
 @pytest.mark.core
 def test_victims_are_free_slots_then_least_recently_used_never_current():
     tick = torch.tensor([4, -1, 2, 7, 2, -1])
-    victims = lru.lru_victims(tick, torch.tensor([7]), 5, torch.arange(6))
-    assert victims.tolist()[:5] == [1, 5, 2, 4, 0]  # slot 3 was used by this lookup (tick 7)
+    order = lru.eviction_order(tick)
+    assert order.tolist() == [1, 5, 2, 4, 0, 3]
+    victims = lru.lru_victims(order, tick, torch.tensor([7]), 5)
+    assert victims.tolist() == [1, 5, 2, 4, 0]  # slot 3 was used by this lookup (tick 7)
+    assert lru.lru_victims(order, tick, torch.tensor([7]), 2).tolist() == [1, 5]
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("to_front", [False, True])
+def test_moving_slots_keeps_the_others_in_order_and_the_moved_by_slot(to_front):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        order = torch.randperm(9, generator=gen)
+        moved = torch.rand(9, generator=gen) < 0.4
+        kept = [s for s in order.tolist() if not moved[s]]
+        expected = (
+            (torch.nonzero(moved).flatten().tolist() + kept)
+            if to_front
+            else kept + torch.nonzero(moved).flatten().tolist()
+        )
+        lru.move_slots_(order, moved, torch.arange(9), to_front)
+        assert order.tolist() == expected
 
 
 @pytest.mark.core

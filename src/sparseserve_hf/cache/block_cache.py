@@ -51,6 +51,7 @@ class HbmBlockCache:
         self._slot_tick = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
         self._block_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # indexed by DRAM id
         self._slot_index = torch.arange(slots, device=device)
+        self._slot_order = self._slot_index.clone()  # all free: eviction order is slot order
         self.clock = torch.zeros(1, dtype=torch.long, device=device)
         self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
         self.reallocations = 0  # times the pool or a table was reallocated (see TieredBlockStore.epoch)
@@ -111,9 +112,8 @@ class HbmBlockCache:
         self.check_fits(block_ids.numel())
         if self.unlimited:
             self._grow(max(dram.num_used, block_ids.numel()))  # host-known bound: never evicts
-        result = lru.lookup_(
-            block_ids.to(self.device), self._block_slot, self._slot_block, self._slot_tick, self.clock, self._slot_index
-        )
+        tables = self._block_slot, self._slot_block, self._slot_tick, self._slot_order
+        result = lru.lookup_(block_ids.to(self.device), *tables, self.clock, self._slot_index)
         self.gather_blocks(dram.storage, result.load_ids, self.pool, result.load_slots)  # the H2D copy
         self._counts += torch.cat((result.num_unique, result.num_misses))
         return result.slots, result.num_misses
@@ -125,6 +125,7 @@ class HbmBlockCache:
             "slot_block": self._slot_block,
             "slot_tick": self._slot_tick,
             "block_slot": self._block_slot,
+            "slot_order": self._slot_order,
             "slot_index": self._slot_index,
             "clock": self.clock,
             "lookup_counts": self._counts,
@@ -144,7 +145,8 @@ class HbmBlockCache:
         """Forget blocks whose DRAM ids are being freed (their ids will be reused)."""
         if block_ids.numel() == 0:
             return
-        lru.invalidate_(block_ids.to(self.device).reshape(-1), self._block_slot, self._slot_block, self._slot_tick)
+        tables = self._block_slot, self._slot_block, self._slot_tick, self._slot_order
+        lru.invalidate_(block_ids.to(self.device).reshape(-1), *tables, self._slot_index)
 
     def _grow(self, needed: int) -> None:
         if needed <= self.num_slots:
@@ -155,6 +157,7 @@ class HbmBlockCache:
         self._slot_block = _grown_with_dump(self._slot_block, new)
         self._slot_tick = _grown_with_dump(self._slot_tick, new)
         self._slot_index = torch.arange(new, device=self.device)
+        self._slot_order = lru.eviction_order(self.slot_tick)  # the new slots are free: first
 
 
 def _grown_with_dump(table: torch.Tensor, size: int) -> torch.Tensor:

@@ -7,8 +7,11 @@ chain of asynchronous kernel launches that a CUDA graph can capture:
 
 - duplicates (rows sharing blocks) are found by sorting and comparing neighbours;
 - hits and misses come from the block -> slot table;
-- victims are the `n` smallest keys of (last use, slot) among slots not used in this lookup,
-  with `n` the selection's size (an upper bound on its misses); the first `misses` are used;
+- victims come from `slot_order`, every slot in eviction order ((last use, slot) ascending):
+  the first `n` not used in this lookup, with `n` the selection's size (an upper bound on its
+  misses); the first `misses` are used. The lookup then moves the slots it used to the back.
+  Keeping the order costs a few passes over P (cumsums, scatters) instead of a top-k over P
+  (radix select plus a sort: 225 us of a 342 us lookup at 822K slots on the H200);
 - masked writes go to a dump entry at the end of every table instead of being filtered out.
 
 Tables (device tensors, updated in place; P slots, C tracked DRAM ids, each with one extra
@@ -16,6 +19,7 @@ dump entry at the end whose content is meaningless):
     block_slot (C + 1,) slot holding each DRAM block, -1 when not resident;
     slot_block (P + 1,) DRAM id held by each slot, -1 when free;
     slot_tick  (P + 1,) clock of each slot's last use, -1 when free;
+    slot_order (P,)     every slot once, in eviction order: `eviction_order(slot_tick[:P])`;
     clock      (1,)     lookups so far.
 
 `ReferenceLru` is the plain-Python specification the tensor version is tested against.
@@ -26,8 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-NOT_EVICTABLE = torch.iinfo(torch.long).max
 
 
 @dataclass(frozen=True)
@@ -55,21 +57,43 @@ def dedupe(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ordered, first
 
 
-def lru_victims(slot_tick: torch.Tensor, clock: torch.Tensor, count: int, slot_index: torch.Tensor) -> torch.Tensor:
-    """`count` slots in eviction order: free slots, then least recently used; ties by slot index.
+def eviction_order(slot_tick: torch.Tensor) -> torch.Tensor:
+    """(P,) slots in eviction order: free first, then least recently used; ties by slot index.
 
-    Args:
-        slot_tick: (P,) last use of each slot (-1 free); slots used at `clock` are not evictable.
-        clock: (1,) the current lookup's clock.
-        count: victims wanted (<= P); entries past the number of evictable slots are meaningless.
-        slot_index: (P,) long arange(P), kept by the caller so no lookup allocates it.
-    Returns:
-        (count,) long slots.
+    A sort: what `slot_order` must always equal, rebuilt this way only when the pool grows.
     """
     num_slots = slot_tick.shape[0]
-    # (tick, slot) as one key: a deterministic order even among slots last used at the same tick.
-    key = torch.where(slot_tick < clock, slot_tick * num_slots + slot_index, NOT_EVICTABLE)
-    return key.topk(count, largest=False, sorted=True).indices
+    return (slot_tick * num_slots + torch.arange(num_slots, device=slot_tick.device)).argsort()
+
+
+def lru_victims(slot_order: torch.Tensor, slot_tick: torch.Tensor, clock: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` slots of `slot_order` not used at `clock`: (count,) long, in eviction order.
+
+    Entries past the number of evictable slots are meaningless (slot 0).
+    """
+    evictable = slot_tick[slot_order] < clock  # (P,) per position in the order
+    rank = evictable.cumsum(0) - 1
+    victims = slot_order.new_zeros(count + 1)  # the last entry is the dump for the rest
+    victims[torch.where(evictable & (rank < count), rank, count)] = slot_order
+    return victims[:count]
+
+
+def move_slots_(slot_order: torch.Tensor, moved: torch.Tensor, slot_index: torch.Tensor, to_front: bool) -> None:
+    """Reorder `slot_order` in place: the slots where `moved` (P,) bool go, by slot index, to its
+    front (or back); the other slots keep their relative order. Fixed shapes, no sort."""
+    num_slots = slot_order.shape[0]
+    num_moved = moved.sum()
+    stays = ~moved[slot_order]  # (P,) per position in the order
+    stay_position = stays.cumsum(0) - 1
+    moved_position = moved.cumsum(0) - 1  # (P,) per slot: slot order among the moved ones
+    if to_front:
+        stay_position = stay_position + num_moved
+    else:
+        moved_position = moved_position + (num_slots - num_moved)
+    reordered = slot_order.new_empty(num_slots + 1)  # each real entry written exactly once; the dump absorbs the rest
+    reordered[torch.where(stays, stay_position, num_slots)] = slot_order
+    reordered[torch.where(moved, moved_position, num_slots)] = slot_index
+    slot_order.copy_(reordered[:num_slots])
 
 
 def lookup_(
@@ -77,6 +101,7 @@ def lookup_(
     block_slot: torch.Tensor,
     slot_block: torch.Tensor,
     slot_tick: torch.Tensor,
+    slot_order: torch.Tensor,
     clock: torch.Tensor,
     slot_index: torch.Tensor,
 ) -> Lookup:
@@ -87,7 +112,7 @@ def lookup_(
 
     Args:
         block_ids: any shape, long DRAM ids, -1 = unused entry; numel() = n <= P.
-        block_slot, slot_block, slot_tick, clock: the tables (see the module docstring).
+        block_slot, slot_block, slot_tick, slot_order, clock: the tables (see the module docstring).
         slot_index: (P,) long arange(P).
     """
     num_slots, dump_block = slot_block.shape[0] - 1, block_slot.shape[0] - 1
@@ -97,7 +122,7 @@ def lookup_(
     slots = torch.where(first, block_slot[ids.clamp(min=0)], -1)
     hit, miss = first & (slots >= 0), first & (slots < 0)
     slot_tick[torch.where(hit, slots, num_slots)] = clock  # touch the hits first: they are not victims
-    victims = lru_victims(slot_tick[:num_slots], clock, count, slot_index)  # (n,)
+    victims = lru_victims(slot_order, slot_tick[:num_slots], clock, count)  # (n,)
     rank = miss.cumsum(0) - 1  # the j-th miss (in id order) takes the j-th victim
     load_slots = torch.where(miss, victims[rank.clamp(min=0)], -1)
     target = torch.where(miss, load_slots, num_slots)  # masked entries write the dump slot
@@ -108,6 +133,7 @@ def lookup_(
     slot_block[target] = ids
     slot_tick[target] = clock
     block_slot[torch.where(miss, ids, dump_block)] = load_slots
+    move_slots_(slot_order, slot_tick[:num_slots] == clock, slot_index, to_front=False)  # used now: last to go
     flat = block_ids.reshape(-1)
     resolved = torch.where(flat >= 0, block_slot[flat.clamp(min=0)], -1).view_as(block_ids)
     load_ids = torch.where(miss, ids, -1)
@@ -115,9 +141,15 @@ def lookup_(
 
 
 def invalidate_(
-    block_ids: torch.Tensor, block_slot: torch.Tensor, slot_block: torch.Tensor, slot_tick: torch.Tensor
+    block_ids: torch.Tensor,
+    block_slot: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_tick: torch.Tensor,
+    slot_order: torch.Tensor,
+    slot_index: torch.Tensor,
 ) -> None:
-    """Forget the blocks `block_ids` (n,) (freed DRAM ids, which will be reused); -1 entries ignored."""
+    """Forget the blocks `block_ids` (n,) (freed DRAM ids, which will be reused); -1 entries ignored.
+    Their slots become free: first in `slot_order`, among the free ones by slot index."""
     num_slots, dump_block = slot_block.shape[0] - 1, block_slot.shape[0] - 1
     ids = block_ids.clamp(min=0)
     slots = torch.where(block_ids >= 0, block_slot[ids], -1)
@@ -125,6 +157,7 @@ def invalidate_(
     slot_block.index_fill_(0, target, -1)
     slot_tick.index_fill_(0, target, -1)
     block_slot.index_fill_(0, torch.where(block_ids >= 0, block_ids, dump_block), -1)
+    move_slots_(slot_order, slot_tick[:num_slots] < 0, slot_index, to_front=True)
 
 
 class ReferenceLru:
