@@ -53,13 +53,19 @@ def test_only_the_last_rung_replays_cuda_graphs(tiny):
     assert graphs == {system: system == "ours" for system in LADDER}
 
 
-def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
-    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=(40, 90), output_range=(3, 5), seed=0)
-    longest = max(len(request.prompt) for request in trace.requests)
+def run_refusing_from(tiny, prompt_range: tuple[int, int], pick) -> tuple[list, int]:
+    """A 3-request trace through a Generator whose HBM cache is one byte short of the prefill of the
+    prompt `pick` (min or max) chooses by length: (the run's records, that prompt's length)."""
+    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=prompt_range, output_range=(3, 5), seed=0)
+    limit = pick(len(request.prompt) for request in trace.requests)
     config = SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=64 * BLOCK_BYTES)
-    needed = Generator(tiny, None, config).sizes.prefill_bytes(longest)
+    needed = Generator(tiny, None, config).sizes.prefill_bytes(limit)
     gen = Generator(tiny, None, SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=needed - 1))
-    records = run_generator(gen, trace, rate=100.0).records
+    return run_generator(gen, trace, rate=100.0).records, limit
+
+
+def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
+    records, longest = run_refusing_from(tiny, (40, 90), max)
     failed = [record for record in records if record.prompt_tokens == longest]
     assert failed and all("cannot fit alone" in record.error for record in failed)
     assert all(record.error is None for record in records if record.prompt_tokens < longest)
@@ -67,10 +73,5 @@ def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
 
 def test_a_run_whose_last_arrivals_are_all_refused_ends_with_their_reasons(tiny):
     """Nothing in flight after the last refusal: the run ends (it used to index past the trace)."""
-    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=(80, 90), output_range=(3, 5), seed=0)
-    shortest = min(len(request.prompt) for request in trace.requests)
-    config = SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=64 * BLOCK_BYTES)
-    needed = Generator(tiny, None, config).sizes.prefill_bytes(shortest)
-    gen = Generator(tiny, None, SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=needed - 1))
-    records = run_generator(gen, trace, rate=100.0).records
+    records, _ = run_refusing_from(tiny, (80, 90), min)
     assert len(records) == 3 and all("cannot fit alone" in record.error for record in records)
