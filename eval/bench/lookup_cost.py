@@ -9,17 +9,17 @@ victim choice alone (`lru.lru_victims`) and a bare `topk` of the selection's siz
 (what the victim choice was until the eviction order was kept: the results file's first run,
 at f6872a4, timed that top-k as `lru_victims`).
 P = 822K is the serving sweep's 13.5 GB cache; 2.6M the decode-step bench's 40 GiB. The LRU is
-warmed with the same ids first, so lookups hit. Microseconds, the mean of 200 replays.
+warmed with the same ids first, so lookups hit. Microseconds per replay, the median of
+`graph_ms` (the results file's f6872a4 run timed the mean of 200 replays with its own loop).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
-from eval.bench.common import run_record
+from eval.bench.common import graph_ms, run_record, time_ms
 from sparseserve_hf.cache import lru
 from sparseserve_hf.ops import reference
 
@@ -31,33 +31,12 @@ CASES = (
 )  # B, N, P, DRAM blocks
 
 
-def replay_us(fn: Callable[[], object], iters: int = 200) -> float:
-    """Mean microseconds of one replay of `fn` captured in a CUDA graph (warmed on a side stream);
-    on CPU (the script's test) mean microseconds of plain calls."""
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e6 / iters
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+def replay_us(fn: Callable[[], object]) -> float:
+    """Microseconds of one replay of `fn` captured in a CUDA graph (`graph_ms`); on CPU, the
+    script's test, of one plain call (`time_ms`)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ms = graph_ms(fn, device) if device.type == "cuda" else time_ms(fn, device)
+    return float("nan") if ms is None else ms * 1e3
 
 
 def one_case(batch: int, width: int, slots: int, dram_blocks: int, device: str = "cuda") -> str:

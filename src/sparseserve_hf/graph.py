@@ -6,8 +6,8 @@ change a shape, allocate where the graph does not expect it or take a Python bra
 step splits in three:
 
 1. pre-step, eager: refuse positions past the model's limit; keep the block table at a fixed width
-   (`table_width`: `table_step` x 1, 2, 3, 4, 6, 8, ... blocks, room for every row's next block); save every full tail
-   block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
+   (`table_width`: `table_step` x 1, 2, 3, 4, 6, 8, ... blocks, room for every row's next block);
+   save every full tail block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
    tokens of a row); drop the graphs if a store tensor they hold by address has moved. The rows'
    own tensors (tail, lengths, block table) may move freely, e.g. when a batch's rows change:
    before a replay they are copied into the ones its graph was captured with.
@@ -34,7 +34,7 @@ from .cache.layer import SparseServeLayer
 from .compat import cache_kwarg
 from .ops import resolve_backend
 
-DEFAULT_TABLE_STEP = 128  # blocks: table widths are 128 x (1, 2, 3, 4, 6, 8, ...) blocks (4K tokens at block_size 32)
+DEFAULT_TABLE_STEP = 128  # blocks (4K tokens at block_size 32): widths are 128 x (1, 2, 3, 4, 6, 8, ...)
 DEFAULT_MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first): bounds their memory pools
 HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
 

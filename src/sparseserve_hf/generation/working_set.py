@@ -81,17 +81,17 @@ class WorkingSetTracker:
 
 def _stacked(layers: list) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """Each layer's (block_ids, picked, valid) with a leading layer axis: one (L, ...) stack when
-    every layer has the same table width and picked this step, else one (1, ...) entry per layer
-    (picked and valid None where a layer picked nothing)."""
-    entries = [
-        (layer.block_ids, *(layer.last_pick[:2] if layer.last_pick is not None else (None, None))) for layer in layers
+    every layer picked this step with the same shapes, else one (1, ...) entry per layer (picked
+    and valid None where a layer picked nothing)."""
+    picks = [layer.last_pick for layer in layers]
+    shapes = {(layer.block_ids.shape, pick[0].shape) for layer, pick in zip(layers, picks) if pick is not None}
+    if None not in picks and len(shapes) == 1:
+        picked, valid = (torch.stack(part) for part in zip(*(pick[:2] for pick in picks)))
+        return [(torch.stack([layer.block_ids for layer in layers]), picked, valid)]
+    return [
+        (layer.block_ids[None], *((pick[0][None], pick[1][None]) if pick is not None else (None, None)))
+        for layer, pick in zip(layers, picks)
     ]
-    if (
-        len({(table.shape, picked is None or picked.shape) for table, picked, _ in entries}) == 1
-        and entries[0][1] is not None
-    ):
-        return [tuple(torch.stack(parts) for parts in zip(*entries))]
-    return [tuple(None if t is None else t.unsqueeze(0) for t in entry) for entry in entries]
 
 
 def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int) -> int:
