@@ -119,20 +119,31 @@ def causal_attention_over_past(
 
 def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
-    config, store = layer.config, layer.store
-    ops = store.ops
     q = query[:, :, 0]  # (B, Hq, D)
+    slots, head_mask = select_and_fetch(layer, q)
+    tail = layer.tail
+    out = layer.store.ops.sparse_decode(
+        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling
+    )
+    return out.unsqueeze(1)
+
+
+def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
+    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, and the
+    per-query-head mask (B, Hq, U) or None. Records the pick in `layer.last_pick`."""
+    config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
-    group = q.shape[1] // num_kv_heads
     table = layer.block_ids  # (B, Hkv, N)
-    scores = ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
-    picked, valid, head_mask = pick_blocks(ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
+    scores = store.ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
+    picked, valid, head_mask = pick_blocks(store.ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
+    if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
+        picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
+        head_mask = None
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids)
-    layer.last_pick = (picked, valid, head_mask, group)  # expanded per query head only when read
-    tail = layer.tail
-    out = ops.sparse_decode(q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling)
-    return out.unsqueeze(1)
+    layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
+    return slots, head_mask
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,12 @@ class TieredBlockStore:
         self._stats = TransferStats()
         self._reallocations = 0
         self._track_capacity()
+        # A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
+        # width U) -> (picked, valid), each (B, Hkv, U), that replaces the blocks each KV head loads
+        # after scoring and top-k have run (e.g. a recorded trace of a real model's selections, so
+        # a random-weight model shows a real model's locality). Every query head then attends all
+        # of its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
+        self.selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
         """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
