@@ -22,7 +22,7 @@ CONFIG = SparseServeConfig(block_size=16, token_budget=48)
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(seed=-3), "seed"),
-        (dict(stop=["x"]), "stop"),
+        (dict(stop=["x", ""]), "stop"),
         (dict(stop=("",)), "stop"),
         (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     ],

@@ -32,6 +32,7 @@ from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
 from ..graph import DecodeGraphRunner
 from ..ops import get_ops
+from .inputs import as_prompt_list, check_engine_arguments, metrics_sink, prompt_token_ids
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
@@ -42,7 +43,7 @@ from .scheduler import DECODE, PREFILL, Candidate, Limits, Plan, schedule
 from .sizing import EngineSizes
 from .working_set import WorkingSetTracker, initial_working_set
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | torch.Tensor
 
 
 class Generator:
@@ -55,7 +56,14 @@ class Generator:
             `max_batch`, `max_batch_tokens`, `working_set_window`, `admission`,
             `prefill_mode`, `max_inject_tokens`, and the ablation switches `offload`, `transfer`,
             `save_path`, which the engine's one store is built from).
-        metrics_file: a path or text handle that gets one JSON line per finished request.
+        metrics_file: a path (str or path-like, in an existing folder) or text handle that gets
+            one JSON line per finished request.
+
+    Raises:
+        TypeError: `model` is not a transformers model, `tokenizer` is not a tokenizer (e.g. the
+            config given in its place: the config is the third argument, or `config=`), `config`
+            is not a SparseServeConfig, `metrics_file` is not a path or text handle.
+        ValueError / NotImplementedError: a model or config the engine cannot serve.
 
     Example:
         >>> gen = Generator(model, tokenizer, SparseServeConfig(token_budget=2048, hbm_cache_bytes=40 << 30))
@@ -71,6 +79,8 @@ class Generator:
         *,
         metrics_file: str | IO[str] | None = None,
     ) -> None:
+        check_engine_arguments(model, tokenizer, config)
+        metrics_file = metrics_sink(metrics_file)
         self.config = config if config is not None else SparseServeConfig()
         _check_model(model, self.config)
         self.model, self.tokenizer = model, tokenizer
@@ -97,17 +107,26 @@ class Generator:
     # ---- engine-level API ------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, prompt_index: int | None = None) -> int:
-        """Queue one request; returns its id.
+        """Queue one request; returns its id. Nothing changes when it raises.
+
+        Args:
+            prompt: a str (needs the tokenizer; tokenized as is), a flat list/tuple of int token
+                ids, or an integer tensor (T,) or (1, T).
+            params: its SamplingParams; None = the defaults.
+            prompt_index: reported on its events and output (an int >= 0, or None).
 
         Raises:
             ValueError: a request that can never run (empty prompt, ids outside the vocabulary, a
                 prompt with no room left in the model's context, one that cannot fit alone in
-                `hbm_cache_bytes` / `dram_bytes`, stop strings without a tokenizer).
-            TypeError: `params` is not a SamplingParams.
+                `hbm_cache_bytes` / `dram_bytes`, stop strings without a tokenizer,
+                `stop_token_ids` outside the vocabulary), a negative `prompt_index`.
+            TypeError: `prompt` is not a prompt (None, an int, bools, floats, nested lists, a
+                non-integer tensor), `params` is not a SamplingParams, `prompt_index` not an int.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        _check_prompt_index(prompt_index)
         ids = self._prompt_ids(prompt, params)
         request_id, self._next_id = self._next_id, self._next_id + 1
         request = Request(
@@ -158,16 +177,32 @@ class Generator:
     # ---- list-in, list-out API ---------------------------------------------------------------
 
     def stream(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams | None] | None = None,
     ) -> Iterator[StreamEvent]:
         """Submit `prompts` and yield their events as tokens come (each event names its prompt_index).
+
+        `prompts` is a list of prompts, or one prompt (a str, a flat list of token ids, a 1-D
+        tensor: a list of one, as in vLLM's `LLM.generate`; so `stream("Hi")` is one request,
+        not "H" and "i"). A 2-D tensor is a list of its rows. `params` is one SamplingParams for
+        all, one per prompt, or None (the defaults).
 
         A prompt that can never run (empty, too long, bad ids...) yields one finishing event with
         finish_reason "error" and the message; the others run. Events of requests added with
         `submit` are kept for the next `step()` caller.
+
+        Raises (at the call, before anything is submitted):
+            TypeError: `prompts` is neither a prompt nor a sequence of them; `params` is not a
+                SamplingParams, None or a sequence of them.
+            ValueError: a params sequence whose length is not the number of prompts.
         """
+        prompt_list = as_prompt_list(prompts)
+        return self._stream(prompt_list, _per_prompt(params, len(prompt_list)))
+
+    def _stream(self, prompts: list[Any], params: list[SamplingParams | None]) -> Iterator[StreamEvent]:
         own: set[int] = set()
-        for index, (prompt, request_params) in enumerate(zip(prompts, _per_prompt(params, len(prompts)))):
+        for index, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
                 own.add(self.submit(prompt, request_params, prompt_index=index))
             except (ValueError, TypeError) as exc:
@@ -184,11 +219,18 @@ class Generator:
             self._pending.extend(other)
 
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` to completion; returns their outputs in the same order."""
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        for event in self.stream(prompts, params):
+        """Run `prompts` to completion; returns their outputs in the same order.
+
+        Takes what `stream` takes: a list of prompts, or one prompt, which returns a list of one
+        output. Raises what `stream` raises, before anything runs.
+        """
+        prompt_list = as_prompt_list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(prompt_list)
+        for event in self._stream(prompt_list, _per_prompt(params, len(prompt_list))):
             if event.finished:
                 outputs[event.prompt_index] = event.output
         return outputs  # type: ignore[return-value]
@@ -422,25 +464,23 @@ class Generator:
             times.working_set_bytes = times.working_set_blocks * self.store.block_bytes
 
     def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer: pass one to Generator or give token ids")
-            ids = tuple(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, torch.Tensor):
-            if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-                raise ValueError(f"a prompt tensor must be (T,) or (1, T), got {tuple(prompt.shape)}")
-            ids = tuple(prompt.flatten().tolist())
-        else:
-            ids = tuple(prompt)
+        """The prompt's token ids once it and `params` pass every check that needs the engine."""
+        ids = prompt_token_ids(prompt, self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (use stop_token_ids without one)")
+        vocab = self.sizes.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # the model can never produce such an id
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} reach past the model's vocabulary [0, {vocab})")
         self.sizes.check_prompt(ids, params.max_new_tokens)
         return ids
 
     def _rejected(self, prompt: Prompt, index: int, message: str) -> StreamEvent:
         """The one event of a prompt `submit` refused (it never gets an id that runs)."""
         request_id, self._next_id = self._next_id, self._next_id + 1
-        ids = tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
+        try:  # a prompt refused for its length or ids still reports them; a malformed one reports ()
+            ids = prompt_token_ids(prompt, self.tokenizer)
+        except (TypeError, ValueError):
+            ids = ()
         output = RequestOutput(request_id, ids, (), "" if self.tokenizer is not None else None, "error", message)
         return StreamEvent(request_id, None, output.text, output, index)
 
@@ -470,10 +510,24 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams | None]:
+def _per_prompt(params: object, count: int) -> list[SamplingParams | None]:
+    """`params` of `stream`/`generate` as one entry per prompt; refuses anything else by name."""
     if params is None or isinstance(params, SamplingParams):
         return [params] * count
-    params = list(params)
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise TypeError(f"params must be a SamplingParams, None or a list of them, got {type(params).__name__}")
+    bad = [type(p).__name__ for p in params if p is not None and not isinstance(p, SamplingParams)]
+    if bad:
+        raise TypeError(f"params must be a SamplingParams, None or a list of them; the list holds {bad[0]}")
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
-    return params
+    return list(params)
+
+
+def _check_prompt_index(prompt_index: object) -> None:
+    if prompt_index is None:
+        return
+    if not isinstance(prompt_index, int) or isinstance(prompt_index, bool):
+        raise TypeError(f"prompt_index must be an int or None, got {type(prompt_index).__name__}")
+    if prompt_index < 0:
+        raise ValueError(f"prompt_index must be >= 0, got {prompt_index}")

@@ -67,9 +67,9 @@ class EngineSizes:
         """Raise ValueError for a prompt that can never run, naming the problem."""
         if not ids:
             raise ValueError("empty prompt: give at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
-            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
-            raise ValueError(f"prompt token {bad!r} is not an id in the model's vocabulary [0, {self.vocab_size})")
+        for t in ids:  # one predicate finds and names the bad id (a bool is no id: True == 1 to Python)
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token {t!r} is not an id in the model's vocabulary [0, {self.vocab_size})")
         if self.max_positions is not None and len(ids) >= self.max_positions:
             raise ValueError(
                 f"prompt of {len(ids)} tokens leaves no room to generate within the model's "
