@@ -1,32 +1,32 @@
-"""Decode step benchmark (target T8): one full decode step, dense DynamicCache vs SparseServeCache.
+"""Decode step benchmark: one full decode step, stock transformers vs SparseServeCache.
 
-    python -m eval.bench.decode_step --out eval/results/decode_step.json   # ~4-6 min on the H200
-    python -m eval.bench.decode_step --graph --out ...                     # + the CUDA-graph step
-    python -m eval.bench.decode_step --dry-run [--graph]                   # tiny shapes on CPU
+    python -m eval.bench.decode_step --graph --out eval/results/decode_step.json   # ~8 min on the H200
+    python -m eval.bench.decode_step --dry-run --graph                             # tiny shapes on CPU
 
-Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32696: the DRAM pool then
-holds every block the run saves, --graph's steps included, in exactly 64 GiB of pinned memory, a
-power of two as the caching host allocator rounds), token budget 2048, 32-token blocks. Baseline
-in the same run: stock `model(...)` with SDPA and a `DynamicCache` (64 GiB of KV on the device).
+Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32696), `SparseServeConfig()`
+defaults except the HBM block cache (25% of the batch's dense KV) and the DRAM pool (sized for
+every block the run saves). Baselines in the same run, both warm: stock `model(...)` with SDPA and
+a `DynamicCache`, and stock's static path (a `StaticCache` and the model's compiled call, as
+`generate(cache_implementation="static")` runs it); `stock_best_ms` is the faster.
 
 The KV is random and written straight into the caches (`decode_step_setup`; no 16 x 32K
-prefill); tokens are the model's own greedy picks from a random start. Selection is real
-Quest selection on the model's queries, but over random keys: step-to-step locality (hence
-the hit rate) is what random KV gives, not what a real prompt would.
+prefill); tokens are the model's own greedy picks from a random start. The sparse step runs in
+two blocks on one cache:
+- `random_kv`: the model's own selection over random keys, which moves every step;
+- `real_locality`: scoring and top-k still run, but the blocks loaded follow a recorded trace of
+  the real default model's selections (`selection_trace.TraceReplay` through the store's
+  `selection_override`), so the HBM cache sees a real model's step-to-step locality.
+Each block reports `overlap_1step` / `overlap_union12` of the selections it ran, ms/step eager
+(`sparse_ms`) and as CUDA-graph replays (`graph_ms`, `graph.DecodeGraphRunner`), the hit rate,
+the floor ((weights + loaded KV + metadata bytes) / HBM copy bandwidth + missed-block bytes /
+PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's selection +
+lookup (`attention.select_and_fetch`) as a graph replay (`bookkeeping_us_per_layer`) beside its
+metadata read time, and a breakdown from an instrumented eager pass (CUDA events around scoring,
+top-k, table lookup, FlashH2D transfer, attention; `other` = projections, MLPs, launches).
 
-Reported: ms/step of both (wall clock over `--steps` steady steps after `--warmup` steps, so
-the LRU cache holds the recent selections); a breakdown of the sparse step from a separate
-instrumented pass (CUDA events around scoring, top-k, table lookup, FlashH2D transfer,
-attention; `other` = the rest: projections, MLPs, launches); the hit rate; and the step's floor
-as T8 defines it: (weights + selected KV + metadata bytes) / HBM copy bandwidth + missed-block
-bytes / PCIe H2D bandwidth, both bandwidths measured in this run.
-
-`--graph` also times the same greedy decode as CUDA-graph replays (`graph.DecodeGraphRunner`, on
-the same cache after the eager steps): `graph_ms`, `graph_step_over_floor`. On CPU (--dry-run) the
-runner runs its static step eagerly. A short sub-run then checks the graph's tokens: a 4-layer
-model of the same shape, three caches with the same random KV (two full-size pools would not fit
-in RAM), decoded by the graph, by the same step run eagerly and by the ordinary eager path
-(`graph_equality`; its context puts a tail-block save inside the steps).
+`--graph` also checks the graph's tokens: a 4-layer model of the same shape, three caches with
+the same random KV, decoded by the graph, by the same step run eagerly and by the ordinary
+eager path (`graph_equality`; its context puts a tail-block save inside the steps).
 """
 
 from __future__ import annotations
@@ -35,18 +35,31 @@ import argparse
 import gc
 import os
 import time
+from pathlib import Path
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, time_ms, write_json
+from eval.bench.common import (
+    graph_ms,
+    pick_device,
+    prepare_triton,
+    print_table,
+    run_record,
+    sync,
+    time_ms,
+    write_json,
+)
 from eval.bench.decode_step_setup import SHAPES, RegionTimer, build_model, dense_cache, instrument, sparse_cache
+from eval.bench.selection_trace import UNION_WINDOW, SelectionTrace, TraceReplay, describe, overlaps, sha256
 from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
 
 GIB = 1 << 30
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 GRAPH_WARMUP = 3  # graph steps before timing; the first one captures
 EQUALITY_LAYERS = 4
 
@@ -56,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=32696)
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--hbm-cache-gib", type=float, default=40.0)
+    parser.add_argument("--hbm-cache-gib", type=float, default=None, help="fixed HBM cache size (else the fraction)")
+    parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the batch's dense KV")
+    parser.add_argument("--locality", choices=("random", "real", "both"), default="both")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="selection trace for --locality real|both")
+    parser.add_argument("--skip-static", action="store_true", help="skip stock's StaticCache + compiled step")
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--breakdown-steps", type=int, default=8)
@@ -104,7 +121,44 @@ def measure_dense(args, device, dtype, shape: str) -> float:
     return ms
 
 
+def measure_static(args, device, dtype, shape: str) -> float | None:
+    """ms/step of stock transformers' static path: a `StaticCache` and the model's compiled call
+    (what `generate(cache_implementation="static")` runs per decode step), warm. None when it fails."""
+    from transformers import StaticCache
+
+    model = build_model(shape, "sdpa", device, dtype, args.context + 1024)
+    steps = 2 + args.dense_steps
+    cache = StaticCache(config=model.config, max_cache_len=args.context + steps + 8)
+    text = model.config
+    shape_kv = (args.batch, text.num_key_value_heads, args.context, text.head_dim)
+    positions = {"cache_position": torch.arange(args.context, device=device)}
+    for layer_idx in range(text.num_hidden_layers):
+        keys = torch.randn(shape_kv, dtype=dtype, device=device)
+        cache.update(keys, torch.randn_like(keys), layer_idx, positions)
+        del keys
+    compiled = model.get_compiled_call(None) if device.type == "cuda" else model
+    tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
+    kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    try:
+        with torch.no_grad():
+            for _ in range(2):  # compile and warm up (cudagraph trees record on the second call)
+                tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(args.dense_steps):
+                tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1).clone()
+            sync(device)
+        ms = (time.perf_counter() - start) * 1e3 / max(args.dense_steps, 1)
+    except Exception as exc:  # noqa: BLE001  a baseline that cannot run is recorded as missing
+        print(f"static stock step failed: {type(exc).__name__}: {exc}")
+        ms = None
+    del model, cache, compiled
+    _free(device)
+    return ms
+
+
 def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -> dict[str, Any]:
+    """One cache, then each locality in turn: eager steps, graph steps, bookkeeping, breakdown."""
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024)
     total_steps = decode_steps(args)
     filled = time.perf_counter()
@@ -112,7 +166,36 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
     fill_s = time.perf_counter() - filled
     store = cache.store
     tokens = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
+    out: dict[str, Any] = {
+        "fill_seconds": fill_s,
+        "dram_pool_bytes": store.dram.capacity * store.block_bytes,
+        "hbm_cache_slots": store.hbm.num_slots,
+    }
+    for locality in localities(args):
+        replay = None
+        if locality == "real_locality":
+            trace = SelectionTrace.load(args.trace)
+            replay = TraceReplay(trace, len(cache.layers), model.config.num_key_value_heads, device, keep=True)
+            out["trace"] = {"path": args.trace, "sha256": sha256(args.trace)} | describe(trace)
+        store.selection_override = replay
+        out[locality], tokens = measure_locality(args, model, cache, tokens, replay)
+    del model, cache, store
+    _free(device)
+    return out
+
+
+def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any], torch.Tensor]:
+    """The sparse step's numbers under the store's current `selection_override`."""
+    device, store = tokens.device, cache.store
     _, tokens = run_steps(model, cache, tokens, args.warmup)
+    locality: dict[str, Any] = {}
+    if replay is not None:  # what the warm-up replayed: the locality the timed steps see
+        text = model.config
+        longest = int(cache.layers[0].num_blocks.max())
+        locality = overlaps(replay.replayed_loaded(text.num_hidden_layers, longest))
+        replay.keep, replay.replayed = False, []
+    else:
+        locality, tokens = selection_overlaps(model, cache, tokens, UNION_WINDOW + 2)
     store.stats = type(store.stats)()  # count the steady steps only
     ms, tokens = run_steps(model, cache, tokens, args.steps)
     stats = store.stats
@@ -121,26 +204,64 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
         "sparse_ms": ms,
         "hit_rate": stats.hits / looked_up if looked_up else 0.0,
         "miss_bytes_per_step": stats.h2d_bytes / args.steps,
-        "fill_seconds": fill_s,
-        "dram_pool_bytes": store.dram.capacity * store.block_bytes,
-        "hbm_cache_slots": store.hbm.num_slots,
+        **locality,
     }
     result |= step_bytes(model, cache)
     if args.graph:  # before the breakdown pass: its CUDA-event timers cannot be captured
         graph, tokens = measure_graph(args, model, cache, tokens)
         result |= graph
+    result |= bookkeeping(cache, device)
     timer = RegionTimer(device)
-    instrument(store, timer)
-    step_ms, _ = run_steps(model, cache, tokens, args.breakdown_steps)
+    restore = instrument(store, timer)
+    step_ms, tokens = run_steps(model, cache, tokens, args.breakdown_steps)
+    restore()
     parts = {k: v / args.breakdown_steps for k, v in timer.totals_ms().items()}
     parts["table"] = parts.get("fetch", 0.0) - parts.get("transfer", 0.0)
     named = ("scoring", "topk", "table", "transfer", "attention")
     breakdown = {k: parts.get(k, 0.0) for k in named}
     breakdown["other"] = step_ms - sum(breakdown.values())
     result["breakdown_ms"] = breakdown | {"instrumented_step": step_ms}
-    del model, cache, store
-    _free(device)
-    return result
+    return result, tokens
+
+
+def selection_overlaps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[dict[str, float], torch.Tensor]:
+    """Overlaps of the model's own selections over `steps` eager steps (random KV: no trace)."""
+    num_blocks = int(cache.layers[0].num_blocks.max()) + steps
+    loaded = []
+    for _ in range(steps):
+        _, tokens = run_steps(model, cache, tokens, 1)
+        per_layer = []
+        for layer in cache.layers:
+            picked, valid = layer.last_pick[0], layer.last_pick[1]  # (B, Hkv, U)
+            mask = torch.zeros((*picked.shape[:2], num_blocks + 1), dtype=torch.bool, device=picked.device)
+            mask.scatter_(-1, torch.where(valid, picked, num_blocks), True)
+            per_layer.append(mask[..., :num_blocks].cpu())
+        loaded.append(torch.stack(per_layer, dim=1))  # (B, L, Hkv, N)
+    return overlaps(torch.stack(loaded, dim=1).numpy()), tokens  # (B, T, L, Hkv, N)
+
+
+def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
+    """Per layer: selection + lookup (`select_and_fetch`, scoring to slots, misses loaded) as a graph
+    replay, and the time the layer's metadata takes to read at the measured copy bandwidth."""
+    layer = cache.layers[len(cache.layers) // 2]
+    num_q_heads = cache.layers[0].tail.shape[1] * _group(cache)
+    query = torch.randn(
+        (layer.tail.shape[0], num_q_heads, layer.tail.shape[-1]), dtype=layer.tail.dtype, device=device
+    )  # (B, Hq, D)
+    store = layer.store
+    meta_bytes = int((layer.block_ids >= 0).sum()) * store.metadata[:1].numel() * store.metadata.element_size()
+    replay_ms = graph_ms(lambda: select_and_fetch(layer, query), device)
+    eager_ms = time_ms(lambda: select_and_fetch(layer, query), device)
+    return {
+        "bookkeeping_us_per_layer": None if replay_ms is None else replay_ms * 1e3,
+        "bookkeeping_eager_us_per_layer": eager_ms * 1e3,
+        "metadata_bytes_per_layer": meta_bytes,
+    }
+
+
+def _group(cache) -> int:
+    pick = cache.layers[0].last_pick
+    return pick[3] if pick is not None else 1
 
 
 def measure_graph(args, model, cache, tokens: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
@@ -254,50 +375,82 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.equal_context, args.equal_steps = 200, 12  # a tail-block save at step 8
     if device.type != "cuda":
         dtype = torch.float32  # CPU: no bf16 matmuls worth timing; the Triton interpreter mis-handles bf16
+    dense_kv = dense_kv_bytes(args, shape, dtype)
+    hbm_cache = int(args.hbm_cache_gib * GIB) if args.hbm_cache_gib else int(args.hbm_cache_fraction * dense_kv)
     config = SparseServeConfig(
-        block_size=block_size, token_budget=args.budget, hbm_cache_bytes=int(args.hbm_cache_gib * GIB),
+        block_size=block_size, token_budget=args.budget, hbm_cache_bytes=hbm_cache,
         dram_bytes=dram_bytes(args, block_size, shape, dtype), backend="auto", max_batch=args.batch,
     )  # fmt: skip
     _check_ram(config.dram_bytes)
     bw = bandwidths(device)
     _free(device)
     dense = None if args.skip_dense else measure_dense(args, device, dtype, shape)
+    static = None if args.skip_dense or args.skip_static else measure_static(args, device, dtype, shape)
+    stock = [ms for ms in (dense, static) if ms is not None]
+    stock_best = min(stock) if stock else None
     sparse = measure_sparse(args, device, dtype, shape, config)
-    floor = floor_ms(sparse, bw)
-    graph = {}
-    if args.graph:
-        graph = {
-            "graph_step_over_floor": sparse["graph_ms"] / floor,
-            "graph_equality": graph_equality(args, device, dtype, shape, config),
-        }
-        _free(device)
+    blocks = {name: ratios(sparse[name], bw, stock_best, args.graph) for name in localities(args)}
+    equality = graph_equality(args, device, dtype, shape, config) if args.graph else None
+    _free(device)
     result = {
         **run_record(device),
-        "step_over_floor": sparse["sparse_ms"] / floor,
-        "hit_rate": sparse["hit_rate"],
-        "dense_ms": dense,
-        "sparse_ms": sparse["sparse_ms"],
-        "floor_ms": floor,
-        "speedup_vs_dense": dense / sparse["sparse_ms"] if dense else None,
+        "stock_dynamic_ms": dense,
+        "stock_static_ms": static,
+        "stock_best_ms": stock_best,
         "shape": shape,
         "dtype": str(dtype),
         "workload": {k: v for k, v in vars(args).items() if k != "out"} | {"block_size": block_size},
-        "kv_setup": "random K/V written straight into both caches (DynamicCache.update per layer; "
-        "TieredBlockStore.save of random head-blocks + block tables for SparseServeCache), no prefill; "
-        "random start token, then the model's greedy tokens; real Quest selection over random keys",
+        "dense_kv_bytes": dense_kv,
+        "kv_setup": "random K/V written straight into every cache (DynamicCache.update / StaticCache.update per "
+        "layer; TieredBlockStore.save of random head-blocks + block tables for SparseServeCache), no prefill; "
+        "random start token, then the model's greedy tokens. random_kv: the model's own selection over random "
+        "keys; real_locality: scoring and top-k run, the blocks loaded follow the recorded trace (TraceReplay)",
         "config": config.to_dict(),
         **bw,
-        **sparse,
-        **graph,
+        **{k: v for k, v in sparse.items() if k not in blocks},
+        **blocks,
+        "graph_equality": equality,
     }
-    print_table([result], ["dense_ms", "sparse_ms", "floor_ms", "step_over_floor", "hit_rate"])
-    print_table([result["breakdown_ms"]], list(result["breakdown_ms"]))
-    if args.graph:
-        print_table([result], ["sparse_ms", "graph_ms", "graph_step_over_floor", "graph_hit_rate", "graph_captured"])
-        print(f"graph_equality={result['graph_equality']}")
-    print(f"step_over_floor={result['step_over_floor']:.3f} hit_rate={result['hit_rate']:.3f}")
+    columns = ["sparse_ms", "graph_ms", "floor_ms", "graph_step_over_floor", "speedup_vs_best_stock", "hit_rate"]
+    columns += ["overlap_1step", "overlap_union12", "bookkeeping_us_per_layer", "metadata_read_us_per_layer"]
+    print(f"stock: dynamic {dense} ms, static {static} ms, best {stock_best} ms")
+    for name in blocks:
+        print(name)
+        print_table([blocks[name]], [c for c in columns if c in blocks[name]])
+        print_table([blocks[name]["breakdown_ms"]], list(blocks[name]["breakdown_ms"]))
+    if equality is not None:
+        print(f"graph_equality={equality}")
     write_json(args.out, result)
     return result
+
+
+def ratios(block: dict[str, Any], bw: dict[str, float], stock_best: float | None, graph: bool) -> dict[str, Any]:
+    """A locality block with its floor and the ratios the target names."""
+    floor = floor_ms(block, bw)
+    step = block["graph_ms"] if graph else block["sparse_ms"]
+    metadata_us = block["metadata_bytes_per_layer"] / (bw["hbm_copy_gb_per_s"] * 1e3)
+    out = block | {
+        "floor_ms": floor,
+        "step_over_floor": block["sparse_ms"] / floor,
+        "metadata_read_us_per_layer": metadata_us,
+        "bookkeeping_target_us_per_layer": 1.3 * metadata_us + 15,
+        "speedup_vs_best_stock": stock_best / step if stock_best else None,
+    }
+    if graph:
+        out["graph_step_over_floor"] = block["graph_ms"] / floor
+    return out
+
+
+def localities(args) -> list[str]:
+    """The locality blocks this run measures, in order."""
+    return {"random": ["random_kv"], "real": ["real_locality"], "both": ["random_kv", "real_locality"]}[args.locality]
+
+
+def dense_kv_bytes(args, shape: str, dtype: torch.dtype) -> int:
+    """Bytes of the dense KV of the batch at the run's context (what stock holds on the device)."""
+    dims = SHAPES[shape]
+    per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * dtype.itemsize
+    return args.batch * args.context * per_token
 
 
 def dram_bytes(args, block_size: int, shape: str, dtype: torch.dtype) -> int:
@@ -312,7 +465,8 @@ def dram_bytes(args, block_size: int, shape: str, dtype: torch.dtype) -> int:
 def decode_steps(args) -> int:
     """Tokens each row decodes in the main run (the DRAM pool and the tables are sized for them)."""
     graph = GRAPH_WARMUP + args.steps if args.graph else 0
-    return args.warmup + args.steps + args.breakdown_steps + graph
+    per_locality = args.warmup + UNION_WINDOW + 2 + args.steps + args.breakdown_steps + graph
+    return per_locality * len(localities(args))
 
 
 def _check_ram(pool_bytes: int) -> None:

@@ -123,9 +123,12 @@ class RegionTimer:
         return {k: float(sum(v)) for k, v in self.marks.items()}
 
 
-def instrument(store: TieredBlockStore, timer: RegionTimer) -> None:
-    """Time the sparse decode path's parts: scoring, top-k, table lookup (+ transfer), attention."""
-    ops = store.ops
+def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None]:
+    """Time the sparse decode path's parts: scoring, top-k, table lookup (+ transfer), attention.
+
+    Returns a callable that takes the timers out again.
+    """
+    ops, fetch, gather = store.ops, store.fetch, store.hbm.gather_blocks
     store.ops = replace(
         ops,
         score_table=timer.wrap("scoring", ops.score_table),
@@ -136,3 +139,10 @@ def instrument(store: TieredBlockStore, timer: RegionTimer) -> None:
     )
     store.fetch = timer.wrap("fetch", store.fetch)  # table lookup + the FlashH2D launch
     store.hbm.gather_blocks = timer.wrap("transfer", store.hbm.gather_blocks)
+
+    def restore() -> None:
+        store.ops, store.hbm.gather_blocks = ops, gather
+        del store.fetch  # the instance attribute shadowed the method
+        assert store.fetch.__func__ is fetch.__func__
+
+    return restore
