@@ -38,20 +38,45 @@ def sparseserve_attention_forward(
     got = handoff.take(getattr(module, "layer_idx", -1), key)
     if got is None:
         _hint_no_cache()
-    if got is None or got.layer is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer: SparseServeLayer = got.layer
+    try:
+        if got.layer_idx == 0:  # once per forward: the model is the cache's, the positions fit
+            got.log.check_forward(getattr(module, "config", None))
+        out = _attend(got.layer, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    except BaseException:
+        got.log.undo()  # no layer keeps this forward's tokens: the cache is as before it
+        raise
+    got.log.finish(got.layer_idx)
+    return out, None
+
+
+def _attend(
+    layer: SparseServeLayer | None,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    **kwargs,
+) -> torch.Tensor:
+    """(B, T, Hq, D) attention of one layer of a SparseServeCache, committing its staged keys."""
+    if layer is None:  # a dense or sliding-window layer: HF's own SDPA over what its layer returned
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     num_new = query.shape[2]
     real = new_token_mask(attention_mask, num_new, query.shape[0])
     if num_new == 1 and layer.num_positions > num_new:
         layer.commit(real)
-        return sparse_decode_attention(layer, query, scaling), None
+        return sparse_decode_attention(layer, query, scaling)
     out = dense_attention_with_past(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs)
     layer.commit(real)
-    return out, None
+    return out
 
 
 def new_token_mask(attention_mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:

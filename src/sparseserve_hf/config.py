@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -13,6 +15,19 @@ BACKENDS = ("auto", "torch", "triton", "flash")
 PREFILL_MODES = ("layer_segmented", "chunked", "full")
 TRANSFERS = ("kernel", "copy")
 SAVE_PATHS = ("scatter", "flash_d2h")
+INT_FIELDS = (
+    "block_size",
+    "token_budget",
+    "sink_blocks",
+    "window_blocks",
+    "metadata_sub_blocks",
+    "hbm_cache_bytes",
+    "dram_bytes",
+    "max_batch",
+    "max_batch_tokens",
+    "working_set_window",
+    "max_inject_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,7 +44,8 @@ class SparseServeConfig:
         window_blocks: most recent full blocks always selected (the partial tail block
             is always attended on top of these).
         dense_layers: layer indices that keep all their KV in device memory and attend
-            densely (no offload, no selection).
+            densely (no offload, no selection). Any sequence of non-negative ints (a list, a
+            tuple, a range); stored as a sorted tuple without repeats.
         metadata: per-block summary used to score blocks: "quest" (per-channel key
             min/max, an upper bound on q.k), "cuboid" (per-channel key mean, ArkVale) or
             "hybrid" (the block's quest min/max plus the cuboid mean of each sub-block; the
@@ -128,6 +144,10 @@ class SparseServeConfig:
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
         _check_positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -143,10 +163,7 @@ class SparseServeConfig:
                 f"token_budget ({self.token_budget}) holds {self.budget_blocks} blocks, fewer than sink_blocks "
                 f"({self.sink_blocks}) + window_blocks ({self.window_blocks}) + the tail block"
             )
-        if not isinstance(self.dense_layers, tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers
-        ):
-            raise ValueError(f"dense_layers must be a tuple of non-negative ints, got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", _layer_indices("dense_layers", self.dense_layers))
         _check_choice("metadata", self.metadata, METADATA_KINDS)
         _check_positive_int("metadata_sub_blocks", self.sub_blocks)
         if self.sub_blocks & (self.sub_blocks - 1) or self.sub_blocks > self.block_size:
@@ -246,14 +263,13 @@ class SparseServeConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SparseServeConfig:
         """Inverse of `to_dict` (lists from JSON are fine); unknown keys raise ValueError, not ignored."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"from_dict takes a mapping of field names to values, got {type(values).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown SparseServeConfig fields: {unknown}; known: {sorted(known)}")
-        values = dict(values)
-        if "dense_layers" in values:
-            values["dense_layers"] = tuple(values["dense_layers"])
-        return cls(**values)
+        return cls(**values)  # dense_layers from JSON is a list: accepted as any sequence
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -272,5 +288,18 @@ def _check_non_negative_int(name: str, value: object) -> None:
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:  # str first: `in` on an array compares elementwise
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _layer_indices(name: str, value: object) -> tuple[int, ...]:
+    """`value` as a sorted tuple of distinct non-negative ints; ValueError naming `name` otherwise.
+
+    Any sequence is fine (a list from JSON or a caller, a tuple, a range): they all mean a set of
+    layers. A str is refused (a sequence, but of characters), and so are bools (ints in Python).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)):
+        raise ValueError(f"{name} must be a sequence of non-negative ints, got {value!r}")  # noqa: TRY004  as every field
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f"{name} must be a sequence of non-negative ints, got {value!r}")
+    return tuple(sorted({int(i) for i in value}))

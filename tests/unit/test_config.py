@@ -19,8 +19,14 @@ from sparseserve_hf import SparseServeConfig
         (dict(token_budget=64, sink_blocks=1, window_blocks=1), "token_budget"),  # no room for the tail block
         (dict(sink_blocks=-1), "sink_blocks"),
         (dict(window_blocks=1.5), "window_blocks"),
-        (dict(dense_layers=[0, 1]), "dense_layers"),
         (dict(dense_layers=(-1,)), "dense_layers"),
+        (dict(dense_layers="01"), "dense_layers"),  # a sequence, but of characters
+        (dict(dense_layers=(0, True)), "dense_layers"),
+        (dict(dense_layers=3), "dense_layers"),
+        (dict(dense_layers=None), "dense_layers"),
+        (dict(metadata=["quest"]), "metadata"),
+        (dict(block_size=32.0), "block_size"),
+        (dict(hbm_cache_bytes="1GiB"), "hbm_cache_bytes"),
         (dict(metadata="minmax"), "metadata"),
         (dict(selection="head"), "selection"),
         (dict(group_aggregation="mean"), "group_aggregation"),
@@ -54,6 +60,28 @@ def test_defaults_and_derived_sizes():
         True,
     )
     assert (config.prefill_mode, config.max_inject_tokens) == ("layer_segmented", None)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("layers", [[1, 0], (0, 1), range(2), [0, 1, 1]], ids=["list", "tuple", "range", "repeats"])
+def test_dense_layers_take_any_sequence_of_ints(layers):
+    config = SparseServeConfig(dense_layers=layers)
+    assert config.dense_layers == (0, 1)
+    assert config == SparseServeConfig(dense_layers=(0, 1))  # one config however the layers were spelled
+
+
+def test_numpy_ints_become_plain_ints():
+    np = pytest.importorskip("numpy")
+    config = SparseServeConfig(
+        token_budget=np.int64(512), dram_bytes=np.int32(1 << 20), dense_layers=[np.int64(1), np.int64(0)]
+    )
+    assert type(config.token_budget) is int and type(config.dram_bytes) is int
+    assert config.dense_layers == (0, 1) and all(type(i) is int for i in config.dense_layers)
+
+
+def test_from_dict_needs_a_mapping():
+    with pytest.raises(TypeError, match="mapping"):
+        SparseServeConfig.from_dict(None)
 
 
 def test_frozen_and_round_trips_through_dict():

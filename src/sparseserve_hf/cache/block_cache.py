@@ -10,6 +10,7 @@ from ..ops import reference
 from . import lru
 from .dram_pool import DramPool
 from .grow import grown
+from .plain import plain_tensors
 
 UNLIMITED_INITIAL_SLOTS = 256
 
@@ -32,6 +33,7 @@ class HbmBlockCache:
             the DRAM pool: one FlashH2D launch with the Triton backend (entries of -1 skipped).
     """
 
+    @plain_tensors
     def __init__(
         self,
         num_slots: int | None,
@@ -85,6 +87,7 @@ class HbmBlockCache:
         """() long on the device: blocks now resident (no host sync; `num_resident` reads it back)."""
         return (self.slot_block >= 0).sum()
 
+    @plain_tensors
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""
         if capacity + 1 > self._block_slot.shape[0]:
@@ -103,6 +106,7 @@ class HbmBlockCache:
                 "raise hbm_cache_bytes or lower token_budget / batch size"
             )
 
+    @plain_tensors
     def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots holding `block_ids` (any shape, -1 = unused; duplicates allowed), loading the misses.
 
@@ -131,16 +135,14 @@ class HbmBlockCache:
             "lookup_counts": self._counts,
         }
 
+    @plain_tensors
     def counts(self) -> tuple[int, int]:
         """(blocks looked up, misses) since the last call, then zeroed: the one place that syncs."""
         looked_up, misses = self._counts.tolist()
-        # In place: a captured decode step (CUDA graph) keeps adding into this very tensor. An
-        # inference tensor (the store was built under torch.inference_mode) may only be updated
-        # in place inside inference mode, so enter it for exactly that case.
-        with torch.inference_mode(self._counts.is_inference()):
-            self._counts.zero_()
+        self._counts.zero_()  # in place: a captured decode step (CUDA graph) keeps adding into this very tensor
         return looked_up, misses
 
+    @plain_tensors
     def invalidate(self, block_ids: torch.Tensor) -> None:
         """Forget blocks whose DRAM ids are being freed (their ids will be reused)."""
         if block_ids.numel() == 0:

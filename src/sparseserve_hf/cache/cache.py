@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..config import SparseServeConfig
+from ..host_memory import check_host_bytes
 from ..ops import resolve_backend
 from . import handoff
+from .forward_log import ForwardLog, ModelShape
 from .layer import SparseServeLayer
+from .plain import plain_tensors
 from .store import TieredBlockStore
 from .store_slot import StoreSlot
 
@@ -26,11 +31,20 @@ class SparseServeCache(Cache):
     window on the device as in `DynamicCache`; layers in `config.dense_layers` stay dense.
 
     Args:
-        model_config: the model's `PretrainedConfig` (a multimodal config's text config is used).
+        model_config: the model's `PretrainedConfig` (a multimodal config's text config is used),
+            or the `PreTrainedModel` itself (its `.config` is taken). The cache then refuses, at
+            layer 0 of a forward and before anything changes, a model of another shape (layer
+            count, KV heads, head_dim, layer types, max_position_embeddings).
         config: the SparseServeConfig (defaults when None).
         store: a `TieredBlockStore` to share with other caches (the batching Generator gives every
             request's cache the engine's one store, so `hbm_cache_bytes` bounds the whole engine);
             None creates one at the first `update`. Its config must equal `config`.
+
+    Raises:
+        TypeError: `model_config`, `config` or `store` of the wrong type.
+        ValueError: a config the cache cannot serve (see `_check_sizes`), `dram_bytes` beyond the
+            host's available memory.
+        NotImplementedError: an unsupported architecture or backend.
 
     Example:
         >>> cache = SparseServeCache(model.config, SparseServeConfig(token_budget=1024))
@@ -41,29 +55,33 @@ class SparseServeCache(Cache):
     def __init__(
         self, model_config: Any, config: SparseServeConfig | None = None, store: TieredBlockStore | None = None
     ) -> None:
+        self.model_config = _text_config(model_config)
+        if config is not None and not isinstance(config, SparseServeConfig):
+            raise TypeError(f"config must be a SparseServeConfig or None, got {type(config).__name__}")
+        if store is not None and not isinstance(store, TieredBlockStore):
+            raise TypeError(f"store must be a TieredBlockStore or None, got {type(store).__name__}")
         self.config = config if config is not None else SparseServeConfig()
         if store is not None and store.config != self.config:
             raise ValueError("a shared TieredBlockStore must have been built with this cache's SparseServeConfig")
-        self.model_config = model_config.get_text_config()
         model_type = getattr(self.model_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
                 f"SparseServeCache supports model types {SUPPORTED_MODEL_TYPES}, not {model_type!r}"
             )
         resolve_backend(self.config.backend, None)  # fail now, not inside the first forward
-        layer_types = self._layer_types()
+        self.shape = _model_shape(self.model_config)
+        layer_types = list(self.shape.layer_types)
         bad = [i for i in self.config.dense_layers if i >= len(layer_types)]
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
+        self._check_sizes(store)
         self._slot = StoreSlot(self.config, store)  # shared with the layers; refers to no cache (no cycle)
         super().__init__(layers=[self._make_layer(i, kind) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
+        self._log = ForwardLog(self.shape, _model_shape, self.model_config)
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
-
-    def _layer_types(self) -> list[str]:
-        return attention_layer_types(self.model_config)
 
     def _make_layer(self, layer_idx: int, kind: str) -> Any:
         if kind == "sliding_attention":
@@ -86,13 +104,29 @@ class SparseServeCache(Cache):
             heads = getattr(self.model_config, "num_key_value_heads", None) or heads
         return heads * self.config.selected_full_blocks
 
+    def _check_sizes(self, store: TieredBlockStore | None) -> None:
+        """Refuse a store or pool that cannot serve this model: a shared store of another head_dim,
+        a `dram_bytes` below one head-block or beyond the host's available memory (checked now,
+        before the pool is allocated at the first update: a pinned pool past the host's memory
+        would otherwise end in the kernel's OOM killer)."""
+        head_dim = self.shape.head_dim
+        if store is not None and store.dram.block_shape[-1] != head_dim:
+            raise ValueError(
+                f"the shared store holds head-blocks of head_dim {store.dram.block_shape[-1]}, this model's is {head_dim}"
+            )
+        dram_bytes = self.config.dram_bytes
+        if store is not None or dram_bytes is None:
+            return
+        block_bytes = 2 * self.config.block_size * head_dim * _dtype_itemsize(getattr(self.model_config, "dtype", None))
+        if dram_bytes < block_bytes:
+            raise ValueError(f"dram_bytes={dram_bytes} holds no head-block of {block_bytes} bytes")
+        if self.config.offload:
+            check_host_bytes(dram_bytes, f"dram_bytes={dram_bytes}", "lower dram_bytes")
+
     def _check_hbm_cache(self, batch: int, itemsize: int) -> None:
         if self.config.hbm_cache_bytes is None:
             return
-        head_dim = getattr(self.model_config, "head_dim", None) or (
-            self.model_config.hidden_size // self.model_config.num_attention_heads
-        )
-        block_bytes = 2 * self.config.block_size * head_dim * itemsize
+        block_bytes = 2 * self.config.block_size * self.shape.head_dim * itemsize
         slots = self.config.hbm_cache_bytes // block_bytes
         needed = batch * self._selection_blocks_per_request()
         if slots < needed:
@@ -107,32 +141,82 @@ class SparseServeCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate, store (or stage) the new K/V, and hand the layer to the attention function."""
+        """Validate, store (or stage) the new K/V, and hand the layer to the attention function.
+
+        Bad input is refused before any layer changes: at layer 0 for the forward as a whole; at
+        a later layer (keys of another shape) after undoing the layers this forward updated.
+        """
         if layer_idx == 0:
-            self._check_new_tokens(key_states)
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            self._check_new_tokens(key_states, value_states)
+            self._log.begin(self.get_seq_length(), key_states.shape[-2])
+        try:
+            self._check_layer_keys(key_states, value_states, layer_idx)
+            self._log.record(self._undo_step(layer_idx))
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self._log.undo()
+            raise
         layer = self.layers[layer_idx]
-        handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None)
+        handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
         return keys, values
 
-    def _check_new_tokens(self, key_states: torch.Tensor) -> None:
-        """Reject bad input at the first layer, before any layer has changed."""
-        past = self.get_seq_length()
-        limit = getattr(self.model_config, "max_position_embeddings", None)
-        if limit is not None and past + key_states.shape[-2] > limit:
-            raise ValueError(
-                f"{past + key_states.shape[-2]} positions exceed the model's max_position_embeddings ({limit})"
-            )
+    def _check_new_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Reject bad input at the first layer, before any layer has changed.
+
+        The position limit is applied at layer 0's attention instead (`ForwardLog.check_forward`),
+        after the model there is known to be the one this cache was built for.
+        """
+        self._check_layer_keys(key_states, value_states, 0)
         if self.store is not None and (key_states.dtype, key_states.device) != (self.store.dtype, self.store.device):
             raise ValueError(
                 f"this SparseServeCache holds {self.store.dtype} on {self.store.device}, got keys in "
                 f"{key_states.dtype} on {key_states.device}; use one cache per model dtype/device"
             )
-        if past == 0:
+        if self.get_seq_length() == 0:
             self._check_hbm_cache(batch=key_states.shape[0], itemsize=key_states.dtype.itemsize)
 
+    def _check_layer_keys(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Keys and values of one layer must be (B, Hkv, T, D) of this cache's model, for a layer it has."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"layer_idx {layer_idx!r} is out of range: this SparseServeCache was built for a model of "
+                f"{len(self.layers)} layers"
+            )
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise TypeError("key_states and value_states must be tensors")
+        expected = (self.shape.num_kv_heads, self.shape.head_dim)
+        if key_states.dim() != 4 or (key_states.shape[1], key_states.shape[3]) != expected:
+            raise ValueError(
+                f"this SparseServeCache was built for {expected[0]} KV heads of head_dim {expected[1]} "
+                f"(B, Hkv, T, D keys), got keys of shape {tuple(key_states.shape)} at layer {layer_idx}; "
+                "build one cache per model, SparseServeCache(model.config, ...)"
+            )
+        if value_states.shape != key_states.shape or value_states.dtype != key_states.dtype:
+            raise ValueError(
+                f"values {tuple(value_states.shape)} {value_states.dtype} do not match keys "
+                f"{tuple(key_states.shape)} {key_states.dtype} at layer {layer_idx}"
+            )
+
+    def _undo_step(self, layer_idx: int) -> Callable[[], None]:
+        """How to take back the update about to run on layer `layer_idx` (see `ForwardLog`)."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, SparseServeLayer):
+            return layer.undo_update
+        if not layer.is_initialized:
+            return layer.reset  # the update creates the layer's tensors: back to empty
+        if type(layer) is DynamicLayer:  # it only appends: cutting back to the old length undoes it
+            length = layer.get_seq_length()
+            return lambda: _cut_dense(layer, length)
+        # A sliding-window layer drops its oldest tokens, so a cut cannot undo it; it replaces its
+        # keys and values (torch.cat) without writing into them, so these references (at most a
+        # window's worth, let go when the forward ends) are its state before the update.
+        before = dict(vars(layer))
+        return lambda: _restore(layer, before)
+
+    @plain_tensors
     def reset(self) -> None:
         """Free every block and forget all rows; the pools stay allocated for reuse."""
+        self._log.clear()
         super().reset()
         if self.store is not None and self._owns_store:
             self.store.stats = type(self.store.stats)()
@@ -143,11 +227,22 @@ class SparseServeCache(Cache):
         """Move every row of `other` after this cache's rows; `other` is left empty.
 
         Both caches must share one store (see `store` above). Block references move with the
-        rows, so no block is copied or freed.
+        rows, so no block is copied or freed. Every layer is checked before any row moves.
         """
+        if not isinstance(other, SparseServeCache):
+            raise TypeError(f"append_rows takes a SparseServeCache, got {type(other).__name__}")
         if other.store is not self.store:
             raise ValueError("append_rows needs two caches over one shared TieredBlockStore")
-        for mine, theirs in zip(self._sparse_layers(), other._sparse_layers()):
+        if other.shape != self.shape:
+            raise ValueError(
+                f"append_rows needs caches of one model shape: {'; '.join(self.shape.differences(other.shape))}"
+            )
+        pairs = list(zip(self._sparse_layers(), other._sparse_layers()))
+        for mine, theirs in pairs:
+            mine.check_can_append(theirs)
+        self._log.clear()
+        other._log.clear()
+        for mine, theirs in pairs:
             mine.append_rows(theirs)
 
     def pop_rows(self, rows: list[int]) -> SparseServeCache:
@@ -158,6 +253,13 @@ class SparseServeCache(Cache):
         layers = self._sparse_layers()
         if self.store is None:
             raise ValueError("pop_rows needs a cache built with a store (SparseServeCache(..., store=...))")
+        if not isinstance(rows, (list, tuple)):
+            raise TypeError(f"rows must be a list of row indices, got {type(rows).__name__}")
+        rows = list(rows)
+        for layer in layers:
+            if layer.is_initialized and rows:
+                layer.check_rows(rows)
+        self._log.clear()
         moved = SparseServeCache(self.model_config, self.config, store=self.store)
         for mine, theirs in zip(layers, moved._sparse_layers()):
             mine.pop_rows(rows, into=theirs)
@@ -165,6 +267,7 @@ class SparseServeCache(Cache):
 
     # ---- graph-mode decode (graph.DecodeGraphRunner) ---------------------------------------------
 
+    @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:
         """Save the full tail blocks of `rows` of every layer to DRAM and empty those tails.
 
@@ -177,10 +280,13 @@ class SparseServeCache(Cache):
         layers = self._sparse_layers()
         if not rows or not layers[0].is_initialized:
             return
+        layers[0].check_rows(list(rows))
         full_rows = torch.tensor(rows, device=layers[0].device)
+        widths = [layer.reserve_table(table_width) for layer in layers]  # before the save: linking cannot fail
         saved = self.store.save_many([layer.full_tails(full_rows) for layer in layers])
-        for layer, ids in zip(layers, saved):
-            layer.link_saved_tails(full_rows, ids, table_width)
+        self._log.clear()
+        for layer, ids, width in zip(layers, saved, widths):
+            layer.link_saved_tails(full_rows, ids, width)
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """Every cache tensor a captured decode step reads or writes by address (names: "store.x", "layer3.x").
@@ -263,6 +369,43 @@ def attention_layer_types(text_config: Any) -> list[str]:
         return ["full_attention"] * num_layers
     first_sliding = getattr(text_config, "max_window_layers", None) or 0  # Qwen: layers below it stay full
     return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+
+
+def _text_config(model_config: Any) -> PretrainedConfig:
+    """The text config of a model config or model; TypeError naming the argument for anything else."""
+    if isinstance(model_config, PreTrainedModel):
+        model_config = model_config.config
+    if not isinstance(model_config, PretrainedConfig):
+        raise TypeError(
+            "model_config must be the model's PretrainedConfig (model.config) or the PreTrainedModel, "
+            f"got {type(model_config).__name__}"
+        )
+    return model_config.get_text_config()
+
+
+def _model_shape(model_config: Any) -> ModelShape:
+    """What a cache is built for: `ModelShape` of a model config's text config."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        value = getattr(text, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"the model config's {name} must be a positive int, got {value!r}")
+    try:
+        return ModelShape.of(text, attention_layer_types(text))
+    except AttributeError as exc:
+        raise ValueError(f"the model config lacks a field the cache needs: {exc}") from exc
+
+
+def _cut_dense(layer: DynamicLayer, length: int) -> None:
+    """Cut a DynamicLayer back to its first `length` positions (what it held before an update)."""
+    if layer.is_initialized and layer.get_seq_length() > length:
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def _restore(layer: Any, before: dict[str, Any]) -> None:
+    """Put back a layer's attributes as they were (references taken before an update)."""
+    vars(layer).clear()
+    vars(layer).update(before)
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ..host_memory import check_host_bytes
 from .grow import grown
+from .plain import plain_tensors
 
 INITIAL_BLOCKS = 256
 
@@ -29,6 +31,7 @@ class DramPool:
             offloaded. Bookkeeping (free list, reference counts) always stays on the host.
     """
 
+    @plain_tensors
     def __init__(
         self,
         block_shape: tuple[int, int, int],
@@ -45,6 +48,7 @@ class DramPool:
         self.pin = pin
         self.block_bytes = block_shape[0] * block_shape[1] * block_shape[2] * dtype.itemsize
         self.fixed = capacity_bytes is not None
+        self.capacity_bytes = capacity_bytes
         capacity = capacity_bytes // self.block_bytes if capacity_bytes is not None else INITIAL_BLOCKS
         self.storage = self._empty(capacity)  # (C, 2, S, D)
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # a stack: lowest id on top
@@ -60,6 +64,7 @@ class DramPool:
         """Block ids allocated and not yet freed."""
         return self.capacity - len(self._free)
 
+    @plain_tensors
     def allocate(self, count: int) -> torch.Tensor | None:
         """`count` free block ids (ascending), or None when a fixed-size pool cannot hold them."""
         if count > len(self._free):
@@ -67,14 +72,16 @@ class DramPool:
                 return None
             self._grow(self.num_used + count)
         ids = torch.tensor(self._free[len(self._free) - count :][::-1], dtype=torch.long)
-        del self._free[len(self._free) - count :]
         self.refcount[ids] = 1
+        del self._free[len(self._free) - count :]  # last: nothing above can leave ids taken but unreferenced
         return ids
 
+    @plain_tensors
     def retain(self, ids: torch.Tensor) -> None:
         """Add one reference per occurrence of each id (a row now shares these blocks)."""
         self.refcount.index_add_(0, ids.flatten().cpu(), torch.ones(ids.numel(), dtype=torch.int32))
 
+    @plain_tensors
     def free(self, ids: torch.Tensor) -> torch.Tensor:
         """Drop one reference per occurrence; returns the ids that reached zero and are free again."""
         ids = ids.flatten().cpu()
@@ -88,6 +95,7 @@ class DramPool:
             self._free.sort(reverse=True)
         return released
 
+    @plain_tensors
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy when the pool is on the host)."""
         self.storage[ids.to(self.device)] = blocks.to(self.device, self.dtype)
@@ -113,10 +121,17 @@ class DramPool:
         new = max(2 * old, needed)
         storage = self._empty(new)
         storage[:old] = self.storage
-        self.storage = storage
-        self.refcount = grown(self.refcount, new)
+        refcount = grown(self.refcount, new)
+        # Nothing is replaced before everything is allocated: a failed growth leaves the pool as it was.
+        self.storage, self.refcount = storage, refcount
         # New ids go below the stack top so the lowest free ids are still handed out first.
         self._free[:0] = range(new - 1, old - 1, -1)
 
     def _empty(self, capacity: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            nbytes = capacity * self.block_bytes
+            if self.fixed:
+                check_host_bytes(nbytes, f"dram_bytes={self.capacity_bytes}", "lower dram_bytes")
+            else:
+                check_host_bytes(nbytes, "the growing DRAM pool (dram_bytes=None)", "shorten the context")
         return torch.empty((capacity, *self.block_shape), dtype=self.dtype, device=self.device, pin_memory=self.pin)

@@ -18,19 +18,21 @@ import torch
 
 @dataclass(frozen=True)
 class Handoff:
-    """The layer whose `update` returned `key` (None: a dense layer of a SparseServeCache)."""
+    """The layer whose `update` returned `key` (None: a dense layer of a SparseServeCache), and
+    the cache's `ForwardLog` (the attention function checks the forward and undoes it on failure)."""
 
     layer_idx: int
     key: torch.Tensor
     layer: Any
+    log: Any
 
 
 _CURRENT: ContextVar[Handoff | None] = ContextVar("sparseserve_handoff", default=None)
 
 
-def hand_over(layer_idx: int, key: torch.Tensor, layer: Any) -> None:
+def hand_over(layer_idx: int, key: torch.Tensor, layer: Any, log: Any) -> None:
     """Called by `SparseServeCache.update` right before the model calls attention."""
-    _CURRENT.set(Handoff(layer_idx, key, layer))
+    _CURRENT.set(Handoff(layer_idx, key, layer, log))
 
 
 def take(layer_idx: int, key: torch.Tensor) -> Handoff | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -9,6 +10,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import SparseServeConfig
 from .grow import grown
+from .plain import plain_tensors
 from .store import TieredBlockStore
 
 
@@ -22,6 +24,11 @@ class SparseServeLayer(CacheLayerMixin):
     `update` only stages the new K/V; the attention function commits them with `commit` once
     it knows (from the mask) which new tokens are real. A staged chunk left uncommitted means
     the model is not running `attn_implementation="sparseserve"`, which `update` reports.
+
+    Every change is all or nothing: a `commit` that fails leaves the rows as they were, and
+    `undo_update` takes back the last `update` (staged or committed) when a later step of the
+    same forward fails (see `ForwardLog`). State tensors are plain tensors (`plain_tensors`),
+    so the layer works inside and outside `torch.inference_mode` alike.
     """
 
     is_compileable = False
@@ -47,6 +54,9 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What `undo_update` takes back: the last update's new positions, its `valid` mask once
+        # committed, and whether that update initialized the layer. None: nothing to undo.
+        self._undo: _Undo | None = None
         # Graph mode (`graph.DecodeGraphRunner`): the caller rolls full tails before the step and
         # tracks tail lengths on the host, so a decode commit only appends (`append_token_static`).
         self.caller_owns_tails = False
@@ -57,6 +67,7 @@ class SparseServeLayer(CacheLayerMixin):
 
     # ---- HF cache contract -------------------------------------------------------------
 
+    @plain_tensors
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Size the tail blocks and block table from the first `update`'s (B, Hkv, S, D) keys."""
         batch, num_kv_heads, _, head_dim = key_states.shape
@@ -69,26 +80,61 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_blocks = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
+    @plain_tensors
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage (B, Hkv, T, D) new keys/values for the attention function; returns them unchanged."""
+        self._undo = None
         if self.staged is not None:
-            self.staged = None
+            self._drop_staged()  # never attended: its positions must not count
             raise RuntimeError(
                 f"SparseServeCache layer {self.layer_idx} received new keys before the previous ones were "
                 "attended: load the model with attn_implementation='sparseserve' (import sparseserve_hf first)"
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.tail.shape[0] or key_states.shape[1] != self.tail.shape[1]:
+        if self.is_initialized and (
+            key_states.shape[0] != self.tail.shape[0] or key_states.shape[1] != self.tail.shape[1]
+        ):
             raise ValueError(
                 f"SparseServeCache holds {self.tail.shape[0]} rows x {self.tail.shape[1]} KV heads, got keys "
                 f"of shape {tuple(key_states.shape)}; call cache.reset() before a new batch"
             )
+        initializes = not self.is_initialized
+        if initializes:
+            self.lazy_initialization(key_states, value_states)
         self.staged = (key_states, value_states)
         self.num_positions += key_states.shape[-2]
+        self._undo = _Undo(key_states.shape[-2], initializes)
         return key_states, value_states
+
+    def _drop_staged(self) -> None:
+        """Forget staged keys and the positions `update` counted for them."""
+        self.num_positions -= self.staged[0].shape[-2]
+        self.staged = None
+
+    @plain_tensors
+    def undo_update(self) -> None:
+        """Take back the last `update`, staged or committed: lengths, blocks and positions as before it.
+
+        Called when a later step of the same forward fails (another layer, or this layer's
+        attention), so that no layer keeps tokens the others do not have. A no-op when anything
+        else changed the layer since (reset, crop, row moves, a newer update).
+        """
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        if undo.initialized:  # the update made this layer: back to empty, blocks freed
+            self.reset()
+            return
+        if not undo.committed:
+            if self.staged is not None:
+                self._drop_staged()
+            return
+        added = [undo.num_new] * self.tail.shape[0] if undo.added is None else undo.added.tolist()
+        lengths = self.row_lengths().tolist()
+        self._truncate_rows([(row, lengths[row] - added[row]) for row in range(len(lengths))])
+        self.num_positions -= undo.num_new
+        self.last_pick = None
 
     def get_seq_length(self) -> int:
         """Positions cached so far, left padding included (what HF builds positions from)."""
@@ -102,6 +148,7 @@ class SparseServeLayer(CacheLayerMixin):
         """-1: unbounded (the block pool grows unless `dram_bytes` fixes its size)."""
         return -1
 
+    @plain_tensors
     def reset(self) -> None:
         """Free this layer's DRAM blocks back to the store and forget every position."""
         if self.is_initialized and self.store is not None:
@@ -114,29 +161,39 @@ class SparseServeLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         """Nothing to do: selected blocks are fetched at attention time."""
 
+    @plain_tensors
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest `tokens_to_remove` positions (negative values count the same way)."""
-        remove = abs(tokens_to_remove)
+        if not isinstance(tokens_to_remove, numbers.Integral) or isinstance(tokens_to_remove, bool):
+            raise TypeError(f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}")
+        remove = abs(int(tokens_to_remove))
         if not self.is_initialized or remove == 0:
             return
-        lengths = self.row_lengths()
-        for row in range(lengths.shape[0]):
-            self._truncate_row(row, max(int(lengths[row]) - remove, 0))
+        self._undo = None
+        lengths = self.row_lengths().tolist()
+        self._truncate_rows([(row, max(length - remove, 0)) for row, length in enumerate(lengths)])
         self.num_positions = max(self.num_positions - remove, 0)
 
+    @plain_tensors
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Make row i a copy of old row `indices[i]`: rows may repeat (they then share blocks) or go."""
         if not self.is_initialized:
             return
         indices = torch.as_tensor(indices, device=self.device).flatten()
+        if indices.dtype in (torch.bool, torch.uint8) or indices.is_floating_point() or indices.is_complex():
+            raise TypeError(f"indices must be integer row indices, got dtype {indices.dtype}")
+        # Every new tensor first (a bad index raises here): only then do references and rows change.
         selected = self.block_ids[indices]
+        tail, tail_len, num_blocks = self.tail[indices], self.tail_len[indices], self.num_blocks[indices]
         self.store.retain(selected)  # before freeing, so kept blocks never reach zero references
         self.store.free(self.block_ids)
-        self.block_ids = selected
-        self.tail, self.tail_len, self.num_blocks = self.tail[indices], self.tail_len[indices], self.num_blocks[indices]
+        self.block_ids, self.tail, self.tail_len, self.num_blocks = selected, tail, tail_len, num_blocks
+        self._undo, self.last_pick = None, None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (e.g. for several returned sequences)."""
+        if not isinstance(repeats, numbers.Integral) or isinstance(repeats, bool) or repeats <= 0:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
         if self.is_initialized:
             self.batch_select_indices(torch.arange(self.tail.shape[0], device=self.device).repeat_interleave(repeats))
 
@@ -146,18 +203,17 @@ class SparseServeLayer(CacheLayerMixin):
 
     # ---- moving rows between caches over one store (the batching Generator) ---------------
 
+    @plain_tensors
     def append_rows(self, other: SparseServeLayer) -> None:
         """Move every row of `other` (a layer over the same store) after this layer's rows.
 
         Block references move with the rows: nothing is copied to or freed from the store, and
-        `other` is left empty. `num_positions` becomes the longer of the two.
+        `other` is left empty. `num_positions` becomes the longer of the two. Checked and built
+        before anything moves: a refusal leaves both layers as they were.
         """
         if not other.is_initialized:
             return
-        if self.staged is not None or other.staged is not None:
-            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
-        if self.store is not None and other.store is not self.store:
-            raise ValueError(f"layer {self.layer_idx}: rows can only move between caches that share one store")
+        self.check_can_append(other)
         if not self.is_initialized:
             self.store, self.device, self.dtype = other.store, other.device, other.dtype
             self.tail, self.tail_len, self.block_ids, self.num_blocks = (
@@ -169,16 +225,36 @@ class SparseServeLayer(CacheLayerMixin):
             self.is_initialized = True
         else:
             width = max(self.block_ids.shape[2], other.block_ids.shape[2])
-            self.block_ids = torch.cat(
+            block_ids = torch.cat(
                 (grown(self.block_ids, width, fill=-1, dim=2), grown(other.block_ids, width, fill=-1, dim=2))
             )  # (B + B', Hkv, N)
-            self.tail = torch.cat((self.tail, other.tail))
-            self.tail_len = torch.cat((self.tail_len, other.tail_len))
-            self.num_blocks = torch.cat((self.num_blocks, other.num_blocks))
+            tail = torch.cat((self.tail, other.tail))
+            tail_len = torch.cat((self.tail_len, other.tail_len))
+            num_blocks = torch.cat((self.num_blocks, other.num_blocks))
+            self.block_ids, self.tail, self.tail_len, self.num_blocks = block_ids, tail, tail_len, num_blocks
         self.num_positions = max(self.num_positions, other.num_positions)
-        self.last_pick = None
+        self.last_pick, self._undo = None, None
         other._clear()
 
+    def check_can_append(self, other: SparseServeLayer) -> None:
+        """Raise unless `append_rows(other)` can move `other`'s rows here (changes nothing)."""
+        if not isinstance(other, SparseServeLayer):
+            raise TypeError(f"append_rows takes a SparseServeLayer, got {type(other).__name__}")
+        if not other.is_initialized:
+            return
+        if self.staged is not None or other.staged is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
+        if self.store is not None and other.store is not self.store:
+            raise ValueError(f"layer {self.layer_idx}: rows can only move between caches that share one store")
+        if self.is_initialized and (
+            self.tail.shape[1:] != other.tail.shape[1:] or (self.dtype, self.device) != (other.dtype, other.device)
+        ):
+            raise ValueError(
+                f"layer {self.layer_idx}: rows of tails {tuple(other.tail.shape[1:])} {other.dtype} cannot join "
+                f"rows of {tuple(self.tail.shape[1:])} {self.dtype}"
+            )
+
+    @plain_tensors
     def pop_rows(self, rows: list[int], into: SparseServeLayer) -> None:
         """Move `rows` (in that order) into the empty layer `into`; the other rows stay, in order.
 
@@ -189,26 +265,35 @@ class SparseServeLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: pop_rows needs an empty target layer")
         if not self.is_initialized or not rows:
             return
-        if self.staged is not None:
-            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
-        batch = self.tail.shape[0]
-        if len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
-            raise ValueError(f"pop_rows got rows {rows} for a layer of {batch} rows (distinct indices expected)")
-        leaving = set(rows)
+        self.check_rows(rows)
+        batch, leaving = self.tail.shape[0], set(rows)
         taken = torch.tensor(rows, dtype=torch.long, device=self.device)
         kept = torch.tensor([r for r in range(batch) if r not in leaving], dtype=torch.long, device=self.device)
+        # Both sides' tensors first, then the assignments: no row is ever in both layers or in neither.
+        moved = self.tail[taken], self.tail_len[taken], self.block_ids[taken], self.num_blocks[taken]
+        stay = self.tail[kept], self.tail_len[kept], self.block_ids[kept], self.num_blocks[kept]
         into.store, into.device, into.dtype = self.store, self.device, self.dtype
-        into.tail, into.tail_len = self.tail[taken], self.tail_len[taken]
-        into.block_ids, into.num_blocks = self.block_ids[taken], self.num_blocks[taken]
+        into.tail, into.tail_len, into.block_ids, into.num_blocks = moved
         into.is_initialized = True
         into.num_positions = int(into.row_lengths().max())
         if kept.numel() == 0:
             self._clear()
             return
-        self.tail, self.tail_len = self.tail[kept], self.tail_len[kept]
-        self.block_ids, self.num_blocks = self.block_ids[kept], self.num_blocks[kept]
+        self.tail, self.tail_len, self.block_ids, self.num_blocks = stay
         self.num_positions = int(self.row_lengths().max())
-        self.last_pick = None
+        self.last_pick, self._undo = None, None
+
+    def check_rows(self, rows: list[int]) -> None:
+        """Raise unless `rows` are distinct int indices of this layer's rows and may move now (changes nothing)."""
+        if self.staged is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: rows cannot move while new keys are staged")
+        batch = self.tail.shape[0] if self.is_initialized else 0
+        if (
+            not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+            or len(set(rows)) != len(rows)
+            or not all(0 <= r < batch for r in rows)
+        ):
+            raise ValueError(f"rows {rows!r} are not distinct int indices of the cache's {batch} rows")
 
     # ---- block bookkeeping used by the attention function --------------------------------
 
@@ -227,22 +312,47 @@ class SparseServeLayer(CacheLayerMixin):
         """(B,) real tokens stored per row."""
         return self.num_blocks * self.config.block_size + self.tail_len
 
+    @plain_tensors
     def commit(self, valid: torch.Tensor | None) -> None:
-        """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real)."""
+        """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real).
+
+        All or nothing: when it fails, the rows and positions are as before the `update`.
+        """
+        if self.staged is None:
+            raise RuntimeError(f"SparseServeCache layer {self.layer_idx}: commit without staged keys")
         keys, values = self.staged
         self.staged = None
+        undo, self._undo = self._undo, None
+        try:
+            added = self._store(keys, values, valid)
+        except BaseException:
+            self.num_positions -= keys.shape[-2]
+            if undo is not None and undo.initialized:
+                self.reset()  # the failed update made the layer: nothing of it may stay
+            raise
+        if undo is not None:
+            self._undo = _Undo(undo.num_new, undo.initialized, committed=True, added=added)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """Append the new tokens; returns (B,) tokens appended per row, None when every row took all T."""
         if self.caller_owns_tails:
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self.append_token_static(keys, values)
-            return
+            return None
         if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
             self._append_token(keys, values)
-            return
+            return None
+        before = self.row_lengths().tolist()
         for row in range(keys.shape[0]):
             take = slice(None) if valid is None else valid[row]
             new = torch.stack((keys[row][:, take], values[row][:, take]), dim=1)  # (Hkv, 2, t, D)
-            self._append_row(row, new)
+            try:
+                self._append_row(row, new)
+            except BaseException:
+                self._truncate_rows([(done, before[done]) for done in range(row + 1)])  # `row` may be half done
+                raise
+        return None if valid is None else valid.sum(dim=-1)  # not `valid` itself: it may view a whole mask
 
     def past(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """All stored tokens, left-aligned: keys, values (B, Hkv, L, D) and valid (B, L)."""
@@ -276,6 +386,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.append_token_static(keys, values)
         self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
 
+    @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:
         """Save the full tail blocks of `rows` to DRAM and empty those tails (eager: host allocation).
 
@@ -286,19 +397,32 @@ class SparseServeLayer(CacheLayerMixin):
         if not rows:
             return
         full_rows = torch.tensor(rows, device=self.device)
-        self.link_saved_tails(full_rows, self.store.save(self.full_tails(full_rows)), table_width)
+        width = self.reserve_table(table_width)  # before the save: nothing may fail between save and link
+        self.link_saved_tails(full_rows, self.store.save(self.full_tails(full_rows)), width)
+
+    def reserve_table(self, table_width: int | None = None) -> int:
+        """Grow the block table to hold one more block per row (or to `table_width`); returns the width.
+
+        `roll_full_tails` calls it before saving, so that linking the saved ids cannot fail.
+        """
+        width = int(self.num_blocks.max()) + 1 if table_width is None else table_width
+        self._ensure_capacity(width)
+        return width
 
     def full_tails(self, full_rows: torch.Tensor) -> torch.Tensor:
         """(R*Hkv, 2, S, D) the tail blocks of rows `full_rows` (R,), head-major per row."""
         return self.tail[full_rows].flatten(0, 1)
 
+    @plain_tensors
     def link_saved_tails(self, full_rows: torch.Tensor, ids: torch.Tensor, table_width: int | None = None) -> None:
         """Append the saved tails' DRAM ids (R*Hkv,) to the rows' tables and empty their tails."""
-        self._ensure_capacity(int(self.num_blocks.max()) + 1 if table_width is None else table_width)
+        self.reserve_table(table_width)
+        self._undo = None
         self.block_ids[full_rows, :, self.num_blocks[full_rows]] = ids.view(-1, self.tail.shape[1])
         self.num_blocks[full_rows] += 1
         self.tail_len.index_fill_(0, full_rows, 0)  # not `[rows] = 0`: a Python scalar through an index syncs
 
+    @plain_tensors
     def append_token_static(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append one (B, Hkv, 1, D) token per row to its tail: fixed shapes, no host work (CUDA-graph safe).
 
@@ -325,6 +449,7 @@ class SparseServeLayer(CacheLayerMixin):
         """
         self._tail_len_mirror = None
 
+    @plain_tensors
     def set_table_width(self, width: int) -> None:
         """Make the block table exactly `width` blocks wide (graph mode: one fixed width per captured graph).
 
@@ -354,34 +479,45 @@ class SparseServeLayer(CacheLayerMixin):
         self._tail_len_mirror = (self.tail_len, _version(self.tail_len), [length + 1 for length in before])
 
     def _append_row(self, row: int, new: torch.Tensor) -> None:
-        """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail."""
+        """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail.
+
+        The table grows before the save and the save is all or nothing, so a failure leaves the row as it was.
+        """
         size = self.config.block_size
         joined = torch.cat((self.tail[row, :, :, : int(self.tail_len[row])], new), dim=2)
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
             num_kv_heads, _, _, head_dim = joined.shape
-            blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
-            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1))  # head-major: (Hkv*n,)
             start = int(self.num_blocks[row])
             self._ensure_capacity(start + num_full)
+            blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
+            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1))  # head-major: (Hkv*n,)
             self.block_ids[row, :, start : start + num_full] = ids.view(num_kv_heads, num_full)
             self.num_blocks[row] += num_full
         rest = joined[:, :, num_full * size :]
         self.tail[row, :, :, : rest.shape[2]] = rest
         self.tail_len[row] = rest.shape[2]
 
-    def _truncate_row(self, row: int, length: int) -> None:
+    def _truncate_rows(self, targets: list[tuple[int, int]]) -> None:
+        """Cut each (row, length) of `targets` to `length` stored tokens (at most its current length).
+
+        Two passes: every DRAM read first (the step that can fail), then the changes, so a failed
+        read changes no row. A cut inside a saved block reads that block back into the tail and
+        frees it and every later block: the tail keeps 1..S tokens, as after a commit.
+        """
         size = self.config.block_size
-        count = int(self.num_blocks[row])
-        keep = max(length - 1, 0) // size
-        rest = length - keep * size
-        if keep < count:
-            block = self.store.read(self.block_ids[row, :, keep])  # (Hkv, 2, S, D)
-            self.tail[row, :, :, :rest] = block[:, :, :rest]
-            self.store.free(self.block_ids[row, :, keep:count].flatten())
-            self.block_ids[row, :, keep:count] = -1
-            self.num_blocks[row] = keep
-        self.tail_len[row] = rest
+        plans = []
+        for row, length in targets:
+            count, keep = int(self.num_blocks[row]), max(length - 1, 0) // size
+            block = self.store.read(self.block_ids[row, :, keep]) if keep < count else None  # (Hkv, 2, S, D)
+            plans.append((row, count, keep, length - keep * size, block))
+        for row, count, keep, rest, block in plans:
+            if block is not None:
+                self.tail[row, :, :, :rest] = block[:, :, :rest]
+                self.store.free(self.block_ids[row, :, keep:count].flatten())
+                self.block_ids[row, :, keep:count] = -1
+                self.num_blocks[row] = keep
+            self.tail_len[row] = rest
 
     def _ensure_capacity(self, blocks: int) -> None:
         have = self.block_ids.shape[2]
@@ -395,3 +531,19 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:
         return None
+
+
+class _Undo:
+    """What `SparseServeLayer.undo_update` needs to take one update back.
+
+    num_new: positions the update counted; initialized: the update created the layer's tensors;
+    committed: its tokens were stored (else only staged); added: (B,) tokens stored per row
+    (None: all `num_new` in every row).
+    """
+
+    __slots__ = ("added", "committed", "initialized", "num_new")
+
+    def __init__(
+        self, num_new: int, initialized: bool, committed: bool = False, added: torch.Tensor | None = None
+    ) -> None:
+        self.num_new, self.initialized, self.committed, self.added = num_new, initialized, committed, added

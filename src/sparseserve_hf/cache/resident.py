@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .dram_pool import DramPool
+from .plain import plain_tensors
 
 
 class ResidentBlocks:
@@ -22,6 +23,7 @@ class ResidentBlocks:
     unlimited = True
     reallocations = 0  # the pool is the DRAM pool's storage: its growth is the store's to count
 
+    @plain_tensors
     def __init__(self, dram: DramPool) -> None:
         self.dram = dram
         self._looked_up = torch.zeros(1, dtype=torch.long, device=dram.device)
@@ -50,6 +52,7 @@ class ResidentBlocks:
     def invalidate(self, block_ids: torch.Tensor) -> None:
         """Nothing to forget: freed ids are the pool's business."""
 
+    @plain_tensors
     def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, int]:
         """Slots of `block_ids` (any shape, -1 = unused): the ids themselves, and 0 misses."""
         ordered = block_ids.reshape(-1).sort().values
@@ -62,6 +65,7 @@ class ResidentBlocks:
         """The tensors a lookup reads or writes by address (what a captured decode step holds)."""
         return {"hbm_pool": self.pool, "lookup_counts": self._looked_up}
 
+    @plain_tensors
     def counts(self) -> tuple[int, int]:
         """(distinct blocks looked up, misses = 0) since the last call, then zeroed."""
         looked_up = int(self._looked_up)

@@ -13,6 +13,7 @@ from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
 from .grow import grown
+from .plain import plain_tensors
 from .resident import ResidentBlocks
 
 
@@ -44,6 +45,7 @@ class TieredBlockStore:
         head_dim, dtype, device: of the model's KV.
     """
 
+    @plain_tensors
     def __init__(
         self,
         config: SparseServeConfig,
@@ -81,8 +83,13 @@ class TieredBlockStore:
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes
         return dram, HbmBlockCache(num_slots, block_shape, self.dtype, device, self.ops.gather_blocks)
 
+    @plain_tensors
     def save(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,)."""
+        """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,).
+
+        All or nothing: when any step after the allocation fails, the ids go back to the pool
+        before the error propagates (no table refers to them yet, so nothing else ever would).
+        """
         if blocks.shape[0] > self.dram.capacity - self.dram.num_used:
             self._drain()  # the pool may be reallocated: no save may still be writing the old one
         ids = self.dram.allocate(blocks.shape[0])
@@ -91,6 +98,14 @@ class TieredBlockStore:
                 f"dram_bytes={self.config.dram_bytes} is full ({self.dram.capacity} blocks of "
                 f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
             )
+        try:
+            return self._write(blocks, ids)
+        except BaseException:
+            self._release_unsaved(ids)
+            raise
+
+    def _write(self, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata; returns the ids on the device."""
         self._track_capacity()
         device_ids = ids.to(self.device)  # one host-to-device copy of the ids, not one per use
         if self.saver is not None:
@@ -102,6 +117,17 @@ class TieredBlockStore:
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids
 
+    def _release_unsaved(self, ids: torch.Tensor) -> None:
+        """Give the ids of a failed save back. A FlashD2H scatter of them may still be queued: it
+        must land before the ids can be handed out again, or it would overwrite their next blocks."""
+        if self.saver is not None:
+            try:
+                self.saver.wait()
+            except Exception:  # noqa: BLE001, S110  the save's own error is the one to report
+                pass
+        self.dram.free(ids)
+
+    @plain_tensors
     def save_many(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
         """`save` for several (n_i, 2, S, D) groups at once (e.g. one per layer); returns each group's ids.
 
@@ -112,6 +138,7 @@ class TieredBlockStore:
         ids = self.save(torch.cat(groups))
         return list(ids.split([group.shape[0] for group in groups]))
 
+    @plain_tensors
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
         self._stats.dense_read_bytes += ids.numel() * self.block_bytes
@@ -121,6 +148,7 @@ class TieredBlockStore:
         self.ops.gather_blocks(self.dram.storage, ids, out, torch.arange(ids.numel(), device=self.device))
         return out
 
+    @plain_tensors
     def fetch(self, block_ids: torch.Tensor) -> torch.Tensor:
         """HBM slots for a selection (any shape, -1 = unused; rows may share blocks), loading misses.
 
@@ -143,6 +171,7 @@ class TieredBlockStore:
         return {"dram": self.dram.storage, "metadata": self.metadata} | self.hbm.graph_tensors()
 
     @property
+    @plain_tensors
     def stats(self) -> TransferStats:
         """The counters; reading them folds in the device-side lookup counters (one host sync)."""
         looked_up, misses = self.hbm.counts()
@@ -153,14 +182,17 @@ class TieredBlockStore:
         return self._stats
 
     @stats.setter
+    @plain_tensors
     def stats(self, value: TransferStats) -> None:
         self.hbm.counts()  # drop what the device counted so far: `value` starts afresh
         self._stats = value
 
+    @plain_tensors
     def retain(self, ids: torch.Tensor) -> None:
         """One more reference to each block in `ids` (-1 entries ignored)."""
         self.dram.retain(ids[ids >= 0])
 
+    @plain_tensors
     def free(self, ids: torch.Tensor) -> None:
         """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both tiers."""
         released = self.dram.free(ids[ids >= 0])

@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..host_memory import check_host_bytes
+
 MIN_BLOCKS_PER_JOB = 16  # below ~256 KiB a thread hand-off costs more than the copy it saves
 NUM_STAGING_BUFFERS = 2  # double buffering: save k+1 stages while save k is still scattering
 
@@ -101,6 +103,8 @@ class FlashD2HSaver:
             or buffer.dtype != blocks.dtype
         ):
             capacity = max(num, 2 * buffer.shape[0]) if buffer is not None else num
+            nbytes = capacity * blocks[0].numel() * blocks.element_size()
+            check_host_bytes(nbytes, "the FlashD2H staging buffer (save_path='flash_d2h')", "use save_path='scatter'")
             buffer = torch.empty((capacity, *blocks.shape[1:]), dtype=blocks.dtype, pin_memory=self.cuda)
             self._staging[index] = buffer
         staged = buffer[:num]

@@ -1,0 +1,137 @@
+"""ForwardLog: what a SparseServeCache knows about the forward running through it.
+
+HF runs a forward layer by layer: layer i's `cache.update` and attention run before layer
+i + 1's. When layer k fails (its update, its commit, its attention), layers 0..k-1 already hold
+the new tokens; left so, `get_seq_length` (layer 0) would count tokens the other layers never
+stored, and a retry would build positions from it. The log keeps one undo step per layer updated
+since layer 0's update, and the attention function runs them all when anything fails.
+
+It also checks, once per forward at layer 0's attention (the first point where the model's own
+config is at hand), that the model is the one the cache was built for, and applies the
+position limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a cache is built for and a forward must match: layers, KV heads, head_dim, positions, layer types."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int | None
+    layer_types: tuple[str, ...]
+
+    @classmethod
+    def of(cls, text_config: Any, layer_types: list[str]) -> ModelShape:
+        """The shape of a text config (`num_hidden_layers`, `num_key_value_heads`, `head_dim`, ...)."""
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        return cls(
+            num_layers=text_config.num_hidden_layers,
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            max_positions=getattr(text_config, "max_position_embeddings", None),
+            layer_types=tuple(layer_types),
+        )
+
+    def differences(self, other: ModelShape) -> list[str]:
+        """`name: mine vs theirs` for every field that differs."""
+        names = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "layer_types")
+        return [
+            f"{n}: {getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)
+        ]
+
+
+class ForwardLog:
+    """Undo steps of the current forward and its layer-0 checks (one per SparseServeCache).
+
+    Holds the layers through their undo steps, never the cache (no reference cycle: dropping a
+    cache must free its store at once). `shape_of` turns a model config into a `ModelShape`.
+    """
+
+    def __init__(self, shape: ModelShape, shape_of: Callable[[Any], ModelShape], config: Any) -> None:
+        self.shape = shape
+        self._shape_of = shape_of
+        self._matched: Any = config  # the last model config found equal to `shape` (an identity fast path)
+        self._steps: list[Callable[[], None]] = []
+        self._past = self._num_new = 0
+        self._warned = False
+
+    def begin(self, past: int, num_new: int) -> None:
+        """A forward starts (layer 0's update): `past` positions cached before it, `num_new` arriving."""
+        self._steps = []
+        self._past, self._num_new = past, num_new
+
+    def record(self, step: Callable[[], None]) -> None:
+        """One layer's undo step, run by `undo` (newest first)."""
+        self._steps.append(step)
+
+    def clear(self) -> None:
+        """Forget the undo steps (the forward is over, or the rows changed in another way)."""
+        self._steps = []
+
+    def finish(self, layer_idx: int) -> None:
+        """Layer `layer_idx`'s attention succeeded; after the last layer nothing is left to undo."""
+        if layer_idx == self.shape.num_layers - 1:
+            self._steps = []
+
+    def undo(self) -> None:
+        """Take back every layer's update of this forward, newest first.
+
+        A failing step does not stop the others; it is logged, since the caller is already
+        raising the error that made it undo.
+        """
+        steps, self._steps = self._steps, []
+        for step in reversed(steps):
+            try:
+                step()
+            except Exception:
+                logger.exception("SparseServeCache: undoing a failed forward's update failed; call cache.reset()")
+
+    def check_forward(self, model_config: Any) -> None:
+        """At layer 0's attention: refuse another model's forward, and positions past the limit.
+
+        Raises ValueError when `model_config` (the attention module's config) differs from what
+        the cache was built for, or when several new tokens (a prompt) would end past
+        `max_position_embeddings`. A single new token per row (decode) may go past it, as stock
+        `generate` lets it, with one warning: nothing the cache stores is sized by it.
+        """
+        if model_config is not None and model_config is not self._matched:
+            try:
+                theirs = self._shape_of(model_config)
+            except (AttributeError, TypeError, ValueError) as exc:
+                raise ValueError(f"this SparseServeCache cannot read the model's config: {exc}") from exc
+            differences = self.shape.differences(theirs)
+            if differences:
+                raise ValueError(
+                    "this SparseServeCache was built for another model config ("
+                    + "; ".join(f"cache {d}" for d in differences)
+                    + "): build one per model, SparseServeCache(model.config, ...)"
+                )
+            self._matched = model_config
+        self._check_positions()
+
+    def _check_positions(self) -> None:
+        limit, end = self.shape.max_positions, self._past + self._num_new
+        if limit is None or end <= limit:
+            return
+        if self._num_new > 1:
+            raise ValueError(
+                f"{end} positions exceed the model's max_position_embeddings ({limit}): a prompt of "
+                f"{self._num_new} tokens over a past of {self._past} is refused before any work"
+            )
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "SparseServeCache: decoding past the model's max_position_embeddings (%d); quality may degrade", limit
+            )
