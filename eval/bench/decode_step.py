@@ -3,11 +3,13 @@
     python -m eval.bench.decode_step --graph --out eval/results/decode_step.json   # ~8 min on the H200
     python -m eval.bench.decode_step --dry-run --graph                             # tiny shapes on CPU
 
-Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32696), `SparseServeConfig()`
-defaults except the HBM block cache (25% of the batch's dense KV) and the DRAM pool (sized for
-every block the run saves). Baselines in the same run, both warm: stock `model(...)` with SDPA and
-a `DynamicCache`, and stock's static path (a `StaticCache` and the model's compiled call, as
-`generate(cache_implementation="static")` runs it); `stock_best_ms` is the faster.
+Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32576: with both locality
+blocks' steps the DRAM pool holds every block the run saves in exactly 64 GiB of pinned memory, a
+power of two as the caching host allocator rounds), `SparseServeConfig()` defaults except the HBM
+block cache (25% of the batch's dense KV) and the DRAM pool. Baselines in the same run, both warm:
+stock `model(...)` with SDPA and a `DynamicCache`, and stock's static path (a `StaticCache` and the
+model's compiled call, as `generate(cache_implementation="static")` runs it); `stock_best_ms` is
+the faster.
 
 The KV is random and written straight into the caches (`decode_step_setup`; no 16 x 32K
 prefill); tokens are the model's own greedy picks from a random start. The sparse step runs in
@@ -67,7 +69,7 @@ EQUALITY_LAYERS = 4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=32696)
+    parser.add_argument("--context", type=int, default=32576)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--hbm-cache-gib", type=float, default=None, help="fixed HBM cache size (else the fraction)")
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the batch's dense KV")
@@ -124,10 +126,20 @@ def measure_dense(args, device, dtype, shape: str) -> float:
 def measure_static(args, device, dtype, shape: str) -> float | None:
     """ms/step of stock transformers' static path: a `StaticCache` and the model's compiled call
     (what `generate(cache_implementation="static")` runs per decode step), warm. None when it fails."""
+    try:
+        return _static_ms(args, device, dtype, shape)
+    except Exception as exc:  # noqa: BLE001  a baseline that cannot run is recorded as missing, with why
+        print(f"static stock step failed: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        _free(device)
+
+
+def _static_ms(args, device, dtype, shape: str) -> float:
     from transformers import StaticCache
 
     model = build_model(shape, "sdpa", device, dtype, args.context + 1024)
-    steps = 2 + args.dense_steps
+    steps = 3 + args.dense_steps
     cache = StaticCache(config=model.config, max_cache_len=args.context + steps + 8)
     text = model.config
     shape_kv = (args.batch, text.num_key_value_heads, args.context, text.head_dim)
@@ -139,22 +151,15 @@ def measure_static(args, device, dtype, shape: str) -> float | None:
     compiled = model.get_compiled_call(None) if device.type == "cuda" else model
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-    try:
-        with torch.no_grad():
-            for _ in range(2):  # compile and warm up (cudagraph trees record on the second call)
-                tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(args.dense_steps):
-                tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1).clone()
-            sync(device)
-        ms = (time.perf_counter() - start) * 1e3 / max(args.dense_steps, 1)
-    except Exception as exc:  # noqa: BLE001  a baseline that cannot run is recorded as missing
-        print(f"static stock step failed: {type(exc).__name__}: {exc}")
-        ms = None
-    del model, cache, compiled
-    _free(device)
-    return ms
+    with torch.no_grad():
+        for _ in range(3):  # compile and warm up (cudagraph trees record on the second call)
+            tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1).clone()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.dense_steps):
+            tokens = compiled(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1).clone()
+        sync(device)
+    return (time.perf_counter() - start) * 1e3 / max(args.dense_steps, 1)
 
 
 def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -> dict[str, Any]:
@@ -175,7 +180,7 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
         replay = None
         if locality == "real_locality":
             trace = SelectionTrace.load(args.trace)
-            replay = TraceReplay(trace, len(cache.layers), model.config.num_key_value_heads, device, keep=True)
+            replay = TraceReplay(trace, len(cache.layers), model.config.num_key_value_heads, device)
             out["trace"] = {"path": args.trace, "sha256": sha256(args.trace)} | describe(trace)
         store.selection_override = replay
         out[locality], tokens = measure_locality(args, model, cache, tokens, replay)
@@ -188,14 +193,15 @@ def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any]
     """The sparse step's numbers under the store's current `selection_override`."""
     device, store = tokens.device, cache.store
     _, tokens = run_steps(model, cache, tokens, args.warmup)
-    locality: dict[str, Any] = {}
-    if replay is not None:  # what the warm-up replayed: the locality the timed steps see
-        text = model.config
+    observed = UNION_WINDOW + 2  # untimed steps whose selections give the block's overlaps
+    if replay is not None:
+        replay.keep = True
+        _, tokens = run_steps(model, cache, tokens, observed)
         longest = int(cache.layers[0].num_blocks.max())
-        locality = overlaps(replay.replayed_loaded(text.num_hidden_layers, longest))
+        locality = overlaps(replay.replayed_loaded(model.config.num_hidden_layers, longest))
         replay.keep, replay.replayed = False, []
     else:
-        locality, tokens = selection_overlaps(model, cache, tokens, UNION_WINDOW + 2)
+        locality, tokens = selection_overlaps(model, cache, tokens, observed)
     store.stats = type(store.stats)()  # count the steady steps only
     ms, tokens = run_steps(model, cache, tokens, args.steps)
     stats = store.stats

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,13 +20,21 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    for key in ("step_over_floor", "dense_ms", "sparse_ms", "floor_ms", "hbm_copy_gb_per_s", "pcie_h2d_gb_per_s"):
+    for key in ("stock_dynamic_ms", "stock_static_ms", "stock_best_ms", "hbm_copy_gb_per_s", "pcie_h2d_gb_per_s"):
         assert result[key] > 0, key
-    assert 0 < result["hit_rate"] <= 1 and "--dry-run" in result["command"] and result["device"]
-    assert set(result["breakdown_ms"]) >= {"scoring", "topk", "table", "transfer", "attention", "other"}
-    assert result["selected_kv_bytes"] > 0 and result["metadata_bytes"] > 0 and "random" in result["kv_setup"]
+    assert result["stock_best_ms"] == min(result["stock_dynamic_ms"], result["stock_static_ms"])
+    assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
+    assert result["trace"]["sha256"] and 0 < result["trace"]["overlap_1step"] <= 1
+    for name in ("random_kv", "real_locality"):
+        block = result[name]
+        for key in ("sparse_ms", "graph_ms", "floor_ms", "step_over_floor", "graph_step_over_floor"):
+            assert block[key] > 0, (name, key)
+        assert 0 < block["hit_rate"] <= 1 and 0 <= block["overlap_1step"] <= 1
+        assert set(block["breakdown_ms"]) >= {"scoring", "topk", "table", "transfer", "attention", "other"}
+        assert block["selected_kv_bytes"] > 0 and block["metadata_read_us_per_layer"] > 0
+        assert block["speedup_vs_best_stock"] == pytest.approx(result["stock_best_ms"] / block["graph_ms"])
+        assert block["bookkeeping_eager_us_per_layer"] > 0  # the graph replay time needs CUDA
     # --graph: CUDA-graph replays on a GPU, the static step run eagerly on CPU; its tokens checked
-    assert result["graph_ms"] > 0 and result["graph_step_over_floor"] > 0
-    assert result["graph_captured"] is torch.cuda.is_available()
     equality = result["graph_equality"]
+    assert equality["captured"] is torch.cuda.is_available()
     assert equality["tokens_equal_eager_step"] and equality["tokens_equal_eager_path"] and equality["steps"] > 8

@@ -1,0 +1,100 @@
+"""Where one sparse decode step's GPU time goes, kernel by kernel (torch.profiler over eager steps).
+
+    python -m eval.bench.profile_step --out eval/results/profile_step.md     # H200: ~2 min
+    python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
+
+The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the
+default config with an HBM cache of 25% of the dense KV), cut to a few layers: every layer runs
+the same kernels, so per-layer times need no 32-layer fill. Loads follow the recorded selection
+trace (real locality). The table lists each kernel's device time per layer and its calls per
+layer, largest first; the totals split the layer's time into attention's own part
+(`select_and_fetch` and the sparse kernel) and the rest of the layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from eval.bench.common import pick_device, prepare_triton, run_record, sync
+from eval.bench.decode_step_setup import build_model, sparse_cache
+from eval.bench.selection_trace import SelectionTrace, TraceReplay
+from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=32576)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)
+    shape, dtype, block_size = ("tiny", torch.float32, 16) if args.dry_run else ("llama3-8b", torch.bfloat16, 32)
+    if args.dry_run:
+        args.batch, args.context, args.steps = 2, 200, 2
+    model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
+    text = model.config
+    dense_kv = 2 * args.layers * text.num_key_value_heads * text.head_dim * dtype.itemsize * args.batch * args.context
+    budget = {"token_budget": 64} if args.dry_run else {}  # the tiny shapes' context is 200 tokens
+    config = SparseServeConfig(
+        block_size=block_size, hbm_cache_bytes=max(dense_kv // 4, 1 << 20), max_batch=args.batch, **budget
+    )
+    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=4)
+    cache.store.selection_override = TraceReplay(
+        SelectionTrace.load(args.trace), args.layers, text.num_key_value_heads, device
+    )
+    tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
+    kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+
+    def step(tokens):
+        return model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        for _ in range(12):  # warm the LRU and the kernels
+            tokens = step(tokens)
+        sync(device)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                tokens = step(tokens)
+            sync(device)
+    report = kernel_table(prof, args.steps * args.layers, device)
+    header = f"# One sparse decode layer, kernel by kernel\n\n{run_record(device)}\n\n"
+    text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} steps\n\n" + report
+    print(text_out)
+    if args.out:
+        Path(args.out).write_text(text_out)
+    return text_out
+
+
+def kernel_table(prof, per: int, device: torch.device, top: int = 30) -> str:
+    """Markdown: device us per layer and calls per layer of the top kernels."""
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device.type != "cuda":
+            device_us = event.self_cpu_time_total
+        if device_us <= 0 or (device.type == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        rows.append((device_us / per, event.count / per, event.key[:90]))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"device time per layer (all kernels): {total:.1f} us\n", "| us/layer | calls/layer | kernel |", "|---|---|---|"]
+    lines += [f"| {us:.1f} | {calls:.1f} | `{name}` |" for us, calls, name in rows[:top]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
