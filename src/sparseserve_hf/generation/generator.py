@@ -28,6 +28,7 @@ from typing import IO, Any
 import torch
 
 from ..cache import SparseServeCache
+from ..cache.plain import plain_tensors
 from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
 from ..graph import DecodeGraphRunner
@@ -142,22 +143,29 @@ class Generator:
         self.recorder.arrive(request_id, len(ids))
         return request_id
 
+    @plain_tensors  # in any grad / inference mode: the engine's tables stay plain tensors
     def step(self) -> list[StreamEvent]:
-        """Run one iteration; returns the events it produced (and any left from `cancel`)."""
+        """Run one iteration; returns the events it produced (and any left from `cancel`).
+
+        A failure while serving a request (its forward, sampling or block transfers) does not
+        raise: it ends that request, or the decode batch it was in, with finish_reason "error"
+        and the message, frees its blocks, and the engine carries on with the others. Works the
+        same inside and outside `torch.inference_mode`, alternately.
+        """
         events, self._pending = self._pending, []
         started = self.recorder.now()
         candidates = self._candidates()
         plan = schedule(candidates, self._limits())
         sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
-        with torch.no_grad():
-            if plan.decode:
-                self._decode(plan.decode, events)
-            prefilled = self._run_prefills(plan, events)
+        if plan.decode:
+            self._decode(plan.decode, events)
+        prefilled = self._run_prefills(plan, events)
         self._track_hbm_peak()
         seconds = self.recorder.now() - started
         self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out, seconds, prefilled)
         return events
 
+    @plain_tensors
     def cancel(self, request_id: int) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished.
 
@@ -171,8 +179,11 @@ class Generator:
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or in flight."""
-        return bool(self._requests)
+        """True while any request is waiting or in flight, or a final event still waits for `step()`.
+
+        So `while gen.has_unfinished: gen.step()` delivers every event, a cancelled request's too.
+        """
+        return bool(self._requests or self._pending)
 
     # ---- list-in, list-out API ---------------------------------------------------------------
 
@@ -314,27 +325,44 @@ class Generator:
         )
 
     def _decode(self, request_ids: list[int], events: list[StreamEvent]) -> None:
-        """One token for every request in `request_ids`, in one batched forward."""
-        self._arrange_batch(request_ids)
-        rows = [self._requests[rid] for rid in self.batch_ids]
-        tokens = torch.tensor([[r.output[-1]] for r in rows], device=self.stack.device)  # (B, 1)
-        positions = torch.tensor([[r.position] for r in rows], device=self.stack.device)  # (B, 1)
+        """One token for every request in `request_ids`, in one batched forward.
+
+        No row's host state changes until the step is complete. A failure anywhere from arranging
+        the rows to reading the step back ends the whole batch with "error": the layers may
+        already hold the step's K/V, so a row that went on would feed its last token again at the
+        same position. A row whose logits are not finite ends alone: the others' step is exact.
+        """
         try:
-            logits = (
-                self._graph_step(tokens, positions) if self.config.cuda_graphs else self._eager_step(tokens, positions)
-            )
-        except Exception as exc:  # noqa: BLE001  a failed step leaves the rows' layers inconsistent
-            self._fail_batch(f"decode step failed: {type(exc).__name__}: {exc}", events)
+            self._arrange_batch(request_ids)
+            rows = [self._requests[rid] for rid in self.batch_ids]
+            tokens, blocks = self._decode_step(rows)
+        except Exception as exc:  # noqa: BLE001  the rows' layers may be half-advanced
+            self._fail_batch(f"decode step failed: {_describe(exc)}", events, request_ids)
             return
-        for row in rows:
-            row.decode_steps += 1
-        steps = torch.tensor([r.decode_steps for r in rows])
+        good: list[tuple[Request, int]] = []
+        for row, token, size in zip(rows, tokens, blocks):
+            row.decode_steps, row.working_set_blocks = row.decode_steps + 1, size
+            if token < 0:
+                events.append(self._finish(row, "error", "decode step gave non-finite logits (NaN or inf)"))
+            else:
+                good.append((row, token))
+        self._emit_tokens([row for row, _ in good], [token for _, token in good], events)
+
+    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[int]]:
+        """The batch's forward, working sets and picks, read back together (the step's one host sync).
+
+        Returns each row's token (-1 where its logits were not finite) and working set in head-blocks.
+        """
+        device = self.stack.device
+        tokens = torch.tensor([[r.output[-1]] for r in rows], device=device)  # (B, 1)
+        positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
+        forward = self._graph_step if self.config.cuda_graphs else self._eager_step
+        logits = forward(tokens, positions)  # (B, V)
+        steps = torch.tensor([r.decode_steps + 1 for r in rows])  # this step included
         working_sets = self.tracker.observe(self.batch, steps)  # (B,) on the device
         chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
-        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()  # the step's one read-back
-        for row, size in zip(rows, blocks):
-            row.working_set_blocks = size
-        self._emit_tokens(rows, tokens, events)
+        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()
+        return tokens, blocks
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) next-token logits of the batch rows, one eager forward."""
@@ -370,36 +398,60 @@ class Generator:
                 continue  # failed at start
             if budget is not None and budget <= 0:
                 break
-            try:
-                used = self.prefill.advance(request.job, budget)
-            except Exception as exc:  # noqa: BLE001  only this request's own cache was touched
-                events.append(self._finish(request, "error", f"prefill failed: {type(exc).__name__}: {exc}"))
-                continue
+            used = self._advance_prefill(request, budget, events)
             budget, ran = None if budget is None else budget - used, ran + used
-            if request.job.done:
-                logits = self.prefill.logits(request.job)  # (1, V)
-                request.job, request.state = None, RUNNING
-                token = sample_next(logits, [request.params], [request.generator]).tolist()
-                self._emit_tokens([request], token, events)
         return ran
 
-    def _start_prefill(self, request: Request, events: list[StreamEvent]) -> None:
-        request.cache = SparseServeCache(self.model.config, self.config, store=self.store)
+    def _advance_prefill(self, request: Request, budget: int | None, events: list[StreamEvent]) -> int:
+        """Run `request`'s prefill within `budget` token-layers and, once the prompt is in, pick its
+        first token; returns the token-layers run.
+
+        The request turns RUNNING only with its first token recorded. One that fails on the way
+        (its forward, its transfers, its logits or sampling) ends with "error": only its own
+        cache was touched, and freeing it releases every block it saved.
+        """
+        used = 0
         try:
+            used = self.prefill.advance(request.job, budget)
+            if not request.job.done:
+                return used
+            logits = self.prefill.logits(request.job)  # (1, V)
+            token = int(sample_next(logits, [request.params], [request.generator])[0])
+        except Exception as exc:  # noqa: BLE001  only this request's own cache was touched
+            events.append(self._finish(request, "error", f"prefill failed: {_describe(exc)}"))
+            return used
+        if token < 0:
+            events.append(self._finish(request, "error", "prefill gave non-finite logits (NaN or inf)"))
+            return used
+        request.job, request.state = None, RUNNING
+        self._emit_tokens([request], [token], events)
+        return used
+
+    def _start_prefill(self, request: Request, events: list[StreamEvent]) -> None:
+        """Give an admitted request its own cache and prefill job; one that cannot start ends with "error"."""
+        try:
+            request.cache = SparseServeCache(self.model.config, self.config, store=self.store)
             request.job = self.prefill.start(torch.tensor(request.prompt), request.cache)
-        except ValueError as exc:
-            events.append(self._finish(request, "error", str(exc)))
+        except Exception as exc:  # noqa: BLE001  nothing else was touched
+            message = str(exc) if isinstance(exc, ValueError) else f"prefill failed: {_describe(exc)}"
+            events.append(self._finish(request, "error", message))
             return
         request.state = PREFILLING
         self.recorder.admit(request.request_id)
 
     def _emit_tokens(self, rows: list[Request], tokens: list[int], events: list[StreamEvent]) -> None:
+        """Record each row's new token and build its event; a request whose tokenizer raises on
+        its output ends alone with "error"."""
         now = self.recorder.now()
         for request, token in zip(rows, tokens):
             self.recorder.token(request.request_id, now)
-            reason = request.add_token(token, self.eos_ids, self.tokenizer, self.stack.max_positions)
+            try:
+                reason = request.add_token(token, self.eos_ids, self.tokenizer, self.stack.max_positions)
+                text = request.text_delta(self.tokenizer, finished=False) if reason is None else None
+            except Exception as exc:  # noqa: BLE001  e.g. an id the tokenizer does not know
+                events.append(self._finish(request, "error", f"detokenizing failed: {_describe(exc)}", token=token))
+                continue
             if reason is None:
-                text = request.text_delta(self.tokenizer, finished=False)
                 events.append(StreamEvent(request.request_id, token, text, None, request.prompt_index))
             else:
                 events.append(self._finish(request, reason, token=token))
@@ -421,17 +473,26 @@ class Generator:
                 self.batch_ids.append(request_id)
 
     def _pop_row(self, row: int) -> SparseServeCache:
-        self.batch_ids.pop(row)
-        return self.batch.pop_rows([row])
+        cache = self.batch.pop_rows([row])
+        self.batch_ids.pop(row)  # only once the row has left: a failed pop keeps it in the batch
+        return cache
 
     def _finish(self, request: Request, reason: str, error: str | None = None, token: int | None = None) -> StreamEvent:
-        """End a request in any state: free every block it holds, record it, build its last event."""
+        """End a request in any state: free every block it holds, record it, build its last event.
+
+        Called once per request (it leaves `_requests` here). A tokenizer that raises on the
+        final text turns the outcome into "error" rather than losing the event.
+        """
         self._release(request)
         del self._requests[request.request_id]
         self._record_working_set(request)
+        try:
+            text = request.text_delta(self.tokenizer, finished=True)
+            output = request.to_output(self.tokenizer, reason, error)
+        except Exception as exc:  # noqa: BLE001  the request still ends, without text
+            reason, error, text = "error", f"detokenizing failed: {_describe(exc)}", None
+            output = RequestOutput(request.request_id, request.prompt, tuple(request.output), None, reason, error)
         self.recorder.finish(request.request_id, reason)
-        text = request.text_delta(self.tokenizer, finished=True)
-        output = request.to_output(self.tokenizer, reason, error)
         return StreamEvent(request.request_id, token, text, output, request.prompt_index)
 
     def _release(self, request: Request) -> None:
@@ -442,10 +503,14 @@ class Generator:
             request.cache.reset()  # drops the row's references: its blocks leave DRAM and HBM
         request.cache = request.job = None
 
-    def _fail_batch(self, message: str, events: list[StreamEvent]) -> None:
+    def _fail_batch(self, message: str, events: list[StreamEvent], request_ids: list[int]) -> None:
+        """End a failed decode step's requests with "error": every row of the batch cache, whose
+        layers may be half-advanced, and every request picked for the step (one whose rows were
+        moving when the step failed may be half in the batch). All their blocks are freed."""
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
         failed, self.batch_ids, self._graph_rows = self.batch_ids, [], None
+        failed = failed + [rid for rid in request_ids if rid not in failed and rid in self._requests]
         for request_id in failed:
             events.append(self._finish(self._requests[request_id], "error", message))
 
@@ -531,3 +596,8 @@ def _check_prompt_index(prompt_index: object) -> None:
         raise TypeError(f"prompt_index must be an int or None, got {type(prompt_index).__name__}")
     if prompt_index < 0:
         raise ValueError(f"prompt_index must be >= 0, got {prompt_index}")
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as an output's error message: its type and text."""
+    return f"{type(exc).__name__}: {exc}"

@@ -22,25 +22,32 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample_next(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Pick one token per row.
+    """Pick one token per row; never raises over bad logits.
+
+    A row whose logits are not all finite (NaN or inf: an overflow, a broken forward) gets -1
+    instead of a token and is never sampled: `torch.multinomial` over NaN probabilities raises on
+    CPU and trips a device-side assert on CUDA, which would poison every later CUDA call of the
+    process. The caller ends such a request; the other rows' picks do not depend on it (each
+    draws from its own generator), and nothing here reads the device back.
 
     Args:
         logits: (B, V) next-token logits.
         params: B SamplingParams, one per row.
         generators: B random streams (None for greedy rows).
     Returns:
-        (B,) long token ids.
+        (B,) long token ids, -1 where the row's logits were not finite.
     """
+    finite = torch.isfinite(logits).all(dim=-1)  # (B,)
+    logits = torch.where(finite[:, None], logits, 0.0)  # bad rows: any valid distribution, discarded below
     tokens = logits.argmax(dim=-1)  # greedy rows are done here
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens
-    probs, order = _filtered_probs(logits[rows].float(), [params[i] for i in rows])  # (R, V) each
-    for j, row in enumerate(rows):
-        # One draw per row from its own generator: a request's samples do not depend on its batch.
-        pick = torch.multinomial(probs[j], 1, generator=generators[row])
-        tokens[row] = order[j, pick[0]]
-    return tokens
+    if rows:
+        probs, order = _filtered_probs(logits[rows].float(), [params[i] for i in rows])  # (R, V) each
+        for j, row in enumerate(rows):
+            # One draw per row from its own generator: a request's samples do not depend on its batch.
+            pick = torch.multinomial(probs[j], 1, generator=generators[row])
+            tokens[row] = order[j, pick[0]]
+    return torch.where(finite, tokens, -1)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

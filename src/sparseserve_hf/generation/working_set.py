@@ -13,6 +13,7 @@ import torch
 
 from ..cache import SparseServeCache
 from ..cache.grow import grown
+from ..cache.plain import plain_tensors
 from ..config import SparseServeConfig
 
 NEVER = -(2**62)
@@ -23,17 +24,21 @@ class WorkingSetTracker:
 
     Stamps are per request steps (a request that sits out an iteration does not age its own
     working set). Each block belongs to one request (the Generator never shares rows), and
-    `forget` clears the stamps of a request's blocks before their ids are reused.
+    `forget` clears the stamps of a request's blocks before their ids are reused. The stamps are
+    plain tensors (`plain_tensors`), updated in place in any mode: a tracker made or first used
+    under `torch.inference_mode` keeps working outside it.
 
     Args:
         window: w, decode steps whose selections form the working set.
         device: where the stamps live (the block store's device).
     """
 
+    @plain_tensors
     def __init__(self, window: int, device: torch.device) -> None:
         self.window = window
         self.stamp = torch.full((0,), NEVER, dtype=torch.long, device=device)  # (C,) per DRAM block id
 
+    @plain_tensors
     def observe(self, cache: SparseServeCache, steps: torch.Tensor) -> torch.Tensor:
         """Record the step just decoded and return each row's working set in head-blocks.
 
@@ -66,6 +71,7 @@ class WorkingSetTracker:
             fresh += (recent & (tables >= 0)).sum(dim=(0, 2, 3))
         return fresh
 
+    @plain_tensors
     def forget(self, cache: SparseServeCache) -> None:
         """Clear the stamps of every block of `cache`'s rows (call before freeing them)."""
         self._track(cache)
