@@ -45,11 +45,21 @@ class ModelShape:
         )
 
     def differences(self, other: ModelShape) -> list[str]:
-        """`name: mine vs theirs` for every field that differs."""
-        names = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "layer_types")
+        """`config_field: mine vs theirs` for every field that differs (named as in the model config)."""
         return [
-            f"{n}: {getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)
+            f"{field}: {getattr(self, name)} vs {getattr(other, name)}"
+            for name, field in CONFIG_FIELDS.items()
+            if getattr(self, name) != getattr(other, name)
         ]
+
+
+CONFIG_FIELDS = {  # ModelShape field -> the model config field it comes from
+    "num_layers": "num_hidden_layers",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "max_positions": "max_position_embeddings",
+    "layer_types": "layer_types",
+}
 
 
 class ForwardLog:
@@ -115,8 +125,8 @@ class ForwardLog:
             if differences:
                 raise ValueError(
                     "this SparseServeCache was built for another model config ("
-                    + "; ".join(f"cache {d}" for d in differences)
-                    + "): build one per model, SparseServeCache(model.config, ...)"
+                    + "; ".join(differences)
+                    + ", the cache's first): build one per model, SparseServeCache(model.config, ...)"
                 )
             self._matched = model_config
         self._check_positions()
