@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,22 +54,30 @@ def run_generator(gen: Generator, trace: Trace, rate: float, deadline_s: float =
                 clock.wait_until(min(records[submitted].arrival, deadline_s))
                 continue
             try:
-                events = gen.step()
+                events = [event for event in gen.step() if event.request_id in by_id]
             except torch.OutOfMemoryError as exc:  # the cap broke: report what was served, fail the rest
-                return _failed_run(records, by_id, gen, clock, out_of_memory(exc))
+                result = _failed_run(records, by_id, gen, clock, out_of_memory(exc))
+                _drain(gen, by_id)
+                return result
             for event in events:
                 if event.finished and event.output.error:  # why the Generator failed it, kept for the record
                     by_id[event.request_id].error = event.output.error
             bar.update(sum(event.finished for event in events))
-    for request_id in by_id:
-        gen.cancel(request_id)
-    while gen.has_unfinished:
-        gen.step()
+    _drain(gen, by_id)
     metrics = gen.metrics()
     for request_id, record in by_id.items():
         _fill_from_generator(record, metrics["requests"][request_id], clock)
     fail_unfinished(records, deadline_s)
     return RunResult(records, engine_totals_since(metrics["totals"], before) | {"config": gen.config.to_dict()})
+
+
+def _drain(gen: Generator, request_ids: Iterable[int]) -> None:
+    """Cancel this run's unfinished requests and take every event still due, so that the next run
+    on `gen` starts from an empty engine (no final event of this run comes out of its steps)."""
+    for request_id in request_ids:
+        gen.cancel(request_id)
+    while gen.has_unfinished:  # also True while a cancelled request's final event waits
+        gen.step()
 
 
 def _failed_run(records: list[RequestRecord], by_id: dict, gen: Generator, clock: Clock, error: str) -> RunResult:
