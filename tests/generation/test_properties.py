@@ -1,0 +1,124 @@
+"""Property-based tests of the Generator's block bookkeeping (hypothesis).
+
+Random sequences of submit / step / cancel / an injected failure (tests/generation/fault_support.py),
+each run inside or outside `torch.inference_mode`, over small pools. After every operation: no
+request ended twice or sent an event after its end, no DRAM block has more than one reference
+(the Generator never shares blocks between rows), the reference counts and the pool's used-block
+count agree, and the HBM block cache holds at most `hbm_cache_bytes`. After draining: every
+request ended exactly once and the pools are empty, reference counts all zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fault_support import SITES, Fault, arm, assert_drained, drain, ended_once
+from gen_support import prompt
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+BLOCK_BYTES = 2 * 16 * 16 * 4  # block_size 16 x head_dim 16, fp32 keys and values
+POOLS = {
+    "segmented": dict(hbm_cache_bytes=24 * BLOCK_BYTES, dram_bytes=48 * BLOCK_BYTES, max_batch=3, max_inject_tokens=40),
+    "chunked": dict(
+        hbm_cache_bytes=16 * BLOCK_BYTES,
+        dram_bytes=80 * BLOCK_BYTES,
+        max_batch=2,
+        prefill_mode="chunked",
+        max_inject_tokens=32,
+    ),
+    "no-admission": dict(hbm_cache_bytes=20 * BLOCK_BYTES, dram_bytes=64 * BLOCK_BYTES, admission=False),
+    "device-pool": dict(offload=False, dram_bytes=48 * BLOCK_BYTES, max_batch=3),
+    "graph-step": dict(
+        hbm_cache_bytes=24 * BLOCK_BYTES, dram_bytes=64 * BLOCK_BYTES, max_batch=3, cuda_graphs=True, token_budget=64
+    ),
+}
+
+SUBMIT = st.tuples(st.just("submit"), st.integers(1, 70), st.integers(1, 8), st.booleans())  # length, new, sample
+STEP = st.tuples(st.just("step"), st.integers(1, 6))  # how many
+CANCEL = st.tuples(st.just("cancel"), st.integers(0, 7))  # which submitted request (modulo)
+FAULT = st.tuples(st.just("fault"), st.sampled_from(SITES), st.sampled_from(["raise", "oom", "nan"]))
+OPERATIONS = st.lists(st.tuples(st.one_of(SUBMIT, STEP, CANCEL, FAULT), st.booleans()), min_size=1, max_size=24)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on tensors this small two threads only add sync overhead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Run:
+    """One engine under a sequence of operations, with the events it gave so far."""
+
+    def __init__(self, model, pool: str) -> None:
+        config = SparseServeConfig(**(dict(block_size=16, token_budget=48) | POOLS[pool]))
+        self.gen = Generator(model, None, config)
+        self.submitted: list[int] = []
+        self.events: list = []
+        self.ended: set[int] = set()
+        self.faults: list[Fault] = []
+        self.seed = 0
+
+    def apply(self, operation: tuple, mp: pytest.MonkeyPatch) -> None:
+        kind = operation[0]
+        if kind == "submit":
+            self.submit(*operation[1:])
+        elif kind == "step":
+            for _ in range(operation[1]):
+                self.record(self.gen.step())
+        elif kind == "cancel" and self.submitted:
+            self.gen.cancel(self.submitted[operation[1] % len(self.submitted)])
+        elif kind == "fault":
+            _, site, how = operation
+            mp.undo()  # one armed fault at a time
+            fault = Fault(at=1, kind=how if site == "head" or how != "nan" else "raise")
+            arm(mp, self.gen, site, fault, layer=len(self.faults) % 2)
+            self.faults.append(fault)
+
+    def submit(self, length: int, new_tokens: int, sample: bool) -> None:
+        self.seed += 1
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8 if sample else 0.0, seed=self.seed)
+        try:
+            self.submitted.append(self.gen.submit(prompt(length, seed=self.seed), params))
+        except ValueError as exc:  # can never fit the small pools: refused, nothing changes
+            assert "fit" in str(exc) or "DRAM" in str(exc), exc
+
+    def record(self, events: list) -> None:
+        for event in events:
+            assert event.request_id not in self.ended, f"an event after request {event.request_id} ended"
+            if event.finished:
+                self.ended.add(event.request_id)
+        self.events += events
+
+    def check_blocks(self) -> None:
+        """Reference counts agree with the pool, no block is shared, the HBM cache stays in its bytes."""
+        store, config = self.gen.store, self.gen.config
+        refcount = store.dram.refcount
+        assert int(refcount.min()) >= 0 and int(refcount.max()) <= 1
+        assert int((refcount > 0).sum()) == store.dram.num_used
+        if config.offload and config.hbm_cache_bytes is not None:
+            assert store.block_cache_bytes() <= config.hbm_cache_bytes
+
+
+@settings(
+    deadline=None, max_examples=250, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(pool=st.sampled_from(list(POOLS)), operations=OPERATIONS)
+def test_block_bookkeeping_holds_under_any_operations(llama, pool, operations):
+    run = Run(llama, pool)
+    with pytest.MonkeyPatch.context() as mp:
+        for operation, inference in operations:
+            with torch.inference_mode(inference):
+                run.apply(operation, mp)
+            run.check_blocks()
+        mp.undo()
+        run.record(drain(run.gen))
+    outputs = ended_once(run.events, run.submitted)
+    if not any(fault.fired for fault in run.faults):
+        assert all(output.finish_reason != "error" for output in outputs.values())
+    assert_drained(run.gen)
