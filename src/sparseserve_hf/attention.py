@@ -197,11 +197,12 @@ def pick_blocks(
     """
     if config.selection == "kv_head":
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
+    union_follows = config.selection != "kv_head"  # the union orders the blocks itself
     picked, valid = ops.select_blocks(
-        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks
+        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, not union_follows
     )  # (B, H, K), H = Hq or Hkv
     head_mask = None  # every query head attends to all blocks its KV head loaded
-    if config.selection != "kv_head":  # (B, Hkv, U); group_union needs no per-head mask
+    if union_follows:  # (B, Hkv, U); group_union needs no per-head mask
         with_mask = config.selection == "query_head"
         picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, capacity, with_mask)
     return picked, valid, head_mask

@@ -113,3 +113,16 @@ def test_union_width_does_not_depend_on_the_table_width(capacity):
     wide = reference.union_over_group(index, valid, num_kv_heads=2, capacity=300)
     assert got[0].shape == (1, 2, 6) and all(torch.equal(a, b) for a, b in zip(got, wide))
     assert got[1].sum(-1).tolist() == [[3, 3]]
+
+
+@pytest.mark.parametrize("counts", [[12, 3], [5, 12]])
+def test_select_blocks_unordered_picks_the_same_set(counts):
+    """ordered=False (a union follows) skips only the sort: the same blocks, validity per entry."""
+    scores = torch.randn(2, 3, 12)
+    want_index, want_valid = reference.select_blocks(scores, torch.tensor(counts), 6, 1, 1)
+    index, valid = reference.select_blocks(scores, torch.tensor(counts), 6, 1, 1, ordered=False)
+    for row in range(2):
+        for head in range(3):
+            got = sorted(index[row, head][valid[row, head]].tolist())
+            assert got == want_index[row, head][want_valid[row, head]].tolist()
+    assert (index[~valid] == 0).all()

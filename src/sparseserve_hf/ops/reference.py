@@ -99,7 +99,12 @@ def aggregate_group_scores(scores: torch.Tensor, num_kv_heads: int, how: str) ->
 
 
 def select_blocks(
-    scores: torch.Tensor, num_blocks: torch.Tensor, num_selected: int, sink_blocks: int, window_blocks: int
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    ordered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick `num_selected` blocks per (row, head): sink and window blocks always, the rest by score.
 
@@ -109,8 +114,11 @@ def select_blocks(
         num_selected: K, blocks per (row, head). A row with at most K blocks selects all of them.
         sink_blocks: leading blocks always kept.
         window_blocks: trailing blocks always kept.
+        ordered: False skips the final sort (the same set, in no particular order) for callers
+            that only take a union of the selections (`union_over_group`), which orders itself.
     Returns:
-        index: (B, H, K) long block indices into the row's table, ascending among valid entries.
+        index: (B, H, K) long block indices into the row's table, ascending among valid entries
+            (valid entries first) when `ordered`.
         valid: (B, H, K) bool; False where the row has fewer than K blocks.
     """
     batch, _, capacity = scores.shape
@@ -130,7 +138,9 @@ def select_blocks(
     top = rank.topk(num_selected, dim=-1, sorted=False).indices  # (B, H, K), in no particular order
     # Invalid entries (past the row's count) sort last; valid ones ascend, so attention visits
     # blocks in position order.
-    index = torch.where(top < count, top, width).sort(dim=-1).values
+    index = torch.where(top < count, top, width)
+    if ordered:
+        index = index.sort(dim=-1).values
     valid = index < width
     return torch.where(valid, index, 0), valid
 

@@ -73,6 +73,7 @@ def _decode_split_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    BLOCK_LOADED: tl.constexpr,
     TAIL_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     IEEE: tl.constexpr,
@@ -95,7 +96,11 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if split < num_splits:
         start = split * blocks_per_split
-        end = tl.minimum(start + blocks_per_split, num_loaded)
+        # Selections hold their unused (-1) entries last, often most of U: stop after the last used one.
+        entries = tl.arange(0, BLOCK_LOADED)
+        row_slots = tl.load(slots_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
+        used_end = tl.max(tl.where(row_slots >= 0, entries + 1, 0), axis=0)
+        end = tl.minimum(tl.minimum(start + blocks_per_split, num_loaded), used_end)
         t = tl.arange(0, BLOCK_U * S)
         for first in range(start, end, BLOCK_U):
             u = first + t // S  # (T,) loaded-block index of each token
@@ -229,6 +234,7 @@ def sparse_decode(
         D=dim,
         BLOCK_D=block_d,
         BLOCK_U=block_u,
+        BLOCK_LOADED=triton.next_power_of_2(max(num_loaded, 1)),
         TAIL_TOKENS=max(16, block_size),
         HAS_MASK=head_mask is not None,
         IEEE=query.dtype == torch.float32,
