@@ -134,3 +134,36 @@ def test_a_failed_save_in_the_generator_leaves_no_dram_in_use(llama, at):
         finished += [event for event in gen.step() if event.finished]
     assert any(event.output.finish_reason == "error" for event in finished)  # the fault did hit a request
     assert gen.dram_bytes_in_use() == 0
+
+
+@pytest.mark.core
+def test_a_failed_block_load_leaves_no_slot_claiming_the_block(llama, monkeypatch):
+    """The HBM lookup assigns slots to its misses before copying them in: if the copy fails, those
+    slots must not stay resident, or the next step would attend to whatever they held."""
+    config = SparseServeConfig(block_size=16, token_budget=1024, hbm_cache_bytes=1 << 20)  # a bounded LRU
+    cache, ids = SparseServeCache(llama.config, config), random_ids(1, 70)
+    with torch.no_grad():
+        llama(ids, past_key_values=cache)
+    hbm = cache.store.hbm
+    monkeypatch.setattr(hbm, "gather_blocks", fail_on_call(hbm.gather_blocks, 1))  # the first decode load
+    with pytest.raises(Fault), torch.no_grad():
+        llama(random_ids(1, 1, seed=4), past_key_values=cache)
+    assert cache.stats()["hbm_block_cache_bytes"] == 0  # nothing was loaded, so nothing is resident
+    monkeypatch.undo()
+    cache.reset()
+    assert torch.equal(generate(llama, ids, cache), generate(llama, ids, DynamicCache(config=llama.config)))
+
+
+@pytest.mark.core
+def test_a_reset_failing_in_one_layer_still_frees_the_others_and_a_second_reset_frees_all(llama, monkeypatch):
+    config = SparseServeConfig(block_size=16, token_budget=1024, hbm_cache_bytes=1 << 20)  # a bounded LRU
+    cache, ids = SparseServeCache(llama.config, config), random_ids(1, 70)
+    generate(llama, ids, cache)
+    store = cache.store
+    monkeypatch.setattr(store.hbm, "invalidate", fail_on_call(store.hbm.invalidate, 1))
+    with pytest.raises(Fault):
+        cache.reset()  # layer 0's blocks stay (and stay resident), layer 1's are freed
+    assert 0 < store.dram.num_used
+    cache.reset()
+    assert_empty(cache)
+    assert torch.equal(generate(llama, ids, cache), generate(llama, ids, DynamicCache(config=llama.config)))

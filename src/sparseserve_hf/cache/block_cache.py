@@ -118,7 +118,13 @@ class HbmBlockCache:
             self._grow(max(dram.num_used, block_ids.numel()))  # host-known bound: never evicts
         tables = self._block_slot, self._slot_block, self._slot_tick, self._slot_order
         result = lru.lookup_(block_ids.to(self.device), *tables, self.clock, self._slot_index)
-        self.gather_blocks(dram.storage, result.load_ids, self.pool, result.load_slots)  # the H2D copy
+        try:
+            self.gather_blocks(dram.storage, result.load_ids, self.pool, result.load_slots)  # the H2D copy
+        except BaseException:
+            # The tables already call the misses resident: forget them, or a later lookup would
+            # hit slots that never received their blocks.
+            lru.invalidate_(result.load_ids, *tables, self._slot_index)
+            raise
         self._counts += torch.cat((result.num_unique, result.num_misses))
         return result.slots, result.num_misses
 
@@ -154,12 +160,13 @@ class HbmBlockCache:
         if needed <= self.num_slots:
             return
         new = max(2 * self.num_slots, needed)
-        self.reallocations += 1
-        self.pool = grown(self.pool, new)
-        self._slot_block = _grown_with_dump(self._slot_block, new)
-        self._slot_tick = _grown_with_dump(self._slot_tick, new)
+        pool = grown(self.pool, new)
+        slot_block, slot_tick = _grown_with_dump(self._slot_block, new), _grown_with_dump(self._slot_tick, new)
+        slot_order = lru.eviction_order(slot_tick[:-1])  # the new slots are free: first
+        # Everything allocated before anything is replaced: a failed growth (out of memory) leaves the cache whole.
+        self.pool, self._slot_block, self._slot_tick, self._slot_order = pool, slot_block, slot_tick, slot_order
         self._slot_index = torch.arange(new, device=self.device)
-        self._slot_order = lru.eviction_order(self.slot_tick)  # the new slots are free: first
+        self.reallocations += 1
 
 
 def _grown_with_dump(table: torch.Tensor, size: int) -> torch.Tensor:

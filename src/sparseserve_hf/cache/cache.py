@@ -215,11 +215,22 @@ class SparseServeCache(Cache):
 
     @plain_tensors
     def reset(self) -> None:
-        """Free every block and forget all rows; the pools stay allocated for reuse."""
+        """Free every block and forget all rows; the pools stay allocated for reuse.
+
+        Every layer is reset even when one fails (its error is raised after the others ran), so
+        one bad layer cannot keep the other layers' blocks in use.
+        """
         self._log.clear()
-        super().reset()
+        failure: BaseException | None = None
+        for layer in self.layers:
+            try:
+                layer.reset()
+            except Exception as exc:  # noqa: BLE001  raised below, once every layer had its turn
+                failure = failure or exc
         if self.store is not None and self._owns_store:
             self.store.stats = type(self.store.stats)()
+        if failure is not None:
+            raise failure
 
     # ---- moving rows between caches that share a store (the batching Generator) ---------------
 
@@ -281,12 +292,18 @@ class SparseServeCache(Cache):
         if not rows or not layers[0].is_initialized:
             return
         layers[0].check_rows(list(rows))
+        _check_table_width(table_width)
         full_rows = torch.tensor(rows, device=layers[0].device)
         widths = [layer.reserve_table(table_width) for layer in layers]  # before the save: linking cannot fail
         saved = self.store.save_many([layer.full_tails(full_rows) for layer in layers])
         self._log.clear()
-        for layer, ids, width in zip(layers, saved, widths):
-            layer.link_saved_tails(full_rows, ids, width)
+        for done, (layer, ids, width) in enumerate(zip(layers, saved, widths)):
+            try:
+                layer.link_saved_tails(full_rows, ids, width)
+            except BaseException:
+                for unlinked in saved[done:]:  # linked layers are whole (their tails rolled); the rest let go
+                    self.store.free(unlinked)
+                raise
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """Every cache tensor a captured decode step reads or writes by address (names: "store.x", "layer3.x").
@@ -394,6 +411,13 @@ def _model_shape(model_config: Any) -> ModelShape:
         return ModelShape.of(text, attention_layer_types(text))
     except AttributeError as exc:
         raise ValueError(f"the model config lacks a field the cache needs: {exc}") from exc
+
+
+def _check_table_width(table_width: object) -> None:
+    if table_width is not None and (
+        not isinstance(table_width, int) or isinstance(table_width, bool) or table_width <= 0
+    ):
+        raise ValueError(f"table_width must be a positive int or None, got {table_width!r}")
 
 
 def _cut_dense(layer: DynamicLayer, length: int) -> None:

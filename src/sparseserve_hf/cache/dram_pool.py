@@ -81,6 +81,14 @@ class DramPool:
         """Add one reference per occurrence of each id (a row now shares these blocks)."""
         self.refcount.index_add_(0, ids.flatten().cpu(), torch.ones(ids.numel(), dtype=torch.int32))
 
+    def releasing(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids that `free(ids)` would release (their last references), changing nothing."""
+        ids = ids.flatten().cpu()
+        if ids.numel() == 0:
+            return ids
+        unique, counts = ids.unique(return_counts=True)
+        return unique[self.refcount[unique] == counts.to(self.refcount.dtype)]
+
     @plain_tensors
     def free(self, ids: torch.Tensor) -> torch.Tensor:
         """Drop one reference per occurrence; returns the ids that reached zero and are free again."""

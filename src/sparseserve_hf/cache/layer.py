@@ -398,7 +398,12 @@ class SparseServeLayer(CacheLayerMixin):
             return
         full_rows = torch.tensor(rows, device=self.device)
         width = self.reserve_table(table_width)  # before the save: nothing may fail between save and link
-        self.link_saved_tails(full_rows, self.store.save(self.full_tails(full_rows)), width)
+        ids = self.store.save(self.full_tails(full_rows))
+        try:
+            self.link_saved_tails(full_rows, ids, width)
+        except BaseException:
+            self.store.free(ids)  # in no table: nobody else would ever give them back
+            raise
 
     def reserve_table(self, table_width: int | None = None) -> int:
         """Grow the block table to hold one more block per row (or to `table_width`); returns the width.

@@ -54,8 +54,10 @@ class TieredBlockStore:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        _check_store_args(config, ops, head_dim, dtype)
         self.config = config
         self.ops = block_copy.with_copy_transfers(ops) if config.transfer == "copy" else ops
+        device = torch.device(device)
         self.dtype = dtype
         self.device = device
         block_shape = (2, config.block_size, head_dim)
@@ -141,11 +143,11 @@ class TieredBlockStore:
     @plain_tensors
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
-        self._stats.dense_read_bytes += ids.numel() * self.block_bytes
         self._wait_for_saves()
         ids = ids.reshape(-1).to(self.device)
         out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.dtype, device=self.device)
         self.ops.gather_blocks(self.dram.storage, ids, out, torch.arange(ids.numel(), device=self.device))
+        self._stats.dense_read_bytes += ids.numel() * self.block_bytes
         return out
 
     @plain_tensors
@@ -194,9 +196,14 @@ class TieredBlockStore:
 
     @plain_tensors
     def free(self, ids: torch.Tensor) -> None:
-        """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both tiers."""
-        released = self.dram.free(ids[ids >= 0])
-        self.hbm.invalidate(released)
+        """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both tiers.
+
+        The HBM cache forgets them first: a block id back on the free list while a slot still
+        claims it would serve its next owner stale data (forgetting a block that stays is harmless).
+        """
+        ids = ids[ids >= 0]
+        self.hbm.invalidate(self.dram.releasing(ids))
+        self.dram.free(ids)
 
     def block_cache_bytes(self) -> int:
         """Bytes of blocks in device memory: the HBM cache's, or every live block's with offload=False."""
@@ -226,3 +233,15 @@ class TieredBlockStore:
             self._reallocations += 1
         self.metadata = grown(self.metadata, self.dram.capacity)
         self.hbm.track_blocks(self.dram.capacity)
+
+
+def _check_store_args(config: object, ops: object, head_dim: object, dtype: object) -> None:
+    """TypeError / ValueError naming the argument, before anything is allocated."""
+    if not isinstance(config, SparseServeConfig):
+        raise TypeError(f"config must be a SparseServeConfig, got {type(config).__name__}")
+    if not isinstance(ops, BlockOps):
+        raise TypeError(f"ops must be a BlockOps (sparseserve_hf.ops.get_ops), got {type(ops).__name__}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
