@@ -134,6 +134,7 @@ def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None
         score_table=timer.wrap("scoring", ops.score_table),
         select_blocks=timer.wrap("topk", ops.select_blocks),
         union_over_group=timer.wrap("topk", ops.union_over_group),
+        select_group_union=timer.wrap("topk", ops.select_group_union),
         aggregate_group_scores=timer.wrap("topk", ops.aggregate_group_scores),
         sparse_decode=timer.wrap("attention", ops.sparse_decode),
     )

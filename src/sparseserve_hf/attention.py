@@ -195,17 +195,20 @@ def pick_blocks(
         picked, valid: (B, Hkv, U) block indices each KV head loads and their validity.
         head_mask: (B, Hq, U) which of them each query head attends; None = all of them.
     """
+    if config.selection == "group_union":  # the default: one op (one kernel with Triton)
+        picked, valid = ops.select_group_union(
+            scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, num_kv_heads
+        )  # (B, Hkv, G*K)
+        return picked, valid, None
     if config.selection == "kv_head":
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
-    union_follows = config.selection != "kv_head"  # the union orders the blocks itself
+    per_query_head = config.selection == "query_head"  # a union follows, which orders the blocks itself
     picked, valid = ops.select_blocks(
-        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, not union_follows
+        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, not per_query_head
     )  # (B, H, K), H = Hq or Hkv
-    head_mask = None  # every query head attends to all blocks its KV head loaded
-    if union_follows:  # (B, Hkv, U); group_union needs no per-head mask
-        with_mask = config.selection == "query_head"
-        picked, valid, head_mask = ops.union_over_group(picked, valid, num_kv_heads, capacity, with_mask)
-    return picked, valid, head_mask
+    if not per_query_head:
+        return picked, valid, None
+    return ops.union_over_group(picked, valid, num_kv_heads, capacity, True)  # (B, Hkv, U) and (B, Hq, U)
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ class BlockOps:
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    select_group_union: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sparse_decode: Callable[..., torch.Tensor]
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
@@ -50,6 +51,7 @@ TORCH_OPS = BlockOps(
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
     union_over_group=reference.union_over_group,
+    select_group_union=reference.select_group_union,
     sparse_decode=reference.sparse_decode,
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
@@ -146,15 +148,16 @@ def get_ops(backend: str, device: torch.device) -> BlockOps:
 
 
 def _triton_ops() -> BlockOps:
-    from . import triton_decode, triton_score, triton_transfer  # import triton: only here, never at package import
+    from . import triton_decode, triton_score, triton_select, triton_transfer  # import triton: only here
 
-    # select_blocks / union_over_group stay the reference's torch ops: topk and sort on the
-    # device, no host sync, nothing a kernel would speed up at these sizes.
+    # select_blocks / union_over_group stay the reference's torch ops (the per-query-head and
+    # per-KV-head selections); the default group union has its own kernel.
     return replace(
         TORCH_OPS,
         name="triton",
         score_blocks=triton_score.score_blocks,
         score_table=triton_score.score_table,
+        select_group_union=triton_select.select_group_union,
         sparse_decode=triton_decode.sparse_decode,
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,

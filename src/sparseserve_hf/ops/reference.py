@@ -182,6 +182,29 @@ def union_over_group(
     return union, union_valid, head_mask & union_valid.repeat_interleave(group, dim=1)
 
 
+def select_group_union(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default selection in one op: every query head picks its blocks (`select_blocks`), each KV
+    head loads the union of its group's picks (`union_over_group`, no per-head mask).
+
+    Args:
+        scores: (B, Hq, N) block scores, -inf past a row's blocks; NaN ranks lowest among real blocks.
+        num_blocks, num_selected, sink_blocks, window_blocks: as in `select_blocks`.
+        num_kv_heads: Hkv.
+    Returns:
+        union, union_valid: (B, Hkv, G*K) block indices, ascending, valid entries first (0 where invalid).
+    """
+    picked, valid = select_blocks(scores, num_blocks, num_selected, sink_blocks, window_blocks, ordered=False)
+    union, union_valid, _ = union_over_group(picked, valid, num_kv_heads, scores.shape[-1], with_head_mask=False)
+    return union, union_valid
+
+
 def sparse_decode(
     query: torch.Tensor,
     pool: torch.Tensor,

@@ -1,0 +1,113 @@
+"""The default block selection as one Triton kernel: per-head top-k and the GQA union.
+
+`reference.select_group_union` takes ~15 PyTorch kernels per layer (two top-k's, a sort, scatters,
+fills), several of them radix selects over every (row, query head, block). Here one program per
+(row, KV head) holds its G query heads' scores for the row's whole table in registers and:
+1. maps each score to an order-preserving integer key (sink and window blocks above every score,
+   blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
+   the reference ranks it);
+2. finds each head's K-th largest key by a bitwise binary search (33 count reductions), then takes
+   every key above it and the lowest-index ties up to K: the head's exact top-K set;
+3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
+Ties between equal scores go to the lower block index (the reference's top-k breaks them in no
+particular order); the union is otherwise the reference's, entry for entry.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FORCED_KEY = tl.constexpr((1 << 32) + 1)  # above every float key: sink and window blocks always make the top-K
+KEY_BITS = tl.constexpr(33)
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int64 in [0, 2^32) with the same order; NaN -> the key of the lowest finite float."""
+    x = tl.where(x != x, -3.4028234663852886e38, x)
+    raw = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return tl.where(raw >= 0x80000000, 0xFFFFFFFF - raw, raw + 0x80000000)
+
+
+@triton.jit
+def _select_union_kernel(
+    scores_ptr,
+    num_blocks_ptr,
+    union_ptr,
+    valid_ptr,
+    stride_sb,
+    stride_sh,
+    num_table,
+    num_kv_heads,
+    K: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    U: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U]."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = tl.arange(0, BLOCK_N)
+    g = tl.arange(0, BLOCK_G)
+    count = tl.load(num_blocks_ptr + b)
+    exist = (n < count) & (n < num_table)
+    forced = exist & ((n < SINK) | (n >= count - WINDOW))
+    live = (g < G)[:, None] & exist[None, :]  # (BG, BN)
+    x = tl.load(
+        scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0
+    )
+    key = tl.where(forced[None, :], FORCED_KEY, _order_key(x))
+    key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
+    threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
+    for bit in tl.static_range(KEY_BITS - 1, -1, -1):
+        candidate = threshold | (1 << bit)
+        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+        threshold = tl.where(reach >= K, candidate, threshold)
+    above = key > threshold[:, None]
+    ties = (key == threshold[:, None]) & live
+    room = K - tl.sum(above.to(tl.int32), axis=1)  # ties still taken, lowest block index first
+    tie_rank = tl.cumsum(ties.to(tl.int32), axis=1)
+    chosen = (above | (ties & (tie_rank <= room[:, None]))) & live
+    union = tl.max(chosen.to(tl.int32), axis=0)  # (BN,)
+    position = tl.cumsum(union, axis=0) - 1
+    total = tl.sum(union, axis=0)
+    out = row_head * U
+    u = tl.arange(0, BLOCK_U)
+    tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
+    tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
+    tl.store(union_ptr + out + position, n.to(tl.int64), mask=(union > 0) & (position < U))
+
+
+def select_group_union(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.select_group_union` in one launch (no host sync). scores (B, Hq, N) fp32."""
+    batch, num_q_heads, num_table = scores.shape
+    group = num_q_heads // num_kv_heads
+    width = group * num_selected
+    union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
+    valid = torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
+    if union.numel() == 0:
+        return union, valid
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    block_n = triton.next_power_of_2(max(num_table, 16))
+    _select_union_kernel[(batch * num_kv_heads,)](
+        scores, num_blocks, union, valid.view(torch.int8),
+        scores.stride(0), scores.stride(1), num_table, num_kv_heads,
+        K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
+        BLOCK_U=triton.next_power_of_2(width), num_warps=4 if block_n <= 1024 else 8,
+    )  # fmt: skip
+    return union, valid

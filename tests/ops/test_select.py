@@ -1,0 +1,86 @@
+"""The fused group-union selection kernel against `reference.select_group_union`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_support import DEVICE
+from sparseserve_hf.ops import reference, triton_select
+
+
+def scores_for(batch: int, num_q_heads: int, width: int, counts: list[int], integer: bool = False) -> torch.Tensor:
+    """(B, Hq, N) random scores, -inf past each row's count (as `score_table` gives them)."""
+    scores = torch.randint(-40, 0, (batch, num_q_heads, width)).float() if integer else torch.randn(batch, num_q_heads, width)
+    unused = torch.arange(width) >= torch.tensor(counts)[:, None, None]
+    return scores.masked_fill(unused, float("-inf"))
+
+
+def check(scores, counts, num_selected, sink, window, kv_heads, exact_ties=True):
+    num_blocks = torch.tensor(counts)
+    want, want_valid = reference.select_group_union(scores, num_blocks, num_selected, sink, window, kv_heads)
+    got, got_valid = triton_select.select_group_union(
+        scores.to(DEVICE), num_blocks.to(DEVICE), num_selected, sink, window, kv_heads
+    )
+    if exact_ties:
+        assert torch.equal(got_valid.cpu(), want_valid) and torch.equal(got.cpu(), want)
+    for row in range(len(counts)):  # every loaded block exists, and sink + window are always loaded
+        for head in range(kv_heads):
+            loaded = set(got[row, head][got_valid[row, head]].cpu().tolist())
+            assert all(0 <= n < counts[row] for n in loaded)
+            forced = {n for n in range(counts[row]) if n < sink or n >= counts[row] - window}
+            assert forced <= loaded
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 3)])
+@pytest.mark.parametrize("counts", [[37, 5, 0], [64, 64, 63]])
+def test_matches_reference_on_random_scores(kv_heads, group, counts):
+    check(scores_for(3, kv_heads * group, 64, counts), counts, 8, 1, 2, kv_heads)
+
+
+def test_nan_scores_rank_below_every_real_score():
+    counts = [30, 30]
+    scores = scores_for(2, 4, 32, counts)
+    scores[0, 1, 3:20] = float("nan")  # more NaN than top-k slots
+    scores[1, :, 5] = float("nan")
+    check(scores, counts, 6, 1, 1, 2)
+
+
+def test_tied_scores_keep_k_per_head():
+    """Integer scores tie often (the hybrid ranking's are small integers): each head still takes
+    exactly K blocks; which of the tied ones may differ from the reference's top-k."""
+    counts = [50, 17]
+    scores = scores_for(2, 6, 50, counts, integer=True)
+    num_selected, kv_heads = 7, 2
+    check(scores, counts, num_selected, 1, 1, kv_heads, exact_ties=False)
+    got, valid = triton_select.select_group_union(
+        scores.to(DEVICE), torch.tensor(counts).to(DEVICE), num_selected, 1, 1, kv_heads
+    )
+    got, valid = got.cpu(), valid.cpu()
+    group = 3
+    for row, count in enumerate(counts):
+        for kv in range(kv_heads):
+            loaded = set(got[row, kv][valid[row, kv]].tolist())
+            allowed, smallest_head_pick = {0, count - 1}, num_selected
+            for head in range(kv * group, (kv + 1) * group):
+                rank = scores[row, head, :count].clone()
+                rank[0] = rank[count - 1] = float("inf")  # sink and window
+                kth = rank.topk(num_selected).values[-1]
+                allowed |= {n for n in range(count) if rank[n] >= kth}
+            assert loaded <= allowed and smallest_head_pick <= len(loaded) <= group * num_selected
+
+
+def test_combined_hybrid_ranks_match_exactly():
+    """`combine_by_rank` scores (distinct small integers above a shared floor) select exactly as the reference."""
+    counts = [90, 40]
+    first, second = scores_for(2, 8, 96, counts), scores_for(2, 8, 96, counts)
+    combined = reference.combine_by_rank(first, second, depth=10)
+    check(combined, counts, 10, 1, 2, 2)
+
+
+def test_rows_shorter_than_the_budget_load_every_block():
+    counts = [3, 0]
+    scores = scores_for(2, 4, 16, counts)
+    got, valid = triton_select.select_group_union(scores.to(DEVICE), torch.tensor(counts).to(DEVICE), 8, 1, 1, 2)
+    assert got[0, :, :3].cpu().tolist() == [[0, 1, 2]] * 2 and valid[0].sum(-1).tolist() == [3, 3]
+    assert not valid[1].any() and (got[1] == 0).all()
