@@ -88,6 +88,21 @@ def test_sparse_decode_equals_naive_attention_over_the_gathered_tokens(dtype, wi
 
 
 @pytest.mark.core
+def test_sparse_decode_ignores_what_unused_entries_would_read():
+    """Unused entries (-1) read slot 0; garbage there (a NaN in uninitialized pool memory) must not leak in."""
+    batch, q_heads, kv_heads, size, dim = 1, 4, 2, 8, 16
+    pool = torch.randn(4, 2, size, dim)
+    slots = torch.tensor([[[2, -1], [3, -1]]])  # (B, Hkv, U): every row has an unused entry
+    tail = torch.randn(batch, kv_heads, 2, size, dim)
+    query, tail_len = torch.randn(batch, q_heads, dim), torch.tensor([5])
+    clean = reference.sparse_decode(query, pool, slots, None, tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    pool[0] = float("nan")  # slot 0 is not attended by anyone
+    out = reference.sparse_decode(query, pool, slots, None, tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean)
+
+
+@pytest.mark.core
 def test_union_over_group_matches_sets():
     index = torch.tensor([[[0, 3, 5], [1, 3, 0], [2, 4, 0], [4, 6, 0]]])  # (B=1, Hq=4, K=3)
     valid = torch.tensor([[[True, True, True], [True, True, False], [True, True, False], [True, True, True]]])

@@ -54,8 +54,8 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
-        # What `undo_update` takes back: the last update's new positions, its `valid` mask once
-        # committed, and whether that update initialized the layer. None: nothing to undo.
+        # What `undo_update` takes back: the last update's new positions, the tokens it stored per
+        # row once committed, and whether it initialized the layer. None: nothing to undo.
         self._undo: _Undo | None = None
         # Graph mode (`graph.DecodeGraphRunner`): the caller rolls full tails before the step and
         # tracks tail lengths on the host, so a decode commit only appends (`append_token_static`).

@@ -234,7 +234,10 @@ def sparse_decode(
     num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
     group = num_q_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, dim)  # (B, Hkv, G, D)
-    blocks = pool[slots.clamp(min=0)].float()  # (B, Hkv, U, 2, S, D)
+    used = (slots >= 0)[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
+    # Unused entries read slot 0 (clamped) and are zeroed, not just weighted by zero: a pool slot
+    # may hold uninitialized memory (the device pool with offload=False), and 0 * NaN is NaN.
+    blocks = torch.where(used, pool[slots.clamp(min=0)], 0).float()  # (B, Hkv, U, 2, S, D)
     block_logits = torch.einsum("bhgd,bhusd->bhgus", q, blocks[:, :, :, 0]) * scaling  # (B, Hkv, G, U, S)
     attended = (slots >= 0)[:, :, None, :]  # (B, Hkv, 1, U)
     if head_mask is not None:
