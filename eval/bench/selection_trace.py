@@ -172,20 +172,22 @@ class TraceReplay:
 def _sorted_unique(
     mapped: torch.Tensor, valid: torch.Tensor, num_blocks: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ascending, duplicate-free valid indices (B, H, U) in `width` columns: picked (0 where invalid), valid."""
-    limit = num_blocks.view(-1, 1, 1)
-    valid = valid & (mapped >= 0) & (mapped < limit)
-    big = torch.iinfo(torch.long).max
-    ordered = torch.where(valid, mapped, big).sort(dim=-1).values
-    keep = ordered < big
-    keep[..., 1:] &= ordered[..., 1:] != ordered[..., :-1]  # a shorter target context maps blocks together
-    ordered = torch.where(keep, ordered, big).sort(dim=-1).values
-    if ordered.shape[-1] < width:
-        padding = ordered.new_full((*ordered.shape[:-1], width - ordered.shape[-1]), big)
-        ordered = torch.cat((ordered, padding), dim=-1)
-    ordered = ordered[..., :width]
-    valid = ordered < big
-    return torch.where(valid, ordered, 0), valid
+    """Duplicate-free valid indices (B, H, U) in `width` columns, ascending: picked (0 where invalid), valid.
+
+    `mapped` holds the recorded (ascending, used entries first) indices through a non-decreasing
+    map, so its used entries are ascending and equal ones adjacent (a shorter target context maps
+    several recorded blocks onto one): no sort needed, only a compaction (cumsum and scatter).
+    """
+    valid = valid & (mapped >= 0) & (mapped < num_blocks.view(-1, 1, 1))
+    keep = valid.clone()
+    keep[..., 1:] &= mapped[..., 1:] != mapped[..., :-1]
+    position = torch.where(keep, keep.long().cumsum(-1) - 1, width)
+    position = torch.where(position < width, position, width)  # past `width`: dropped into the dump column
+    picked = mapped.new_zeros((*mapped.shape[:-1], width + 1))
+    picked.scatter_(-1, position, torch.where(keep, mapped, 0))
+    count = keep.sum(-1, keepdim=True).clamp(max=width)
+    valid = torch.arange(width, device=mapped.device) < count
+    return torch.where(valid, picked[..., :width], 0), valid
 
 
 def record(model, tokenizer, config, contexts: list[int], depths: list[float], steps: int) -> SelectionTrace:
