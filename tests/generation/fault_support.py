@@ -20,7 +20,7 @@ from sparseserve_hf.generation import generator as generator_module
 from sparseserve_hf.generation.outputs import RequestOutput, StreamEvent
 
 SITES = ("layer", "head", "save", "fetch", "sampler")
-KINDS = ("raise", "oom", "raise_after", "nan")
+KINDS = ("raise", "oom", "raise_after", "nan", "interrupt")
 
 
 class Fault:
@@ -31,7 +31,8 @@ class Fault:
         kind: "raise" (RuntimeError before the call runs), "oom" (torch.OutOfMemoryError, as the
             CUDA allocator raises it), "raise_after" (the call runs, then RuntimeError: what it
             changed, e.g. a layer's stored K/V, stays changed), "nan" (the output gets NaN in
-            `rows` along dim 0, every row when None; for functions returning logits).
+            `rows` along dim 0, every row when None; for functions returning logits),
+            "interrupt" (KeyboardInterrupt before the call runs, as Ctrl-C or a notebook's stop).
         rows: rows to poison for "nan" (taken modulo the output's rows).
     """
 
@@ -48,7 +49,7 @@ class Fault:
         def patched(*args, **kwargs):
             self.calls += 1
             failing = self.calls == self.at
-            if failing and self.kind in ("raise", "oom"):
+            if failing and self.kind in ("raise", "oom", "interrupt"):
                 self.fired = True
                 raise self._error()
             out = fn(*args, **kwargs)
@@ -64,7 +65,9 @@ class Fault:
 
         return patched
 
-    def _error(self) -> Exception:
+    def _error(self) -> BaseException:
+        if self.kind == "interrupt":
+            return KeyboardInterrupt()
         if self.kind == "oom":
             return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return RuntimeError(f"injected fault at call {self.at}")

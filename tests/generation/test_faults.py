@@ -147,6 +147,35 @@ def test_a_cancelled_requests_event_comes_before_has_unfinished_turns_false(llam
     assert_drained(gen)
 
 
+def test_a_stream_closed_early_ends_its_requests_and_loses_no_other_event(llama):
+    """A consumer that stops reading `stream` (a break, or an exception in its loop) used to leave
+    the stream's requests running for nobody, and drop the other requests' events of that step."""
+    gen = Generator(llama, None, CONFIG)
+    other = gen.submit(prompt(20, 1), GREEDY)
+    for _ in gen.stream([prompt(30, 2), prompt(40, 3)], GREEDY):
+        break  # after the first event: one step ran, all three are prefilled
+    events = drain(gen)
+    assert {e.request_id for e in events} == {other}  # the stream's two ended with it, silently
+    assert ended_once(events, [other])[other].token_ids == fault_free(llama, [prompt(20, 1)], GREEDY)[0].token_ids
+    assert_drained(gen)
+
+
+@pytest.mark.parametrize("at", [2, 4], ids=["prefill", "decode"])
+def test_an_interrupt_mid_step_propagates_and_leaves_the_engine_clean(llama, monkeypatch, at):
+    """KeyboardInterrupt in a forward (Ctrl-C, a notebook's stop button) used to leave the
+    interrupted rows half-advanced and every request of the `generate` call in flight."""
+    prompts = [prompt(n, seed=n) for n in (20, 30, 40)]
+    gen = Generator(llama, None, CONFIG)
+    with monkeypatch.context() as mp:
+        arm(mp, gen, "layer", Fault(at=at, kind="interrupt"), layer=1)  # call 2: a prefill, 4: the first decode
+        with pytest.raises(KeyboardInterrupt):
+            gen.generate(prompts, GREEDY)
+    assert_drained(gen)
+    assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [
+        o.token_ids for o in fault_free(llama, prompts, GREEDY)
+    ]
+
+
 @pytest.mark.parametrize("built_inside", [False, True], ids=["built-outside", "built-inside"])
 def test_one_engine_serves_inside_and_outside_inference_mode(llama, monkeypatch, built_inside):
     """Alternating torch.inference_mode and normal mode (and failing in between) used to break the

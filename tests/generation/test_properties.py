@@ -1,11 +1,12 @@
 """Property-based tests of the Generator's block bookkeeping (hypothesis).
 
-Random sequences of submit / step / cancel / an injected failure (tests/generation/fault_support.py),
-each run inside or outside `torch.inference_mode`, over small pools. After every operation: no
-request ended twice or sent an event after its end, no DRAM block has more than one reference
-(the Generator never shares blocks between rows), the reference counts and the pool's used-block
-count agree, and the HBM block cache holds at most `hbm_cache_bytes`. After draining: every
-request ended exactly once and the pools are empty, reference counts all zero.
+Random sequences of submit / step / cancel / an injected failure (tests/generation/fault_support.py)
+/ a `stream` read for a few events and dropped, each run inside or outside `torch.inference_mode`,
+over small pools. After every operation: no request ended twice or sent an event after its end,
+no DRAM block has more than one reference (the Generator never shares blocks between rows), the
+reference counts and the pool's used-block count agree, and the HBM block cache holds at most
+`hbm_cache_bytes`. After draining: every request ended exactly once and the pools are empty,
+reference counts all zero.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ SUBMIT = st.tuples(st.just("submit"), st.integers(1, 70), st.integers(1, 8), st.
 STEP = st.tuples(st.just("step"), st.integers(1, 6))  # how many
 CANCEL = st.tuples(st.just("cancel"), st.integers(0, 7))  # which submitted request (modulo)
 FAULT = st.tuples(st.just("fault"), st.sampled_from(SITES), st.sampled_from(["raise", "oom", "nan"]))
-OPERATIONS = st.lists(st.tuples(st.one_of(SUBMIT, STEP, CANCEL, FAULT), st.booleans()), min_size=1, max_size=24)
+STREAM = st.tuples(st.just("stream"), st.integers(1, 70), st.integers(1, 4))  # length, events read before a break
+OPERATIONS = st.lists(st.tuples(st.one_of(SUBMIT, STEP, CANCEL, FAULT, STREAM), st.booleans()), min_size=1, max_size=24)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,6 +81,19 @@ class Run:
             fault = Fault(at=1, kind=how if site == "head" or how != "nan" else "raise")
             arm(mp, self.gen, site, fault, layer=len(self.faults) % 2)
             self.faults.append(fault)
+        elif kind == "stream":
+            self.read_stream(*operation[1:])
+
+    def read_stream(self, length: int, to_read: int) -> None:
+        """`stream` one prompt and stop reading after `to_read` events: its request, unless it
+        ended by then, ends with the stream and must never be heard of again."""
+        self.seed += 1
+        stream = self.gen.stream([prompt(length, seed=self.seed)], SamplingParams(max_new_tokens=8))
+        for count, event in enumerate(stream, 1):
+            self.record([event])
+            if count == to_read:
+                break
+        self.ended.add(event.request_id)
 
     def submit(self, length: int, new_tokens: int, sample: bool) -> None:
         self.seed += 1

@@ -157,10 +157,14 @@ class Generator:
         candidates = self._candidates()
         plan = schedule(candidates, self._limits())
         sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
-        if plan.decode:
-            self._decode(plan.decode, events)
-        prefilled = self._run_prefills(plan, events)
-        self._track_hbm_peak()
+        self._stepping = True
+        try:
+            if plan.decode:
+                self._decode(plan.decode, events)
+            prefilled = self._run_prefills(plan, events)
+            self._track_hbm_peak()
+        finally:
+            self._stepping = False
         seconds = self.recorder.now() - started
         self.recorder.iteration(len(plan.decode), plan.used_bytes, sat_out, seconds, prefilled)
         return events
@@ -176,6 +180,21 @@ class Generator:
             return False
         self._pending.append(self._finish(request, "cancelled"))
         return True
+
+    _stepping = False  # True while `step()` runs (see `_abandon`)
+
+    @plain_tensors
+    def _abandon(self, request_ids: set[int]) -> None:
+        """End the requests of a stream closed before they finished: nobody will read their
+        events, so they free their blocks now (finish_reason "cancelled", no event). A stream the
+        garbage collector closes in the middle of a `step()` leaves them to run on instead:
+        ending them there would change that step's rows under it."""
+        if self._stepping:
+            return
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, "cancelled")
 
     @property
     def has_unfinished(self) -> bool:
@@ -212,22 +231,24 @@ class Generator:
         return self._stream(prompt_list, _per_prompt(params, len(prompt_list)))
 
     def _stream(self, prompts: list[Any], params: list[SamplingParams | None]) -> Iterator[StreamEvent]:
+        """`stream`'s loop. Closed early (the consumer broke off or raised, or an interrupt), it
+        ends its unfinished requests (`_abandon`) and loses no other request's event."""
         own: set[int] = set()
-        for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-            try:
-                own.add(self.submit(prompt, request_params, prompt_index=index))
-            except (ValueError, TypeError) as exc:
-                yield self._rejected(prompt, index, str(exc))
-        while own:
-            other = []
-            for event in self.step():
-                if event.request_id in own:
+        try:
+            for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+                try:
+                    own.add(self.submit(prompt, request_params, prompt_index=index))
+                except (ValueError, TypeError) as exc:
+                    yield self._rejected(prompt, index, str(exc))
+            while own:
+                events = self.step()
+                self._pending.extend(event for event in events if event.request_id not in own)  # before any yield
+                for event in [event for event in events if event.request_id in own]:
                     if event.finished:
                         own.discard(event.request_id)
                     yield event
-                else:
-                    other.append(event)
-            self._pending.extend(other)
+        finally:
+            self._abandon(own)
 
     def generate(
         self,
@@ -336,8 +357,10 @@ class Generator:
             self._arrange_batch(request_ids)
             rows = [self._requests[rid] for rid in self.batch_ids]
             tokens, blocks = self._decode_step(rows)
-        except Exception as exc:  # noqa: BLE001  the rows' layers may be half-advanced
+        except BaseException as exc:  # the rows' layers may be half-advanced
             self._fail_batch(f"decode step failed: {_describe(exc)}", events, request_ids)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt (KeyboardInterrupt...): its batch is ended cleanly first
             return
         good: list[tuple[Request, int]] = []
         for row, token, size in zip(rows, tokens, blocks):
@@ -417,8 +440,10 @@ class Generator:
                 return used
             logits = self.prefill.logits(request.job)  # (1, V)
             token = int(sample_next(logits, [request.params], [request.generator])[0])
-        except Exception as exc:  # noqa: BLE001  only this request's own cache was touched
+        except BaseException as exc:  # only this request's own cache was touched
             events.append(self._finish(request, "error", f"prefill failed: {_describe(exc)}"))
+            if not isinstance(exc, Exception):
+                raise  # an interrupt: this request is ended cleanly first
             return used
         if token < 0:
             events.append(self._finish(request, "error", "prefill gave non-finite logits (NaN or inf)"))
