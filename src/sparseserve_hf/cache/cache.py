@@ -146,11 +146,13 @@ class SparseServeCache(Cache):
         Bad input is refused before any layer changes: at layer 0 for the forward as a whole; at
         a later layer (keys of another shape) after undoing the layers this forward updated.
         """
-        if layer_idx == 0:
-            self._check_new_tokens(key_states, value_states)
+        if layer_idx == 0:  # nothing to undo yet: the log still holds the last forward until `begin`
+            self._check_layer_keys(key_states, value_states, layer_idx)
+            self._check_new_tokens(key_states)
             self._log.begin(self.get_seq_length(), key_states.shape[-2])
         try:
-            self._check_layer_keys(key_states, value_states, layer_idx)
+            if layer_idx != 0:
+                self._check_layer_keys(key_states, value_states, layer_idx)
             self._log.record(self._undo_step(layer_idx))
             keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException:
@@ -160,13 +162,13 @@ class SparseServeCache(Cache):
         handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
         return keys, values
 
-    def _check_new_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _check_new_tokens(self, key_states: torch.Tensor) -> None:
         """Reject bad input at the first layer, before any layer has changed.
 
         The position limit is applied at layer 0's attention instead (`ForwardLog.check_forward`),
-        after the model there is known to be the one this cache was built for.
+        after the model there is known to be the one this cache was built for; the keys' shape
+        is checked for every layer in `update`.
         """
-        self._check_layer_keys(key_states, value_states, 0)
         if self.store is not None and (key_states.dtype, key_states.device) != (self.store.dtype, self.store.device):
             raise ValueError(
                 f"this SparseServeCache holds {self.store.dtype} on {self.store.device}, got keys in "
