@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import reference, triton_rank
 
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 16 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
@@ -107,7 +107,9 @@ def score_table(
             score_table(query, part, block_ids, k, block_n=block_n, num_warps=num_warps)
             for k, part in reference.hybrid_parts(metadata)
         ]
-        return reference.combine_by_rank(*parts, depth=depth)
+        if depth is None:
+            return reference.combine_by_rank(*parts)
+        return triton_rank.combine_top_ranks(*parts, depth=depth)
     if kind not in KINDS:
         raise ValueError(f"unknown metadata kind {kind!r}")
     batch, num_q_heads, dim = query.shape

@@ -24,7 +24,7 @@ KEY_BITS = tl.constexpr(33)
 
 
 @triton.jit
-def _order_key(x):
+def order_key(x):
     """float32 -> int64 in [0, 2^32) with the same order; NaN -> the key of the lowest finite float."""
     x = tl.where(x != x, -3.4028234663852886e38, x)
     raw = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
@@ -63,7 +63,7 @@ def _select_union_kernel(
     x = tl.load(
         scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0
     )
-    key = tl.where(forced[None, :], FORCED_KEY, _order_key(x))
+    key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
     key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
     threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
     for bit in tl.static_range(KEY_BITS - 1, -1, -1):
