@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--breakdown-steps", type=int, default=8)
-    parser.add_argument("--dense-steps", type=int, default=5)
+    parser.add_argument("--dense-steps", type=int, default=10)
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--graph", action="store_true", help="also time the CUDA-graph step and check its tokens")
     parser.add_argument("--equal-context", type=int, default=4090, help="--graph token check: context per row")
@@ -116,7 +116,7 @@ def measure_dense(args, device, dtype, shape: str) -> float:
     model = build_model(shape, "sdpa", device, dtype, args.context + 1024)
     cache = dense_cache(model, args.batch, args.context)
     tokens = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
-    _, tokens = run_steps(model, cache, tokens, 2)
+    _, tokens = run_steps(model, cache, tokens, 4)
     ms, _ = run_steps(model, cache, tokens, args.dense_steps)
     del model, cache
     _free(device)
