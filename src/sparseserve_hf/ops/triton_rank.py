@@ -70,10 +70,11 @@ def _combine_kernel(
     live = n < num_table
     first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
     second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
-    scratch = row * BLOCK_K
-    args = (scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K)
-    rank_first = _top_list_ranks(first, live, n, *args)
-    rank_second = _top_list_ranks(second, live, n, *args)
+    scratch_key_ptr += row * BLOCK_K
+    scratch_idx_ptr += row * BLOCK_K
+    scratch_rank_ptr += row * BLOCK_K
+    rank_first = _top_list_ranks(first, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
+    rank_second = _top_list_ranks(second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
     floor = -2.0 * DEPTH
     from_first = tl.where(rank_first < DEPTH, -2.0 * rank_first, floor)
     from_second = tl.where(rank_second < DEPTH, -(2.0 * rank_second + 1.0), floor)
