@@ -15,9 +15,12 @@ launches, not the GPU, set the time).
 Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident blocks;
 `select_ms` Quest scoring of every block straight from the metadata pool + top-k (sink and
 window forced; one `hybrid` row at the headline point scores with the default metadata instead:
-Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `select_attend_ms` both (the block-table lookup and misses are T8's business);
-`kernel_gb_per_s` bytes the kernel reads (K/V of the attended blocks and tails) per second;
-`union` rows time the "group_union" worst case (each KV head loads G x 63 distinct blocks).
+Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `select_attend_ms`
+both (the block-table lookup and misses are T8's business); `kernel_gb_per_s` bytes the kernel
+reads (K/V of the attended blocks and tails) per second; `union` rows time the "group_union" worst
+case (each KV head loads G x 63 distinct blocks) and select through the decode step's own path
+(`attention.pick_blocks`: per-head top-k and the GQA union). The hybrid `union` row is
+`SparseServeConfig()` end to end: `select_and_attend_speedup_default`.
 Where flash-attn-4 runs (`backend="flash"`), `flash_ms` times its sparse decode on the same
 inputs, `flash_speedup` = dense_ms / flash_ms, and `flash_max_abs_diff` is its largest
 difference from the Triton kernel's output; the top level then adds `flash_speedup_vs_dense_sdpa`.
@@ -96,7 +99,8 @@ def measure(
     batch: int, context: int, args, device: torch.device, group_union: bool, flash=None, metadata: str = "quest"
 ) -> dict[str, Any]:
     from sparseserve_hf import SparseServeConfig
-    from sparseserve_hf.ops import reference, triton_decode, triton_score
+    from sparseserve_hf.attention import pick_blocks, rank_depth
+    from sparseserve_hf.ops import get_ops, reference, triton_decode, triton_score
 
     vectors = SparseServeConfig(metadata=metadata).metadata_vectors  # the kind's default layout
     x = decode_inputs(batch, context, args.budget, group_union, device, vectors)
@@ -115,7 +119,14 @@ def measure(
             x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
         )
 
+    config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, metadata=metadata)  # group union
+    ops = get_ops("triton", device)
+
     def select() -> torch.Tensor:
+        if group_union:  # the decode step's own path: scores, per-head top-k and the GQA union
+            table = x["table"]
+            scores = ops.score_table(x["query"], x["metadata"], table, metadata, rank_depth(config))
+            return pick_blocks(ops, config, scores, x["num_blocks"], KV_HEADS, table.shape[2])[0]
         scores = triton_score.score_table(x["query"], x["metadata"], x["table"], metadata, topk)  # (B, Hq, N)
         picked, _ = reference.select_blocks(scores, x["num_blocks"], topk, 1, 1)
         return picked
@@ -204,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
     rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
     rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
+    rows.append(measure(headline[1], headline[0], args, device, group_union=True, metadata="hybrid"))  # the default
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
     columns = ["context", "batch", "union", "metadata", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
@@ -213,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     at_headline = [r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]]
     top = next((r for r in at_headline if r["metadata"] == "quest"), {})
     hybrid = next((r for r in at_headline if r["metadata"] == "hybrid"), {})
+    default = next((r for r in rows if r["union"] and r["metadata"] == "hybrid"), {})
     result = {
         **run_record(device),
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "dtype": str(DTYPE)},
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "select_and_attend_speedup": top.get("select_attend_speedup"),
         "select_and_attend_eager_speedup": top.get("select_attend_eager_speedup"),
         "select_and_attend_speedup_hybrid": hybrid.get("select_attend_speedup"),
+        "select_and_attend_speedup_default": default.get("select_attend_speedup"),
         "timing": "ms columns: median CUDA-graph replay (GPU time, as a captured decode step runs); "
         "*_eager_ms: median eager call with its host launches (triton do_bench)",
         "hbm_bandwidth_fraction": top.get("hbm_fraction"),
