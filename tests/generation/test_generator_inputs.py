@@ -299,3 +299,18 @@ def test_metrics_file_takes_a_path_like_and_refuses_a_missing_folder(llama, tmp_
     gen = Generator(llama, None, CONFIG, metrics_file=tmp_path / "m.jsonl")  # a Path, not only a str
     serves_normally(gen, expected_id=0)
     assert len(Path(tmp_path / "m.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("bad", [True, False, 1.0, "1", None], ids=["True", "False", "float", "str", "None"])
+def test_cancel_refuses_what_is_no_request_id(llama, bad):
+    """A bool hashes like 0 or 1: cancel(True) would have cancelled request 1."""
+    gen = Generator(llama, config=CONFIG)
+    first, second = gen.submit(prompt(8, 3), GOOD), gen.submit(prompt(8, 4), GOOD)
+    with pytest.raises(TypeError, match="request_id"):
+        gen.cancel(bad)
+    outs = {}
+    while gen.has_unfinished:
+        outs |= {e.request_id: e.output for e in gen.step() if e.finished}
+    assert {outs[first].finish_reason, outs[second].finish_reason} == {"length"}
+    assert gen.cancel(second) is False  # finished: unknown now

@@ -174,7 +174,12 @@ class Generator:
         """Stop a request now and free its blocks; False when it is unknown or already finished.
 
         Its final event (finish_reason "cancelled") comes with the next `step()`.
+
+        Raises:
+            TypeError: `request_id` is not an int (a bool would otherwise pass for the ids 0 and 1).
         """
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise TypeError(f"request_id must be an int returned by submit, got {type(request_id).__name__}")
         request = self._requests.get(request_id)
         if request is None:
             return False
