@@ -18,9 +18,12 @@ MODES = {
 }
 
 
-def conversation(model, cache, modes: list[str]) -> list[torch.Tensor]:
+def conversation(model, cache, modes: list[str], fresh=None) -> list[torch.Tensor]:
     """Four turns over one cache, each in its own grad mode: generate; a bare forward of new text
-    then generate; `reset()` and a new prompt; and that conversation continued."""
+    then generate; `reset()` and a new prompt; and that conversation continued.
+
+    `fresh`: makes a new cache in place of `reset()` (transformers 5.17's `DynamicCache.reset()`
+    zeroes its tensors but keeps their length, so the baseline starts over with a new one)."""
     generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=PAD)
     contexts = [MODES[m] for m in modes]
     with contexts[0]():
@@ -32,7 +35,10 @@ def conversation(model, cache, modes: list[str]) -> list[torch.Tensor]:
         model(torch.cat((turn1[:, -1:], extra[:, :-1]), dim=1), past_key_values=cache)
         turn2 = model.generate(torch.cat((turn1, extra), dim=1), past_key_values=cache, **generate)
     with contexts[2]():
-        cache.reset()
+        if fresh is None:
+            cache.reset()
+        else:
+            cache = fresh()
         turn3 = model.generate(random_ids(1, 50, seed=3), past_key_values=cache, **generate)
     with contexts[3]():
         turn4 = model.generate(torch.cat((turn3, random_ids(1, 20, seed=4)), dim=1), past_key_values=cache, **generate)
@@ -51,7 +57,8 @@ def conversation(model, cache, modes: list[str]) -> list[torch.Tensor]:
 )
 def test_grad_modes_alternate_and_tokens_equal_dynamic_cache(llama, modes):
     cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=4096))
-    expected = conversation(llama, DynamicCache(config=llama.config), modes)
+    dynamic = lambda: DynamicCache(config=llama.config)  # noqa: E731
+    expected = conversation(llama, dynamic(), modes, fresh=dynamic)
     got = conversation(llama, cache, modes)
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine, theirs)

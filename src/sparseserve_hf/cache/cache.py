@@ -205,7 +205,7 @@ class SparseServeCache(Cache):
         if isinstance(layer, SparseServeLayer):
             return layer.undo_update
         if not layer.is_initialized:
-            return layer.reset  # the update creates the layer's tensors: back to empty
+            return lambda: _emptied(layer)  # the update creates the layer's tensors: back to empty
         if type(layer) is DynamicLayer:  # it only appends: cutting back to the old length undoes it
             length = layer.get_seq_length()
             return lambda: _cut_dense(layer, length)
@@ -226,7 +226,7 @@ class SparseServeCache(Cache):
         failure: BaseException | None = None
         for layer in self.layers:
             try:
-                layer.reset()
+                layer.reset() if isinstance(layer, SparseServeLayer) else _emptied(layer)
             except Exception as exc:  # noqa: BLE001  raised below, once every layer had its turn
                 failure = failure or exc
         if self.store is not None and self._owns_store:
@@ -420,6 +420,17 @@ def _check_table_width(table_width: object) -> None:
         not isinstance(table_width, int) or isinstance(table_width, bool) or table_width <= 0
     ):
         raise ValueError(f"table_width must be a positive int or None, got {table_width!r}")
+
+
+def _emptied(layer: Any) -> None:
+    """Reset a dense or sliding-window layer to uninitialized, its tensors dropped.
+
+    transformers 5.17's `DynamicLayer.reset` only zeroes them, keeping their length (so
+    `get_seq_length` and the device bytes would survive a reset); later versions drop them.
+    """
+    layer.reset()
+    layer.keys = layer.values = None
+    layer.is_initialized = False
 
 
 def _cut_dense(layer: DynamicLayer, length: int) -> None:
