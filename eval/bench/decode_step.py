@@ -54,7 +54,15 @@ from eval.bench.common import (
     write_json,
 )
 from eval.bench.decode_step_setup import SHAPES, RegionTimer, build_model, dense_cache, instrument, sparse_cache
-from eval.bench.selection_trace import UNION_WINDOW, SelectionTrace, TraceReplay, describe, overlaps, sha256
+from eval.bench.selection_trace import (
+    UNION_WINDOW,
+    SelectionTrace,
+    TraceReplay,
+    describe,
+    loaded_mask,
+    overlaps,
+    sha256,
+)
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
@@ -239,9 +247,7 @@ def selection_overlaps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[
         per_layer = []
         for layer in cache.layers:
             picked, valid = layer.last_pick[0], layer.last_pick[1]  # (B, Hkv, U)
-            mask = torch.zeros((*picked.shape[:2], num_blocks + 1), dtype=torch.bool, device=picked.device)
-            mask.scatter_(-1, torch.where(valid, picked, num_blocks), True)
-            per_layer.append(mask[..., :num_blocks].cpu())
+            per_layer.append(loaded_mask(picked, valid, num_blocks).cpu())
         loaded.append(torch.stack(per_layer, dim=1))  # (B, L, Hkv, N)
     return overlaps(torch.stack(loaded, dim=1).numpy()), tokens  # (B, T, L, Hkv, N)
 

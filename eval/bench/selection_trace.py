@@ -164,9 +164,14 @@ class TraceReplay:
             per_layer.setdefault(layer_idx, []).append(picked)
         steps = min(len(v) for v in per_layer.values())
         stacked = torch.stack([torch.stack(per_layer[i][:steps]) for i in range(num_layers)], dim=1)  # (T, L, B, H, U)
-        out = torch.zeros((*stacked.shape[:-1], num_blocks + 1), dtype=torch.bool)
-        out.scatter_(-1, torch.where(stacked >= 0, stacked, num_blocks), True)
-        return out[..., :num_blocks].permute(2, 0, 1, 3, 4).numpy()
+        return loaded_mask(stacked, stacked >= 0, num_blocks).permute(2, 0, 1, 3, 4).numpy()
+
+
+def loaded_mask(picked: torch.Tensor, valid: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """(..., U) picked block indices and their validity -> (..., num_blocks) bool, True where loaded."""
+    out = torch.zeros((*picked.shape[:-1], num_blocks + 1), dtype=torch.bool, device=picked.device)
+    out.scatter_(-1, torch.where(valid, picked, num_blocks), True)  # invalid entries: the dump column
+    return out[..., :num_blocks]
 
 
 def _sorted_unique(
@@ -232,9 +237,7 @@ def _loaded_blocks(cache, max_blocks: int) -> np.ndarray:
     rows = []
     for layer in cache.layers:
         picked, valid = layer.last_pick[0][0], layer.last_pick[1][0]  # (H, U)
-        out = torch.zeros((picked.shape[0], max_blocks + 1), dtype=torch.bool)
-        out.scatter_(-1, torch.where(valid, picked, max_blocks), True)
-        rows.append(out[:, :max_blocks])
+        rows.append(loaded_mask(picked, valid, max_blocks))
     return torch.stack(rows).numpy()
 
 

@@ -103,8 +103,8 @@ class SparseServeConfig:
             block cache then, so `hbm_cache_bytes` must be None and `save_path` "scatter".
         transfer: how blocks move between the tiers: "kernel" (the backend's gather/scatter:
             FlashH2D and a UVA scatter with Triton, index copies with the torch reference) or
-            "copy" (one `copy_` per block, the paper's per-block cudaMemcpy baseline; DESIGN.md
-            section 3 measured 1.0 / 1.3 GB/s H2D / D2H for it on the H200). "copy" saves
+            "copy" (one `copy_` per block, the paper's per-block cudaMemcpy baseline, a few
+            GB/s at 16 KiB blocks). "copy" saves
             through it too, so it needs `save_path="scatter"`.
         save_path: how new full blocks reach DRAM with transfer="kernel": "scatter" (one
             GPU-direct UVA scatter launch; 52 GB/s = 0.945 of bulk D2H on the H200,

@@ -1,4 +1,4 @@
-"""DecodeGraphRunner: the sparse decode step captured in a CUDA graph (DESIGN.md target T8).
+"""DecodeGraphRunner: the sparse decode step captured in a CUDA graph.
 
 Eager PyTorch spends ~35 ms per decode step of an 8B model launching ~100 small kernels per
 layer; a CUDA graph replays them with one launch. A captured step may not sync with the host,

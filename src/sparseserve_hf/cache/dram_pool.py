@@ -115,8 +115,8 @@ class DramPool:
     def _grow(self, needed: int) -> None:
         """Reallocate at twice the size (or `needed`) and copy every block over.
 
-        Deliberately simple, and costly for a pinned pool: pinning runs at ~0.5 s per GiB (DESIGN.md
-        section 3), the old and new pools are both pinned during the copy, and torch's pinned-memory
+        Deliberately simple, and costly for a pinned pool: pinning costs about half a second
+        per GiB, the old and new pools are both pinned during the copy, and torch's pinned-memory
         caching allocator keeps the old one cached afterwards. Growing in place would need either a
         chunked pool, which the FlashH2D/UVA kernels cannot address (they take one base pointer and
         index blocks from it; a chunk table would add a lookup per block and a second pointer to

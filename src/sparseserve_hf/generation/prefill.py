@@ -1,7 +1,7 @@
 """Prefill of one request's prompt, a bounded amount of work per Generator iteration.
 
 Three modes (`SparseServeConfig.prefill_mode`):
-- "layer_segmented" (SparseServe, DESIGN.md section 1, technique 3): a segment of decoder layers per
+- "layer_segmented" (SparseServe's layer-segmented prefill): a segment of decoder layers per
   iteration over the whole prompt. Each layer writes its KV to the cache once; a SparseServeCache
   saves it to DRAM blocks and drops it from the device before the next layer runs, so prefill
   needs device memory for one layer's KV, not the model's. The hidden states wait between

@@ -1,7 +1,7 @@
 """Working-set estimator: the blocks a request selected over its last w decode steps.
 
-Consecutive decode steps select mostly the same blocks (DESIGN.md section 3: a step's selection
-overlaps the union of the previous 12 by 97.5% on the real model), so the union of the last
+Consecutive decode steps select mostly the same blocks (a step's selection falls almost
+entirely inside the union of the previous dozen on a real model), so the union of the last
 w selections, across layers and KV heads, is what a request needs resident in the HBM block
 cache to decode without misses. The union is kept on the device as one "last selected at"
 stamp per DRAM block id: stamping a step's picks and counting fresh stamps are tensor ops.

@@ -2,8 +2,8 @@
 
 `transfer="copy"` swaps these in for the backend's gather/scatter (FlashH2D and the UVA scatter
 with Triton, index copies with the torch reference) so the serving benchmark can measure what
-fragmentation-aware transfer buys (SparseServe section 4.1: 16 KiB blocks reach a few GB/s this
-way; DESIGN.md section 3 measured 1.0 GB/s H2D, 1.3 GB/s D2H on the H200). Same contracts as
+fragmentation-aware transfer buys (16 KiB blocks moved one copy each reach only a few GB/s).
+Same contracts as
 `reference.gather_blocks` / `reference.scatter_blocks`, so the outputs are bit-identical.
 """
 
