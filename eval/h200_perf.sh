@@ -11,6 +11,8 @@
 #   generator   Generator (eager and CUDA graphs) vs stock generate, 16 requests of 16K tokens
 #   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented (T6)
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
+#   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
+#   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -21,7 +23,7 @@ mkdir -p "$out"
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 case $part in
   tests)
-    python -m pytest -q -p no:cacheprovider tests/ops tests/unit/test_lru.py tests/integration/test_cuda.py \
+    python -m pytest -q -p no:cacheprovider tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
       tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   kernels)
     python -m eval.bench.transfer --out "$out/transfer.json" 2>&1 | tee "$out/transfer.log" | tail -40
@@ -35,7 +37,11 @@ case $part in
     python -m pytest -q -p no:cacheprovider tests/ops -k "score" 2>&1 | tee "$out/gpu_pytest_score.log" | tail -5
     python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30
     python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -20 ;;
+  lookup)
+    python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
+  profile)
+    python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile)" >&2; exit 2 ;;
 esac

@@ -37,8 +37,8 @@ import argparse
 import gc
 import os
 import time
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch

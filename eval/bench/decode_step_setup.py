@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.cache.cache import hbm_partitions
 from sparseserve_hf.cache.grow import grown
 from sparseserve_hf.cache.store import TieredBlockStore
 from sparseserve_hf.ops import get_ops
@@ -65,7 +66,8 @@ def sparse_cache(model, config: SparseServeConfig, batch: int, context: int, spa
     `spare_blocks`: table width beyond the prompt's blocks, so decode saves never regrow it.
     """
     text, size = model.config, config.block_size
-    store = TieredBlockStore(config, get_ops(config.backend, model.device), text.head_dim, model.dtype, model.device)
+    ops, partitions = get_ops(config.backend, model.device), hbm_partitions(text, config)
+    store = TieredBlockStore(config, ops, text.head_dim, model.dtype, model.device, partitions)
     cache = SparseServeCache(text, config, store=store)
     num_full = (context - 1) // size  # the tail keeps 1..block_size tokens
     for layer in cache.layers:

@@ -1,16 +1,14 @@
-"""GPU time per layer of the sparse decode step's bookkeeping, as CUDA-graph replays (H200, ~1 min).
+"""GPU time of one layer's HBM block-cache lookup, as CUDA-graph replays (H200, ~1 min).
 
     PYTHONPATH=src:. python eval/bench/lookup_cost.py > eval/results/lookup_cost.txt
 
-Llama-3-8B's head counts (32 query, 8 KV heads, 63 top-k blocks per head), random scores and
-tables. Per (rows B, table width N, HBM slots P): the selection chain (hybrid rank combination,
-top-k, union over the GQA group, table gather), the whole HBM-cache lookup (`lru.lookup_`), its
-victim choice alone (`lru.lru_victims`) and a bare `topk` of the selection's size over every slot
-(what the victim choice was until the eviction order was kept: the results file's first run,
-at f6872a4, timed that top-k as `lru_victims`).
-P = 822K is the serving sweep's 13.5 GB cache; 2.6M the decode-step bench's 40 GiB. The LRU is
-warmed with the same ids first, so lookups hit. Microseconds per replay, the median of
-`graph_ms` (the results file's f6872a4 run timed the mean of 200 replays with its own loop).
+Llama-3-8B's shape: 8 KV heads, each loading the union of its 4 query heads' 62 top-k blocks
+(U = 248 entries per row), one LRU partition per (layer, KV head). Per (rows B, slots per
+partition Pp): the tensor spec (`ops.lru.resolve_`, a chain of small kernels) and the fused
+kernel (`ops.triton_resolve.resolve_`, one program per KV head). Each case is warmed with its
+own ids first, so the timed lookups hit: the victim scan and the order's upkeep still run in
+full. Microseconds per replay (the median of `graph_ms`); on CPU (the script's test) one
+plain call of the tensor spec.
 """
 
 from __future__ import annotations
@@ -20,62 +18,47 @@ from collections.abc import Callable
 import torch
 
 from eval.bench.common import graph_ms, run_record, time_ms
-from sparseserve_hf.cache import lru
-from sparseserve_hf.ops import reference
+from sparseserve_hf.ops import lru
 
-QUERY_HEADS, KV_HEADS, TOP_K = 32, 8, 63
-CASES = (
-    (1, 1024, 822_000, 3_145_728),
-    (1, 2048, 822_000, 3_145_728),
-    (16, 1024, 2_621_440, 4_194_304),
-)  # B, N, P, DRAM blocks
+KV_HEADS, LAYERS, ENTRIES_PER_ROW = 8, 32, 248
+CASES = ((16, 4072), (4, 1024), (1, 4096))  # B, Pp
 
 
-def replay_us(fn: Callable[[], object]) -> float:
-    """Microseconds of one replay of `fn` captured in a CUDA graph (`graph_ms`); on CPU, the
-    script's test, of one plain call (`time_ms`)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def replay_us(fn: Callable[[], object], device: torch.device) -> float:
     ms = graph_ms(fn, device) if device.type == "cuda" else time_ms(fn, device)
     return float("nan") if ms is None else ms * 1e3
 
 
-def one_case(batch: int, width: int, slots: int, dram_blocks: int, device: str = "cuda") -> str:
-    first, second = (
-        torch.randn(batch, QUERY_HEADS, width, device=device),
-        torch.randn(batch, QUERY_HEADS, width, device=device),
+def one_case(batch: int, per: int, device: torch.device, resolvers: dict[str, Callable]) -> str:
+    partitions = LAYERS * KV_HEADS
+    blocks_per_head = 2 * per  # a row's DRAM blocks per (layer, head): twice what its partition holds
+    tables = lru.empty_tables(partitions, per, partitions * blocks_per_head, device)
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    local = torch.stack(
+        [torch.randperm(blocks_per_head, device=device)[: batch * ENTRIES_PER_ROW] for _ in range(KV_HEADS)]
     )
-    num_blocks = torch.full((batch,), width - 24, device=device)
-    table = torch.randperm(dram_blocks, device=device)[: batch * KV_HEADS * width].view(batch, KV_HEADS, width)
-    block_slot = torch.full((dram_blocks + 1,), -1, device=device)
-    slot_block = torch.full((slots + 1,), -1, device=device)
-    slot_tick = torch.full((slots + 1,), -1, device=device)
-    clock = torch.zeros(1, dtype=torch.long, device=device)
-    slot_index = torch.arange(slots, device=device)
-    slot_order = slot_index.clone()
-    tables = block_slot, slot_block, slot_tick, slot_order
+    layer = 5  # any layer: its heads' partitions are 40..47
+    ids = local + (layer * KV_HEADS + torch.arange(KV_HEADS, device=device))[:, None] * blocks_per_head
+    ids = ids.view(KV_HEADS, batch, ENTRIES_PER_ROW).transpose(0, 1).contiguous()  # (B, Hkv, U)
+    times = []
+    for name, resolve in resolvers.items():
+        resolve(ids, layer * KV_HEADS, tables, counts)  # warm: every later lookup hits
+        times.append(f"{name} {replay_us(lambda f=resolve: f(ids, layer * KV_HEADS, tables, counts), device):.1f} us")
+    return f"B={batch} Pp={per} entries/partition={batch * ENTRIES_PER_ROW}: " + ", ".join(times)
 
-    def select() -> torch.Tensor:  # (B, Hkv, U) DRAM ids of the union
-        scores = reference.combine_by_rank(first, second, depth=TOP_K)
-        picked, valid = reference.select_blocks(scores, num_blocks, TOP_K, 1, 1)
-        union, union_valid, _ = reference.union_over_group(picked, valid, KV_HEADS, width, False)
-        return torch.where(union_valid, torch.gather(table, 2, union), -1)
 
-    ids = select()
-    for _ in range(3):  # warm the LRU with these ids so the timed lookups hit
-        lru.lookup_(ids, *tables, clock, slot_index)
-    count = ids.numel()
-    selection = replay_us(select)
-    lookup = replay_us(lambda: lru.lookup_(ids, *tables, clock, slot_index))
-    victims = replay_us(lambda: lru.lru_victims(slot_order, slot_tick[:slots], clock, count))
-    topk = replay_us(lambda: slot_tick[:slots].topk(count, largest=False, sorted=True))
-    return (
-        f"B={batch} N={width} P={slots} n={count}: select {selection:.0f} us, lookup_ {lookup:.0f} us, "
-        f"lru_victims {victims:.0f} us, topk-only {topk:.0f} us"
-    )
+def resolvers_for(device: torch.device) -> dict[str, Callable]:
+    out = {"tensor spec": lru.resolve_}
+    if device.type == "cuda":
+        from sparseserve_hf.ops import triton_resolve  # triton: GPU only here
+
+        out["fused kernel"] = triton_resolve.resolve_
+    return out
 
 
 if __name__ == "__main__":
-    record = run_record(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    record = run_record(device)
     print(f"{record['device']}, commit {record['git_commit']}, torch {record['torch']}")
     for case in CASES:
-        print(one_case(*case))
+        print(one_case(*case, device, resolvers_for(device)))

@@ -166,7 +166,7 @@ def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Te
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
-    slots = store.fetch(block_ids)
+    slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
     return slots, head_mask
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from eval.bench.selection_trace import ROW_STEP_OFFSET, SelectionTrace, TraceReplay, overlaps, sha256
+
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.store import TieredBlockStore
 from sparseserve_hf.ops import get_ops

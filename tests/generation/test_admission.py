@@ -10,7 +10,7 @@ from gen_support import prompt
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 BLOCK_BYTES = 2 * 16 * 16 * 4  # K+V x 16 tokens x head_dim 16 x fp32
-SLOTS = 96
+SLOTS = 2 * 96  # 2 sparse layers
 
 
 def run_trace(model, admission: bool, seed: int) -> tuple[Generator, int]:

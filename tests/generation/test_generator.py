@@ -45,12 +45,12 @@ def test_batch_equals_stock_generate_one_by_one(llama, llama_sdpa):
         dict(
             max_batch=3,
             token_budget=64,
-            hbm_cache_bytes=40 * 2048,
+            hbm_cache_bytes=2 * 40 * 2048,
             prefill_mode="layer_segmented",
             max_inject_tokens=60,
         ),
         dict(max_batch=4, prefill_mode="chunked", max_inject_tokens=64, max_batch_tokens=40),
-        dict(prefill_mode="full", admission=False, hbm_cache_bytes=24 * 2048),
+        dict(prefill_mode="full", admission=False, hbm_cache_bytes=2 * 24 * 2048),
     ],
     ids=["default", "segmented-small-cache", "chunked", "full-no-admission"],
 )
@@ -189,7 +189,7 @@ def test_iteration_breakdown_counts_every_iteration_and_all_prefill_work(llama):
 
 
 GRAPH_CONFIG = dict(
-    max_batch=3, token_budget=64, hbm_cache_bytes=40 * 2048, dram_bytes=4000 * 2048, prefill_mode="layer_segmented",
+    max_batch=3, token_budget=64, hbm_cache_bytes=2 * 40 * 2048, dram_bytes=4000 * 2048, prefill_mode="layer_segmented",
     max_inject_tokens=60,
 )  # fmt: skip
 
@@ -232,7 +232,7 @@ def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs):
     stays on the device. (The torch reference's block gather filters with masks; the GPU kernels do not.)"""
     from sync_guard import forbid_host_syncs
 
-    steady = GRAPH_CONFIG | dict(max_batch=4, hbm_cache_bytes=400 * 2048, max_inject_tokens=600)  # all decode by step 8
+    steady = GRAPH_CONFIG | dict(max_batch=4, hbm_cache_bytes=2 * 400 * 2048, max_inject_tokens=600)  # all decode by step 8
     gen = Generator(llama, None, small_config(**steady, cuda_graphs=cuda_graphs))
     for n in (200, 150, 180):
         gen.submit(prompt(n, seed=n), SamplingParams(max_new_tokens=40))

@@ -100,7 +100,7 @@ def test_copy_transfers_move_each_block_with_its_own_copy(llama):
     results = {}
     for transfer in ("kernel", "copy"):
         with CopyCounter() as counters[transfer]:
-            results[transfer] = run(llama, ids, mask, transfer=transfer, hbm_cache_bytes=8 * 4 * 3 * BLOCK_BYTES)
+            results[transfer] = run(llama, ids, mask, transfer=transfer, hbm_cache_bytes=2 * 8 * 4 * 3 * BLOCK_BYTES)
     (kernel_tokens, kernel_cache), (copy_tokens, copy_cache) = results["kernel"], results["copy"]
     assert torch.equal(copy_tokens, kernel_tokens)
     assert copy_cache.store.ops.gather_blocks is block_copy.gather_blocks

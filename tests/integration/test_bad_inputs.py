@@ -44,8 +44,9 @@ def test_hbm_cache_smaller_than_one_selection():
 
 
 def test_batch_too_large_for_the_hbm_cache_is_rejected_before_any_change(llama):
-    # 4 query heads x 3 selected blocks x 2 KiB fp32 head-blocks: room for one request, not four.
-    config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=12 * 2048)
+    # 2 layers x 2 KV heads, each partition 2 query heads x 3 selected blocks x 2 KiB fp32 head-blocks:
+    # room for one request, not four.
+    config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=4 * 6 * 2048)
     cache = SparseServeCache(llama.config, config)
     with pytest.raises(ValueError, match="4 request"):
         greedy(llama, random_ids(4, 100), cache)

@@ -57,7 +57,7 @@ def conversation(model, cache, modes: list[str], fresh=None) -> list[torch.Tenso
 )
 def test_grad_modes_alternate_and_tokens_equal_dynamic_cache(llama, modes):
     cache = SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=4096))
-    dynamic = lambda: DynamicCache(config=llama.config)  # noqa: E731
+    dynamic = lambda: DynamicCache(config=llama.config)
     expected = conversation(llama, dynamic(), modes, fresh=dynamic)
     got = conversation(llama, cache, modes)
     for mine, theirs in zip(got, expected):

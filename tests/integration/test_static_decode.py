@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def static_config(**overrides) -> SparseServeConfig:
     """Fixed pools, as graph mode needs; an HBM cache tight enough to evict (3 rows x 2 KV heads x 6 blocks)."""
     values = dict(
-        block_size=BLOCK, token_budget=4 * BLOCK, hbm_cache_bytes=36 * BLOCK_BYTES, dram_bytes=1024 * BLOCK_BYTES
+        block_size=BLOCK, token_budget=4 * BLOCK, hbm_cache_bytes=2 * 36 * BLOCK_BYTES, dram_bytes=1024 * BLOCK_BYTES
     )
     return SparseServeConfig(**(values | overrides))
 

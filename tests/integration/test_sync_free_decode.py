@@ -34,7 +34,7 @@ def prefilled(device: str, backend: str, batch: int = 3):
     """A tiny model, its stack and a cache holding a prefilled batch, tight enough to evict."""
     model = tiny_model("llama", num_heads=4, num_kv_heads=2).to(device)
     config = SparseServeConfig(
-        block_size=BLOCK, token_budget=64, hbm_cache_bytes=batch * 4 * 3 * 2 * BLOCK * 16 * 4, backend=backend
+        block_size=BLOCK, token_budget=64, hbm_cache_bytes=2 * batch * 4 * 3 * 2 * BLOCK * 16 * 4, backend=backend
     )
     cache = SparseServeCache(model.config, config)
     ids = random_ids(batch, PROMPT).to(device)

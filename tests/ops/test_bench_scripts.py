@@ -88,11 +88,11 @@ def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp
     assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
 
 
-def test_lookup_cost_times_every_part_at_a_tiny_size():
-    """The bookkeeping microbenchmark's case runs (plain calls on CPU) and reports each part."""
+def test_lookup_cost_times_every_resolver_at_a_tiny_size():
+    """The lookup microbenchmark's case runs (plain calls on CPU) and reports each resolver."""
     from eval.bench.lookup_cost import one_case
+    from sparseserve_hf.ops import lru, triton_resolve
 
-    line = one_case(batch=2, width=128, slots=4096, dram_blocks=8192, device="cpu")
-    assert line.startswith("B=2 N=128 P=4096 n=") and all(
-        f"{part} " in line for part in ("select", "lookup_", "lru_victims", "topk-only")
-    )
+    resolvers = {"tensor spec": lru.resolve_, "fused kernel": triton_resolve.resolve_}
+    line = one_case(2, 512, torch.device("cpu"), resolvers)
+    assert line.startswith("B=2 Pp=512 entries/partition=496: ") and "tensor spec " in line and "fused kernel " in line

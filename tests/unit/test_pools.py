@@ -43,16 +43,22 @@ def test_dram_grows_and_keeps_data_bit_exact():
     assert torch.equal(bf16.read(torch.arange(5)), data)
 
 
+def lookup(cache: HbmBlockCache, pool: DramPool, ids: list[int]) -> tuple[torch.Tensor, int]:
+    """Slots of one row's ids (one KV head) and the misses of that lookup."""
+    slots = cache.lookup(torch.tensor(ids).view(1, 1, -1), pool).view(-1)
+    return slots, cache.counts()[1]
+
+
 @pytest.mark.core
 def test_hbm_cache_hits_misses_and_lru_victims():
     pool, _, blocks = filled_pool(10)
     cache = HbmBlockCache(3, SHAPE, torch.float32, torch.device("cpu"))
     cache.track_blocks(pool.capacity)
-    slots, misses = cache.lookup(torch.tensor([0, 1, 2]), pool)
+    slots, misses = lookup(cache, pool, [0, 1, 2])
     assert misses == 3 and torch.equal(cache.pool[slots], blocks[[0, 1, 2]])
-    _, misses = cache.lookup(torch.tensor([1]), pool)  # touch 1: now 0 is least recently used, then 2
+    _, misses = lookup(cache, pool, [1])  # touch 1: now 0 is least recently used, then 2
     assert misses == 0
-    slots, misses = cache.lookup(torch.tensor([5, 6]), pool)
+    slots, misses = lookup(cache, pool, [5, 6])
     assert misses == 2
     assert sorted(cache.slot_block.tolist()) == [1, 5, 6]
     assert torch.equal(cache.pool[slots], blocks[[5, 6]])
@@ -65,17 +71,33 @@ def test_hbm_cache_never_evicts_what_this_lookup_uses():
     cache = HbmBlockCache(2, SHAPE, torch.float32, torch.device("cpu"))
     cache.track_blocks(pool.capacity)
     with pytest.raises(ValueError, match="hbm_cache_bytes"):
-        cache.lookup(torch.tensor([0, 1, 2]), pool)
+        lookup(cache, pool, [0, 1, 2])
+
+
+@pytest.mark.core
+def test_partitions_keep_each_heads_blocks_apart():
+    """Head 1's lookups never evict head 0's blocks: each (layer, KV head) has its own LRU."""
+    pool, _, blocks = filled_pool(20)
+    cache = HbmBlockCache(8, SHAPE, torch.float32, torch.device("cpu"), partitions=4)  # 2 slots each
+    cache.track_blocks(pool.capacity)
+    cache.lookup(torch.tensor([[[0, 1], [10, 11]]]), pool, 2)  # heads 0, 1 -> partitions 2, 3
+    cache.lookup(torch.tensor([[[-1, -1], [12, 13]]]), pool, 2)
+    assert cache.counts() == (6, 6)
+    slots = cache.lookup(torch.tensor([[[1, 0], [13, -1]]]), pool, 2)
+    assert cache.counts() == (3, 0)  # 0 and 1 survived head 1's misses
+    assert torch.equal(cache.pool[slots[0, 0]], blocks[[1, 0]]) and slots[0, 0].min() >= 4
+    with pytest.raises(ValueError, match="partitions 3..4"):
+        cache.lookup(torch.tensor([[[0], [1]]]), pool, 3)
 
 
 def test_unlimited_hbm_cache_grows_instead_of_evicting():
     pool, ids, blocks = filled_pool(300)
-    cache = HbmBlockCache(None, SHAPE, torch.float32, torch.device("cpu"))
+    cache = HbmBlockCache(None, SHAPE, torch.float32, torch.device("cpu"), partitions=7)  # one partition
     cache.track_blocks(pool.capacity)
-    slots, misses = cache.lookup(ids, pool)
+    slots, misses = lookup(cache, pool, ids.tolist())
     assert misses == 300 and cache.num_resident == 300
     assert torch.equal(cache.pool[slots], blocks)
-    _, misses = cache.lookup(ids[:10], pool)
+    _, misses = lookup(cache, pool, ids[:10].tolist())
     assert misses == 0
 
 
@@ -83,7 +105,7 @@ def test_invalidate_frees_slots_of_freed_blocks():
     pool, _, _ = filled_pool(4)
     cache = HbmBlockCache(4, SHAPE, torch.float32, torch.device("cpu"))
     cache.track_blocks(pool.capacity)
-    cache.lookup(torch.tensor([0, 1]), pool)
+    lookup(cache, pool, [0, 1])
     cache.invalidate(torch.tensor([0]))
     assert cache.num_resident == 1 and cache.block_slot[0] == -1
 

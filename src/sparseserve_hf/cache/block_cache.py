@@ -1,13 +1,13 @@
-"""HbmBlockCache: device-memory slots holding recently selected head-blocks, evicted LRU."""
+"""HbmBlockCache: device-memory slots holding recently selected head-blocks, evicted LRU per partition."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from ..ops import reference
-from . import lru
+from ..ops import lru, reference
 from .dram_pool import DramPool
 from .grow import grown
 from .plain import plain_tensors
@@ -15,22 +15,34 @@ from .plain import plain_tensors
 UNLIMITED_INITIAL_SLOTS = 256
 
 
-class HbmBlockCache:
-    """An LRU cache of DRAM head-blocks in device memory, shared by all layers and requests.
+def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
+    """Rows one lookup can serve when each of a row's `entries_per_row` selected blocks per partition
+    may need its own slot (a lookup never evicts the blocks it uses itself)."""
+    return (num_slots // partitions) // entries_per_row
 
-    Residency (block -> slot, slot -> block, slot -> last use), the clock and the hit/miss
-    counters are device tensors, and a lookup is a fixed-shape chain of tensor ops (`lru.lookup_`)
-    plus one FlashH2D launch: no host sync, so a decode step can run ahead of the host and be
-    captured in a CUDA graph. Counters are read (one sync) only by `counts()`.
+
+class HbmBlockCache:
+    """An LRU cache of DRAM head-blocks in device memory, for all requests.
+
+    The slots are split into `partitions` equal LRU partitions (`ops.lru`); the store gives each
+    (sparse layer, KV head) its own, so a layer's lookup is one independent program per KV head
+    with the Triton backend (`ops.triton_resolve`). Residency, the clocks and the hit/miss
+    counters are device tensors, and a lookup is that resolve plus one FlashH2D launch: no host
+    sync, so a decode step can run ahead of the host and be captured in a CUDA graph. Counters
+    are read (one sync) only by `counts()`.
 
     Args:
-        num_slots: fixed number of slots, or None for an unlimited cache that grows and never
-            evicts: it keeps at least as many slots as there are live DRAM blocks, a bound known
-            on the host, so no lookup has to count its misses to know whether to grow.
+        num_slots: fixed number of slots (`num_slots // partitions` per partition; the rest are
+            not used), or None for an unlimited cache that grows and never evicts: one partition
+            that keeps at least as many slots as there are live DRAM blocks, a bound known on the
+            host, so no lookup has to count its misses to know whether to grow.
         block_shape: (2, S, D).
         dtype, device: of the slot pool.
         gather_blocks: the backend's block copy (`ops.gather_blocks`), used to load misses from
             the DRAM pool: one FlashH2D launch with the Triton backend (entries of -1 skipped).
+        partitions: NP, how many LRU partitions (ignored when unlimited).
+        resolve: the backend's lookup (`ops.resolve_blocks`); an unlimited cache always uses the
+            tensor one (its single partition spans the whole pool).
     """
 
     @plain_tensors
@@ -41,20 +53,20 @@ class HbmBlockCache:
         dtype: torch.dtype,
         device: torch.device,
         gather_blocks: Callable[..., None] = reference.gather_blocks,
+        partitions: int = 1,
+        resolve: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = lru.resolve_,
     ) -> None:
         self.gather_blocks = gather_blocks
         self.unlimited = num_slots is None
+        self.resolve = lru.resolve_ if self.unlimited else resolve
         self.block_shape = block_shape
         self.device = device
-        slots = UNLIMITED_INITIAL_SLOTS if num_slots is None else num_slots
-        self.pool = torch.zeros((slots, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
-        # Each table has one dump entry at its end that absorbs masked writes (see `lru`).
-        self._slot_block = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
-        self._slot_tick = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
-        self._block_slot = torch.full((1,), -1, dtype=torch.long, device=device)  # indexed by DRAM id
-        self._slot_index = torch.arange(slots, device=device)
-        self._slot_order = self._slot_index.clone()  # all free: eviction order is slot order
-        self.clock = torch.zeros(1, dtype=torch.long, device=device)
+        self.num_partitions = 1 if self.unlimited else partitions
+        per = UNLIMITED_INITIAL_SLOTS if num_slots is None else num_slots // partitions
+        if per < 1:
+            raise ValueError(f"{num_slots} HBM slots cannot be split into {partitions} partitions")
+        self.pool = torch.zeros((self.num_partitions * per, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
+        self.tables = lru.empty_tables(self.num_partitions, per, 0, device)
         self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
         self.reallocations = 0  # times the pool or a table was reallocated (see TieredBlockStore.epoch)
 
@@ -64,19 +76,23 @@ class HbmBlockCache:
         return self.pool.shape[0]
 
     @property
+    def slots_per_partition(self) -> int:
+        return self.tables.slots_per_partition
+
+    @property
     def slot_block(self) -> torch.Tensor:
         """(P,) DRAM id held by each slot, -1 free (a view: no dump entry)."""
-        return self._slot_block[:-1]
+        return self.tables.slot_block[:-1]
 
     @property
     def slot_tick(self) -> torch.Tensor:
-        """(P,) clock of each slot's last use, -1 free."""
-        return self._slot_tick[:-1]
+        """(P,) its partition's clock at each slot's last use, -1 free."""
+        return self.tables.slot_tick[:-1]
 
     @property
     def block_slot(self) -> torch.Tensor:
         """(C,) slot of each tracked DRAM id, -1 when not resident."""
-        return self._block_slot[:-1]
+        return self.tables.block_slot[:-1]
 
     @property
     def num_resident(self) -> int:
@@ -90,56 +106,57 @@ class HbmBlockCache:
     @plain_tensors
     def track_blocks(self, capacity: int) -> None:
         """Make the block -> slot map cover DRAM ids below `capacity`."""
-        if capacity + 1 > self._block_slot.shape[0]:
+        if capacity + 1 > self.tables.block_slot.shape[0]:
             self.reallocations += 1
-        self._block_slot = _grown_with_dump(self._block_slot, capacity)
+            self._set_tables(block_slot=_grown_with_dump(self.tables.block_slot, capacity))
 
-    def check_fits(self, num_entries: int) -> None:
-        """Raise ValueError when a selection of `num_entries` could need more slots than exist.
+    def check_fits(self, entries_per_partition: int) -> None:
+        """Raise ValueError when a selection of `entries_per_partition` could need more slots than a partition has.
 
         Decided from the selection's shape, not its content (that would need a host sync): a
         lookup never evicts the blocks it uses itself, so every entry may need its own slot.
         """
-        if not self.unlimited and num_entries > self.num_slots:
+        if not self.unlimited and entries_per_partition > self.slots_per_partition:
             raise ValueError(
-                f"the HBM block cache has {self.num_slots} slots but one layer's selection can need {num_entries}; "
-                "raise hbm_cache_bytes or lower token_budget / batch size"
+                f"the HBM block cache has {self.slots_per_partition} slots per (layer, KV head) but one layer's "
+                f"selection can need {entries_per_partition}; raise hbm_cache_bytes or lower token_budget / batch size"
             )
 
     @plain_tensors
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots holding `block_ids` (any shape, -1 = unused; duplicates allowed), loading the misses.
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+        """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
-        Launches only (no host sync). Returns (slots, same shape as `block_ids`, -1 where unused;
-        number of misses as a (1,) device tensor). The counters `counts()` reads are updated too.
+        KV head h's blocks live in partition `first_partition + h` (all in the one partition of a
+        cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
+        where unused; the counters `counts()` reads are updated too.
         """
-        self.check_fits(block_ids.numel())
+        if block_ids.dim() != 3:
+            raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
+        selection = block_ids.to(self.device)
+        if self.num_partitions == 1:
+            selection, first_partition = selection.reshape(1, 1, -1), 0
+        elif first_partition + selection.shape[1] > self.num_partitions:
+            raise ValueError(
+                f"partitions {first_partition}..{first_partition + selection.shape[1] - 1} do not exist: "
+                f"the cache has {self.num_partitions}"
+            )
+        self.check_fits(selection.shape[0] * selection.shape[2])
         if self.unlimited:
-            self._grow(max(dram.num_used, block_ids.numel()))  # host-known bound: never evicts
-        tables = self._block_slot, self._slot_block, self._slot_tick, self._slot_order
-        result = lru.lookup_(block_ids.to(self.device), *tables, self.clock, self._slot_index)
+            self._grow(max(dram.num_used, selection.numel()))  # host-known bound: never evicts
+        slots, load_ids, load_slots = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
-            self.gather_blocks(dram.storage, result.load_ids, self.pool, result.load_slots)  # the H2D copy
+            self.gather_blocks(dram.storage, load_ids.view(-1), self.pool, load_slots.view(-1))  # the H2D copy
         except BaseException:
             # The tables already call the misses resident: forget them, or a later lookup would
             # hit slots that never received their blocks.
-            lru.invalidate_(result.load_ids, *tables, self._slot_index)
+            lru.forget_(load_ids.view(-1), self.tables)
             raise
-        self._counts += torch.cat((result.num_unique, result.num_misses))
-        return result.slots, result.num_misses
+        return slots.view(block_ids.shape)
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a lookup reads or writes by address (what a captured decode step holds)."""
-        return {
-            "hbm_pool": self.pool,
-            "slot_block": self._slot_block,
-            "slot_tick": self._slot_tick,
-            "block_slot": self._block_slot,
-            "slot_order": self._slot_order,
-            "slot_index": self._slot_index,
-            "clock": self.clock,
-            "lookup_counts": self._counts,
-        }
+        tables = {f"lru.{name}": t for name, t in vars(self.tables).items()}
+        return {"hbm_pool": self.pool, "lookup_counts": self._counts} | tables
 
     @plain_tensors
     def counts(self) -> tuple[int, int]:
@@ -153,20 +170,24 @@ class HbmBlockCache:
         """Forget blocks whose DRAM ids are being freed (their ids will be reused)."""
         if block_ids.numel() == 0:
             return
-        tables = self._block_slot, self._slot_block, self._slot_tick, self._slot_order
-        lru.invalidate_(block_ids.to(self.device).reshape(-1), *tables, self._slot_index)
+        lru.forget_(block_ids.to(self.device).reshape(-1), self.tables)
 
     def _grow(self, needed: int) -> None:
+        """Grow the unlimited cache's one partition to at least `needed` slots."""
         if needed <= self.num_slots:
             return
         new = max(2 * self.num_slots, needed)
         pool = grown(self.pool, new)
-        slot_block, slot_tick = _grown_with_dump(self._slot_block, new), _grown_with_dump(self._slot_tick, new)
-        slot_order = lru.eviction_order(slot_tick[:-1])  # the new slots are free: first
+        slot_block = _grown_with_dump(self.tables.slot_block, new)
+        slot_tick = _grown_with_dump(self.tables.slot_tick, new)
+        slot_order = lru.eviction_order(slot_tick[:-1], 1)  # the new slots are free: first
         # Everything allocated before anything is replaced: a failed growth (out of memory) leaves the cache whole.
-        self.pool, self._slot_block, self._slot_tick, self._slot_order = pool, slot_block, slot_tick, slot_order
-        self._slot_index = torch.arange(new, device=self.device)
+        self.pool = pool
+        self._set_tables(slot_block=slot_block, slot_tick=slot_tick, slot_order=slot_order)
         self.reallocations += 1
+
+    def _set_tables(self, **replaced: torch.Tensor) -> None:
+        self.tables = dataclasses.replace(self.tables, **replaced)
 
 
 def _grown_with_dump(table: torch.Tensor, size: int) -> torch.Tensor:

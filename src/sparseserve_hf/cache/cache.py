@@ -13,6 +13,7 @@ from ..config import SparseServeConfig
 from ..host_memory import check_host_bytes
 from ..ops import resolve_backend
 from . import handoff
+from .block_cache import rows_that_fit
 from .forward_log import ForwardLog, ModelShape
 from .layer import SparseServeLayer
 from .plain import plain_tensors
@@ -75,34 +76,31 @@ class SparseServeCache(Cache):
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
         self._check_sizes(store)
-        self._slot = StoreSlot(self.config, store)  # shared with the layers; refers to no cache (no cycle)
-        super().__init__(layers=[self._make_layer(i, kind) for i, kind in enumerate(layer_types)])
+        self._slot = StoreSlot(
+            self.config, store, hbm_partitions(self.model_config, self.config)
+        )  # refers to no cache (no cycle)
+        sparse = sparse_layer_indices(self.shape, self.config)
+        super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
 
-    def _make_layer(self, layer_idx: int, kind: str) -> Any:
+    def _make_layer(self, layer_idx: int, kind: str, sparse: list[int]) -> Any:
         if kind == "sliding_attention":
             return DynamicSlidingWindowLayer(sliding_window=self.model_config.sliding_window)
         if kind != "full_attention":
             raise NotImplementedError(f"layer {layer_idx} has attention type {kind!r}, which is not supported")
-        if layer_idx in self.config.dense_layers:
+        if layer_idx not in sparse:
             return DynamicLayer()
-        return SparseServeLayer(layer_idx, self.config, self._slot.get)
+        first_partition = sparse.index(layer_idx) * self.shape.num_kv_heads  # its KV heads' HBM partitions
+        return SparseServeLayer(layer_idx, self.config, self._slot.get, first_partition)
 
     @property
     def store(self) -> TieredBlockStore | None:
         """The TieredBlockStore of this cache (None until the first `update` when none was given)."""
         return self._slot.store
-
-    def _selection_blocks_per_request(self) -> int:
-        """Head-blocks one layer can select for one request (the union over a KV group)."""
-        heads = self.model_config.num_attention_heads
-        if self.config.selection == "kv_head":
-            heads = getattr(self.model_config, "num_key_value_heads", None) or heads
-        return heads * self.config.selected_full_blocks
 
     def _check_sizes(self, store: TieredBlockStore | None) -> None:
         """Refuse a store or pool that cannot serve this model: a shared store of another head_dim,
@@ -113,6 +111,12 @@ class SparseServeCache(Cache):
         if store is not None and store.dram.block_shape[-1] != head_dim:
             raise ValueError(
                 f"the shared store holds head-blocks of head_dim {store.dram.block_shape[-1]}, this model's is {head_dim}"
+            )
+        partitions = hbm_partitions(self.model_config, self.config)
+        if store is not None and store.hbm_partitions not in (1, partitions):
+            raise ValueError(
+                f"the shared store's HBM cache has {store.hbm_partitions} partitions; this model needs 1 or "
+                f"{partitions} (sparse layers x KV heads)"
             )
         dram_bytes = self.config.dram_bytes
         if store is not None or dram_bytes is None:
@@ -128,11 +132,14 @@ class SparseServeCache(Cache):
             return
         block_bytes = 2 * self.config.block_size * self.shape.head_dim * itemsize
         slots = self.config.hbm_cache_bytes // block_bytes
-        needed = batch * self._selection_blocks_per_request()
-        if slots < needed:
+        partitions = self._slot.hbm_partitions
+        per_head = selected_blocks_per_kv_head(self.model_config, self.config)
+        if rows_that_fit(slots, partitions, per_head) < batch:
+            needed = batch * per_head * partitions
             raise ValueError(
                 f"hbm_cache_bytes={self.config.hbm_cache_bytes} holds {slots} head-blocks of {block_bytes} bytes, "
-                f"but one layer's selection for {batch} request(s) needs up to {needed}; "
+                f"{slots // partitions} for each of the {partitions} (sparse layer, KV head) pairs, but one layer's "
+                f"selection for {batch} request(s) needs up to {batch * per_head} per KV head; "
                 f"raise hbm_cache_bytes to at least {needed * block_bytes} or lower token_budget"
             )
 
@@ -388,6 +395,26 @@ def attention_layer_types(text_config: Any) -> list[str]:
         return ["full_attention"] * num_layers
     first_sliding = getattr(text_config, "max_window_layers", None) or 0  # Qwen: layers below it stay full
     return ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+
+
+def sparse_layer_indices(shape: ModelShape, config: SparseServeConfig) -> list[int]:
+    """The layers a SparseServeCache serves sparsely: full-attention layers outside `dense_layers`."""
+    return [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention" and i not in config.dense_layers]
+
+
+def hbm_partitions(model_config: Any, config: SparseServeConfig) -> int:
+    """LRU partitions of the HBM block cache: one per (sparse layer, KV head)."""
+    shape = _model_shape(model_config)
+    return max(1, len(sparse_layer_indices(shape, config)) * shape.num_kv_heads)
+
+
+def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:
+    """Head-blocks one layer can select per KV head for one request (the union over a KV group)."""
+    text = _model_shape(model_config)
+    group = (
+        1 if config.selection == "kv_head" else model_config.get_text_config().num_attention_heads // text.num_kv_heads
+    )
+    return group * config.selected_full_blocks
 
 
 def _text_config(model_config: Any) -> PretrainedConfig:

@@ -36,10 +36,15 @@ class SparseServeLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(
-        self, layer_idx: int, config: SparseServeConfig, store_for: Callable[[torch.Tensor], TieredBlockStore]
+        self,
+        layer_idx: int,
+        config: SparseServeConfig,
+        store_for: Callable[[torch.Tensor], TieredBlockStore],
+        first_partition: int = 0,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.first_partition = first_partition  # HBM cache partition of KV head 0 (see `TieredBlockStore.fetch`)
         self.config = config
         self._store_for = store_for
         self.store: TieredBlockStore | None = None

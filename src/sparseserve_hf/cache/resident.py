@@ -46,20 +46,20 @@ class ResidentBlocks:
     def track_blocks(self, capacity: int) -> None:
         """Nothing to track: a block's slot is its id."""
 
-    def check_fits(self, num_entries: int) -> None:
+    def check_fits(self, entries_per_partition: int) -> None:
         """Always fits: nothing is loaded."""
 
     def invalidate(self, block_ids: torch.Tensor) -> None:
         """Nothing to forget: freed ids are the pool's business."""
 
     @plain_tensors
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool) -> tuple[torch.Tensor, int]:
-        """Slots of `block_ids` (any shape, -1 = unused): the ids themselves, and 0 misses."""
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+        """Slots of `block_ids` (any shape, -1 = unused): the ids themselves (nothing misses)."""
         ordered = block_ids.reshape(-1).sort().values
         distinct = ordered >= 0
         distinct[1:] &= ordered[1:] != ordered[:-1]  # first copy of each id: rows may share blocks
         self._looked_up += distinct.sum()
-        return block_ids, 0
+        return block_ids
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a lookup reads or writes by address (what a captured decode step holds)."""

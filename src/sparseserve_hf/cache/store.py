@@ -43,6 +43,8 @@ class TieredBlockStore:
         config: the cache's SparseServeConfig (offload, transfer and save_path are read here).
         ops: the backend op set.
         head_dim, dtype, device: of the model's KV.
+        hbm_partitions: LRU partitions of a fixed-size HBM block cache: sparse layers x KV heads
+            gives each (layer, KV head) its own (what a cache builds); 1 shares one LRU.
     """
 
     @plain_tensors
@@ -53,8 +55,12 @@ class TieredBlockStore:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        hbm_partitions: int = 1,
     ) -> None:
         _check_store_args(config, ops, head_dim, dtype)
+        if not isinstance(hbm_partitions, int) or isinstance(hbm_partitions, bool) or hbm_partitions < 1:
+            raise ValueError(f"hbm_partitions must be a positive int, got {hbm_partitions!r}")
+        self.hbm_partitions = hbm_partitions
         self.config = config
         self.ops = block_copy.with_copy_transfers(ops) if config.transfer == "copy" else ops
         device = torch.device(device)
@@ -83,7 +89,16 @@ class TieredBlockStore:
             return dram, ResidentBlocks(dram)
         dram = DramPool(block_shape, self.dtype, config.dram_bytes, pin=device.type == "cuda")
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes
-        return dram, HbmBlockCache(num_slots, block_shape, self.dtype, device, self.ops.gather_blocks)
+        hbm = HbmBlockCache(
+            num_slots,
+            block_shape,
+            self.dtype,
+            device,
+            self.ops.gather_blocks,
+            self.hbm_partitions,
+            self.ops.resolve_blocks,
+        )
+        return dram, hbm
 
     @plain_tensors
     def save(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -151,15 +166,15 @@ class TieredBlockStore:
         return out
 
     @plain_tensors
-    def fetch(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """HBM slots for a selection (any shape, -1 = unused; rows may share blocks), loading misses.
+    def fetch(self, block_ids: torch.Tensor, first_partition: int = 0) -> torch.Tensor:
+        """HBM slots for a selection (B, Hkv, U) (-1 = unused; rows may share blocks), loading misses.
 
+        KV head h's blocks live in HBM partition `first_partition + h` (a layer's first one).
         Same shape out. Launches only, no host sync (`HbmBlockCache.lookup`); the hit/miss
         counters stay on the device until `stats` is read.
         """
         self._wait_for_saves()
-        slots, _ = self.hbm.lookup(block_ids, self.dram)
-        return slots
+        return self.hbm.lookup(block_ids, self.dram, first_partition)
 
     @property
     def epoch(self) -> int:

@@ -89,9 +89,8 @@ class Generator:
         self.prefill = SegmentedPrefill.from_config(self.stack, self.config)
         device, dtype = self.stack.device, model.dtype
         self.sizes = EngineSizes(model.config, self.config, dtype)
-        self.store = TieredBlockStore(
-            self.config, get_ops(self.config.backend, device), self.sizes.head_dim, dtype, device
-        )
+        ops = get_ops(self.config.backend, device)
+        self.store = TieredBlockStore(self.config, ops, self.sizes.head_dim, dtype, device, self.sizes.hbm_partitions)
         self.batch = SparseServeCache(model.config, self.config, store=self.store)  # checks one row fits
         self.batch_ids: list[int] = []  # request id of each batch-cache row
         self.tracker = WorkingSetTracker(self.config.working_set_window, device)

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ..cache.block_cache import rows_that_fit
+from ..cache.cache import hbm_partitions
 from ..config import SparseServeConfig
 
 
@@ -26,19 +28,24 @@ class EngineSizes:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.vocab_size = text.vocab_size
+        self.hbm_partitions = hbm_partitions(model_config, config)
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.block_bytes = 2 * config.block_size * self.head_dim * dtype.itemsize
         self.kv_bytes_per_token_layer = self.num_kv_heads * 2 * self.head_dim * dtype.itemsize
 
     @property
     def max_decode_rows(self) -> int:
-        """Most rows one decode step can serve: one layer's selection for all of them must fit in the
-        HBM block cache's slots (a lookup cannot evict blocks it is itself using)."""
+        """Most rows one decode step can serve: one layer's selection for all of them must fit in each
+        of its KV heads' HBM partitions (a lookup cannot evict blocks it is itself using)."""
         if self.config.hbm_cache_bytes is None:
             return self.config.max_batch
-        heads = self.num_kv_heads if self.config.selection == "kv_head" else self.num_heads
-        per_row = heads * self.config.selected_full_blocks
-        return max(1, min(self.config.max_batch, self.config.hbm_cache_bytes // self.block_bytes // per_row))
+        per_head = self.num_heads // self.num_kv_heads if self.config.selection != "kv_head" else 1
+        fit = rows_that_fit(
+            self.config.hbm_cache_bytes // self.block_bytes,
+            self.hbm_partitions,
+            per_head * self.config.selected_full_blocks,
+        )
+        return max(1, min(self.config.max_batch, fit))
 
     def prefill_bytes(self, num_tokens: int) -> int:
         """Exact HBM working set of a prompt's prefill: the KV it holds on the device at once.

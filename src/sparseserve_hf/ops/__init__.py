@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import reference
+from . import lru, reference
 
 __all__ = ["BlockOps", "flash_available", "get_ops", "reference", "resolve_backend", "triton_available"]
 
@@ -41,6 +41,7 @@ class BlockOps:
     sparse_decode: Callable[..., torch.Tensor]
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
+    resolve_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # signature as `ops.lru.resolve_`
 
 
 TORCH_OPS = BlockOps(
@@ -55,6 +56,7 @@ TORCH_OPS = BlockOps(
     sparse_decode=reference.sparse_decode,
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
+    resolve_blocks=lru.resolve_,
 )
 
 
@@ -148,7 +150,13 @@ def get_ops(backend: str, device: torch.device) -> BlockOps:
 
 
 def _triton_ops() -> BlockOps:
-    from . import triton_decode, triton_score, triton_select, triton_transfer  # import triton: only here
+    from . import (  # import triton: only here
+        triton_decode,
+        triton_resolve,
+        triton_score,
+        triton_select,
+        triton_transfer,
+    )
 
     # select_blocks / union_over_group stay the reference's torch ops (the per-query-head and
     # per-KV-head selections); the default group union has its own kernel.
@@ -161,6 +169,7 @@ def _triton_ops() -> BlockOps:
         sparse_decode=triton_decode.sparse_decode,
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
+        resolve_blocks=triton_resolve.resolve_,
     )
 
 

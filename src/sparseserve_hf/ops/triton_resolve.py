@@ -1,0 +1,174 @@
+"""The HBM block-cache lookup in one Triton launch: one program per partition (see `ops.lru`).
+
+Each program owns one partition's slots and the blocks looked up in it, so programs never
+touch each other's entries and need no grid-wide synchronisation. Inside a program the phases
+are separated by CTA barriers:
+1. hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it counts the
+   distinct hit); a missing block is claimed by its first entry (`atomic_min` of an encoded
+   entry index written into its own `block_slot` entry, which is negative while it misses);
+2. the claiming entries, in row order, append their blocks to the load list;
+3. a scan of the partition's eviction order writes the first evictable slots beside them;
+4. the loads are installed (the victims' old blocks forgotten), every entry reads its slot;
+5. the eviction order is compacted in place (kept slots) and the used slots appended by index.
+Same decisions as `ops.lru.resolve_`, tested against it on random inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lru import LruTables
+
+
+@triton.jit
+def _resolve_kernel(
+    ids_ptr,
+    first_partition,
+    block_slot_ptr,
+    slot_block_ptr,
+    slot_tick_ptr,
+    order_ptr,
+    clock_ptr,
+    counts_ptr,
+    slots_ptr,
+    load_ids_ptr,
+    load_slots_ptr,
+    num_entries,
+    per_partition,
+    width,
+    stride_row,
+    stride_head,
+    BLOCK: tl.constexpr,
+):
+    """Program h resolves head h's entries: entry e is ids[e // width, h, e % width]."""
+    head = tl.program_id(0)
+    part = (first_partition + head).to(tl.int64)
+    clock = tl.load(clock_ptr + part) + 1
+    tl.store(clock_ptr + part, clock)
+    order_base = order_ptr + part * per_partition
+    lists = head.to(tl.int64) * num_entries
+    lanes = tl.arange(0, BLOCK)
+    zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+
+    # 1. hits touch their slots; misses are claimed by their first entry (claim = e - E - 2 <= -2)
+    distinct_hits = zero
+    for start in range(0, num_entries, BLOCK):
+        entry = start + lanes
+        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+        valid = ids >= 0
+        slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
+        hit = valid & (slot >= 0)
+        before = tl.atomic_xchg(slot_tick_ptr + slot, clock, mask=hit)
+        distinct_hits += tl.sum((hit & (before != clock)).to(tl.int32), axis=0)
+        tl.atomic_min(block_slot_ptr + ids, entry.to(tl.int64) - num_entries - 2, mask=valid & (slot < 0))
+    tl.debug_barrier()
+
+    # 2. the claiming entries append their blocks, in row order
+    num_misses = zero
+    for start in range(0, num_entries, BLOCK):
+        entry = start + lanes
+        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+        valid = ids >= 0
+        claim = tl.load(block_slot_ptr + ids, mask=valid, other=0, volatile=True)
+        loads = valid & (claim == entry.to(tl.int64) - num_entries - 2)
+        rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1 + num_misses
+        tl.store(load_ids_ptr + lists + rank, ids, mask=loads)
+        num_misses += tl.sum(loads.to(tl.int32), axis=0)
+    for start in range(0, num_entries, BLOCK):
+        entry = start + lanes
+        rest = (entry < num_entries) & (entry >= num_misses)
+        tl.store(load_ids_ptr + lists + entry, -1, mask=rest)
+        tl.store(load_slots_ptr + lists + entry, -1, mask=rest)
+
+    # 3. victims: the first slots of the eviction order not used by this lookup
+    found = zero
+    for start in range(0, per_partition, BLOCK):
+        position = start + lanes
+        inside = position < per_partition
+        slot = tl.load(order_base + position, mask=inside, other=0)
+        tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
+        evictable = inside & (tick < clock)
+        rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1 + found
+        tl.store(load_slots_ptr + lists + rank, slot, mask=evictable & (rank < num_misses))
+        found += tl.sum(evictable.to(tl.int32), axis=0)
+    tl.debug_barrier()
+
+    # 4. install the loads, then every entry reads its slot
+    for start in range(0, num_entries, BLOCK):
+        j = start + lanes
+        loading = j < num_misses
+        block = tl.load(load_ids_ptr + lists + j, mask=loading, other=0, volatile=True)
+        slot = tl.load(load_slots_ptr + lists + j, mask=loading, other=0, volatile=True)
+        evicted = tl.load(slot_block_ptr + slot, mask=loading, other=-1, volatile=True)
+        tl.store(block_slot_ptr + evicted, -1, mask=loading & (evicted >= 0))
+        tl.store(slot_block_ptr + slot, block, mask=loading)
+        tl.store(slot_tick_ptr + slot, clock, mask=loading)
+        tl.store(block_slot_ptr + block, slot, mask=loading)
+    tl.debug_barrier()
+    for start in range(0, num_entries, BLOCK):
+        entry = start + lanes
+        inside = entry < num_entries
+        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+        valid = ids >= 0
+        slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
+        out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
+        tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
+
+    # 5. the eviction order: kept slots compacted in place (writes land at or before what was read)
+    kept = zero
+    for start in range(0, per_partition, BLOCK):
+        position = start + lanes
+        inside = position < per_partition
+        slot = tl.load(order_base + position, mask=inside, other=0, volatile=True)
+        tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
+        stays = inside & (tick != clock)
+        rank = tl.cumsum(stays.to(tl.int32), axis=0) - 1 + kept
+        tl.debug_barrier()  # every lane has read this chunk before any overwrites it
+        tl.store(order_base + rank, slot, mask=stays)
+        kept += tl.sum(stays.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    for start in range(0, per_partition, BLOCK):
+        local = start + lanes
+        inside = local < per_partition
+        slot = part * per_partition + local
+        tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
+        moved = inside & (tick == clock)
+        rank = tl.cumsum(moved.to(tl.int32), axis=0) - 1 + kept
+        tl.store(order_base + rank, slot, mask=moved)
+        kept += tl.sum(moved.to(tl.int32), axis=0)
+
+    tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64))
+
+
+@triton.jit
+def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head):
+    """Head `head`'s entries `entry` of the (B, H, width) ids (contiguous in the last dim); -1 past the end."""
+    inside = entry < num_entries
+    offset = (entry // width) * stride_row + head * stride_head + entry % width
+    return tl.load(ids_ptr + offset, mask=inside, other=-1)
+
+
+def resolve_(
+    ids: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
+
+    Returns slots (B, H, U) and the load lists (H, B * U) (see `ops.lru.resolve_`).
+    """
+    batch, heads, width = ids.shape
+    ids = ids.contiguous()
+    num_entries = batch * width
+    per = tables.slots_per_partition
+    slots = torch.empty_like(ids)
+    load_ids = ids.new_empty((heads, num_entries))
+    load_slots = ids.new_empty((heads, num_entries))
+    block = min(4096, triton.next_power_of_2(max(num_entries, per, 16)))
+    _resolve_kernel[(heads,)](
+        ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
+        counts, slots, load_ids, load_slots, num_entries, per, width, heads * width, width,
+        BLOCK=block, num_warps=max(4, min(16, block // 256)),
+    )  # fmt: skip
+    return slots, load_ids, load_slots

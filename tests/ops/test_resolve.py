@@ -1,0 +1,81 @@
+"""The fused block-cache lookup kernel against `ops.lru.resolve_` (the tensor spec), on random selections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernel_support import DEVICE
+from sparseserve_hf.ops import lru, triton_resolve
+
+
+def random_selection(
+    gen: torch.Generator, shape: tuple[int, int, int], num_blocks: int, heads_total: int, first_head: int
+) -> torch.Tensor:
+    """(B, H, U) ids: head h draws from its own id range (a block belongs to one partition), from a
+    hot set and the whole range, with -1 padding and duplicates across rows."""
+    heads = shape[1]
+    per_head = num_blocks // heads_total
+    hot = torch.randint(0, per_head, (max(2, per_head // 4),), generator=gen)
+    local = torch.where(
+        torch.rand(shape, generator=gen) < 0.6,
+        hot[torch.randint(0, hot.numel(), shape, generator=gen)],
+        torch.randint(0, per_head, shape, generator=gen),
+    )
+    ids = local + (first_head + torch.arange(heads))[None, :, None] * per_head
+    return torch.where(torch.rand(shape, generator=gen) < 0.2, -1, ids)
+
+
+def copy_tables(tables: lru.LruTables, device: torch.device) -> lru.LruTables:
+    return lru.LruTables(*(getattr(tables, f.name).clone().to(device) for f in dataclasses.fields(tables)))
+
+
+def assert_tables_equal(got: lru.LruTables, want: lru.LruTables) -> None:
+    """Equal everywhere but in the dump entries (whose content is meaningless)."""
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name).cpu(), getattr(want, field.name)
+        if field.name in ("block_slot", "slot_block", "slot_tick"):
+            a, b = a[:-1], b[:-1]
+        assert torch.equal(a, b), field.name
+
+
+@pytest.mark.parametrize("batch,heads,width,partitions,per", [(3, 2, 5, 4, 24), (1, 3, 37, 3, 40), (4, 1, 9, 2, 64)])
+def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per):
+    gen = torch.Generator().manual_seed(batch * 100 + width)
+    num_blocks = 40 * partitions
+    want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
+    got = copy_tables(want, DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    for step in range(25):
+        first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
+        ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
+        slots, load_ids, load_slots = lru.resolve_(ids, first, want, want_counts)
+        k_slots, k_ids, k_slots_loaded = triton_resolve.resolve_(ids.to(DEVICE), first, got, got_counts)
+        assert torch.equal(k_slots.cpu(), slots), step
+        assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
+        assert_tables_equal(got, want)
+        assert torch.equal(got_counts.cpu(), want_counts)
+        if step % 6 == 5:  # freed blocks: both sides forget them the same way (the tensor op)
+            gone = torch.randint(-1, num_blocks, (7,), generator=gen)
+            lru.forget_(gone, want)
+            lru.forget_(gone.to(DEVICE), got)
+            assert_tables_equal(got, want)
+
+
+def test_kernel_with_strided_wide_selection_and_full_partition():
+    """Every slot of a partition in use by one lookup (E == Pp) and more entries than one tile."""
+    batch, heads, width, per = 2, 2, 2100, 4200
+    tables = lru.empty_tables(heads, per, 2 * 5000, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(5000, generator=gen)[: batch * width] + h * 5000 for h in range(heads)], 1)
+    ids = ids.view(batch, width, heads).transpose(1, 2)  # (B, H, U), not contiguous
+    got = copy_tables(tables, DEVICE)
+    counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    want = lru.resolve_(ids, 0, tables, counts)
+    out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts)
+    for a, b in zip(out, want):
+        assert torch.equal(a.cpu(), b)
+    assert_tables_equal(got, tables)
+    assert counts.tolist() == [2 * batch * width, 2 * batch * width]
