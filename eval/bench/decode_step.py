@@ -319,8 +319,8 @@ def graph_equality(args, device, dtype, shape: str, config: SparseServeConfig) -
         args.batch * dims["num_attention_heads"] * config.selected_full_blocks
     )  # B x Hkv x the largest union (G x K)
     block_bytes = 2 * size * dims["head_dim"] * dtype.itemsize
-    # A cache of twice one layer's selection: lookups evict, which the three runs must agree on.
-    config = replace(config, dram_bytes=blocks * block_bytes, hbm_cache_bytes=2 * selection * block_bytes)
+    # Each (layer, KV head) partition holds twice its selection: lookups evict, which the three runs must agree on.
+    config = replace(config, dram_bytes=blocks * block_bytes, hbm_cache_bytes=2 * layers * selection * block_bytes)
 
     def filled():
         torch.manual_seed(1)  # the same random KV in every cache
