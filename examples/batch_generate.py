@@ -34,7 +34,7 @@ def main() -> None:
     """Stream eight requests through the Generator and print per-request and total metrics."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--hbm-cache-mib", type=float, default=12.0, help="HBM block-cache size (M_avl)")
+    parser.add_argument("--hbm-cache-mib", type=float, default=32.0, help="HBM block-cache size (M_avl)")
     parser.add_argument("--no-admission", action="store_true", help="turn working-set admission off")
     args = parser.parse_args()
     hf_logging.disable_progress_bar()

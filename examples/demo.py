@@ -30,13 +30,12 @@ CONTEXT_TOKENS = 7680
 NEEDLE_DEPTH = 0.5
 MAX_NEW_TOKENS = 24
 # Tokens each query head attends to per decode step: the default, about a quarter of this prompt.
-# Smaller budgets make the plain Quest selector miss needles (DESIGN.md T7: better selection is to come).
+# Smaller budgets make the plain Quest selector miss needles (better selection is still to come).
 TOKEN_BUDGET = 2048
-# Device block cache: room for the KV of HBM_CACHE_TOKENS tokens over all layers and KV heads.
-# With per-query-head selection a KV head loads the union of its 3 query heads' blocks, so one
-# step touches more than TOKEN_BUDGET tokens per KV head; an LRU cache smaller than what a step
-# touches evicts every block before its next use (0% hits), hence 1.5x the budget.
-HBM_CACHE_TOKENS = 3 * TOKEN_BUDGET // 2
+# Device block cache: room for the KV of HBM_CACHE_TOKENS tokens in every layer and KV head. Each
+# (layer, KV head) has its own LRU partition, and a KV head loads the union of its 3 query heads'
+# blocks: up to 3x the budget in one step, all of which must fit (a lookup never evicts what it uses).
+HBM_CACHE_TOKENS = 3 * TOKEN_BUDGET
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

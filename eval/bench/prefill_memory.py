@@ -67,8 +67,7 @@ def generator_prefill(model, ids: torch.Tensor, mode: str, chunk: int) -> dict[s
     sizes = EngineSizes(model.config, config, model.dtype)
     # Each way gets the HBM block cache its prefill needs (the Generator refuses a prompt whose prefill
     # outgrows the cache) plus the first decode step's working set; the cache is part of the peak.
-    first_step = sizes.num_layers * sizes.num_kv_heads * config.budget_blocks * sizes.block_bytes
-    cache_bytes = sizes.prefill_bytes(ids.shape[1]) + first_step
+    cache_bytes = sizes.prefill_bytes(ids.shape[1]) + sizes.one_row_hbm_cache_bytes
     dram_bytes = int(1.1 * sizes.lifetime_dram_blocks(ids.shape[1] + 1) * sizes.block_bytes)
     gen = Generator(model, None, replace(config, hbm_cache_bytes=cache_bytes, dram_bytes=dram_bytes))
     out = gen.generate([ids[0].tolist()], SamplingParams(max_new_tokens=1, ignore_eos=True))[0]

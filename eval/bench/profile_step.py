@@ -91,7 +91,11 @@ def kernel_table(prof, per: int, device: torch.device, top: int = 30) -> str:
         rows.append((device_us / per, event.count / per, event.key[:90]))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    lines = [f"device time per layer (all kernels): {total:.1f} us\n", "| us/layer | calls/layer | kernel |", "|---|---|---|"]
+    lines = [
+        f"device time per layer (all kernels): {total:.1f} us\n",
+        "| us/layer | calls/layer | kernel |",
+        "|---|---|---|",
+    ]
     lines += [f"| {us:.1f} | {calls:.1f} | `{name}` |" for us, calls, name in rows[:top]]
     return "\n".join(lines) + "\n"
 

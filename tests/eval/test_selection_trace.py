@@ -31,9 +31,7 @@ def test_sink_and_window_stay_and_the_middle_scales():
     _, (picked, valid) = replayed(trace, [80], width=32)
     recorded = np.flatnonzero(trace.loaded[0, 0, 0, 0])
     got = picked[0, 0][valid[0, 0]].tolist()
-    expected = sorted(
-        r if r < 1 else 80 - (20 - r) if r >= 18 else 1 + (r - 1) * 77 // 17 for r in recorded.tolist()
-    )
+    expected = sorted(r if r < 1 else 80 - (20 - r) if r >= 18 else 1 + (r - 1) * 77 // 17 for r in recorded.tolist())
     assert got == expected and len(got) == len(recorded)  # the recorded load is kept
     assert not valid[0, 0, len(got) :].any() and (picked[~valid] == 0).all()
 
@@ -87,7 +85,9 @@ def test_an_override_that_loads_every_block_decodes_like_dense():
     """The seam decides what is loaded: every block loaded = dense tokens, at a budget that would not."""
     model, dense = tiny_model("llama"), tiny_model("llama", "sdpa")
     config = SparseServeConfig(block_size=16, token_budget=64, sink_blocks=1, window_blocks=1)
-    store = TieredBlockStore(config, get_ops("torch", torch.device("cpu")), HEAD_DIM, torch.float32, torch.device("cpu"))
+    store = TieredBlockStore(
+        config, get_ops("torch", torch.device("cpu")), HEAD_DIM, torch.float32, torch.device("cpu")
+    )
     calls = []
 
     def every_block(layer_idx, num_blocks, width):

@@ -20,6 +20,12 @@ def tiny():
     return build_model("tiny", "sparseserve", "cpu", torch.float32, 128)
 
 
+@pytest.fixture(scope="module")
+def tiny_long():
+    """The tiny shape with room for prompts whose prefill outgrows the smallest HBM cache it can run with."""
+    return build_model("tiny", "sparseserve", "cpu", torch.float32, 512)
+
+
 @pytest.mark.parametrize("system", list(LADDER))
 def test_blocks_and_their_metadata_fit_the_kv_budget(tiny, system):
     budget = Budget(kv_bytes=10_000 * BLOCK_BYTES, kv_bytes_per_token=0, max_batch=4)
@@ -56,7 +62,9 @@ def test_only_the_last_rung_replays_cuda_graphs(tiny):
 def run_refusing_from(tiny, prompt_range: tuple[int, int], pick) -> tuple[list, int]:
     """A 3-request trace through a Generator whose HBM cache is one byte short of the prefill of the
     prompt `pick` (min or max) chooses by length: (the run's records, that prompt's length)."""
-    trace = build_trace(list(range(10, 250)), num_requests=3, prompt_range=prompt_range, output_range=(3, 5), seed=0)
+    trace = build_trace(
+        list(range(10, 250)) * 2, num_requests=3, prompt_range=prompt_range, output_range=(3, 5), seed=0
+    )
     limit = pick(len(request.prompt) for request in trace.requests)
     config = SparseServeConfig(token_budget=96, prefill_mode="chunked", hbm_cache_bytes=64 * BLOCK_BYTES)
     needed = Generator(tiny, None, config).sizes.prefill_bytes(limit)
@@ -64,14 +72,14 @@ def run_refusing_from(tiny, prompt_range: tuple[int, int], pick) -> tuple[list, 
     return run_generator(gen, trace, rate=100.0).records, limit
 
 
-def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny):
-    records, longest = run_refusing_from(tiny, (40, 90), max)
+def test_a_request_the_generator_fails_keeps_the_generators_reason(tiny_long):
+    records, longest = run_refusing_from(tiny_long, (240, 400), max)
     failed = [record for record in records if record.prompt_tokens == longest]
     assert failed and all("cannot fit alone" in record.error for record in failed)
     assert all(record.error is None for record in records if record.prompt_tokens < longest)
 
 
-def test_a_run_whose_last_arrivals_are_all_refused_ends_with_their_reasons(tiny):
+def test_a_run_whose_last_arrivals_are_all_refused_ends_with_their_reasons(tiny_long):
     """Nothing in flight after the last refusal: the run ends (it used to index past the trace)."""
-    records, _ = run_refusing_from(tiny, (80, 90), min)
+    records, _ = run_refusing_from(tiny_long, (380, 400), min)
     assert len(records) == 3 and all("cannot fit alone" in record.error for record in records)

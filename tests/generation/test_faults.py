@@ -226,11 +226,11 @@ def test_a_tokenizer_that_fails_on_an_output_ends_that_request_only(llama):
 PROMPT_LENGTHS = (15, 30, 47, 9, 62, 33)  # tails fill during decode for some (block_size 16)
 TRIAL_PARAMS = [SamplingParams(max_new_tokens=6)] * 5 + [SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)]
 SETUPS = {
-    "segmented-admission": dict(max_batch=3, hbm_cache_bytes=2 * 40 * 2048, max_inject_tokens=40),
+    "segmented-admission": dict(max_batch=3, hbm_cache_bytes=48 * 2048, max_inject_tokens=40),
     "graph-step": dict(
         max_batch=3,
         token_budget=64,
-        hbm_cache_bytes=2 * 40 * 2048,
+        hbm_cache_bytes=48 * 2048,
         dram_bytes=400 * 2048,
         max_inject_tokens=60,
         cuda_graphs=True,

@@ -22,7 +22,9 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 BLOCK_BYTES = 2 * 16 * 16 * 4  # block_size 16 x head_dim 16, fp32 keys and values
 POOLS = {
-    "segmented": dict(hbm_cache_bytes=2 * 24 * BLOCK_BYTES, dram_bytes=48 * BLOCK_BYTES, max_batch=3, max_inject_tokens=40),
+    "segmented": dict(
+        hbm_cache_bytes=2 * 24 * BLOCK_BYTES, dram_bytes=48 * BLOCK_BYTES, max_batch=3, max_inject_tokens=40
+    ),
     "chunked": dict(
         hbm_cache_bytes=2 * 16 * BLOCK_BYTES,
         dram_bytes=80 * BLOCK_BYTES,
@@ -33,7 +35,11 @@ POOLS = {
     "no-admission": dict(hbm_cache_bytes=2 * 20 * BLOCK_BYTES, dram_bytes=64 * BLOCK_BYTES, admission=False),
     "device-pool": dict(offload=False, dram_bytes=48 * BLOCK_BYTES, max_batch=3),
     "graph-step": dict(
-        hbm_cache_bytes=2 * 24 * BLOCK_BYTES, dram_bytes=64 * BLOCK_BYTES, max_batch=3, cuda_graphs=True, token_budget=64
+        hbm_cache_bytes=2 * 24 * BLOCK_BYTES,
+        dram_bytes=64 * BLOCK_BYTES,
+        max_batch=3,
+        cuda_graphs=True,
+        token_budget=64,
     ),
 }
 

@@ -35,7 +35,11 @@ def random_request(rng: random.Random, i: int) -> tuple[list[int], SamplingParam
 def test_soak_every_request_ends_and_pools_drain(llama):
     rng = random.Random(1234)
     config = SparseServeConfig(
-        block_size=16, token_budget=48, hbm_cache_bytes=2 * 128 * BLOCK_BYTES, dram_bytes=240 * BLOCK_BYTES, max_batch=16
+        block_size=16,
+        token_budget=48,
+        hbm_cache_bytes=2 * 128 * BLOCK_BYTES,
+        dram_bytes=240 * BLOCK_BYTES,
+        max_batch=16,
     )
     gen = Generator(llama, None, config)
     ended: dict[int, str] = {}

@@ -91,7 +91,7 @@ def test_generator_with_cuda_graphs_gives_the_eager_generators_tokens():
     from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
     model = model_on_cuda(torch.float32)
-    values = dict(block_size=16, token_budget=64, max_batch=3, hbm_cache_bytes=2 * 40 * 2048, dram_bytes=4000 * 2048,
+    values = dict(block_size=16, token_budget=64, max_batch=3, hbm_cache_bytes=48 * 2048, dram_bytes=4000 * 2048,
                   prefill_mode="layer_segmented", max_inject_tokens=60, backend="triton")  # fmt: skip
     prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (5, 37, 80, 130, 16, 1)]
     params = SamplingParams(max_new_tokens=3 * BLOCK)

@@ -86,7 +86,7 @@ def test_store_epoch_moves_exactly_when_a_pool_is_reallocated():
     fixed = TieredBlockStore(static_config(), get_ops("torch", CPU), HEAD_DIM, torch.float32, CPU)
     epoch = fixed.epoch
     ids = fixed.save(torch.randn(300, 2, BLOCK, HEAD_DIM))
-    fixed.fetch(ids[:30].view(3, 10))
+    fixed.fetch(ids[:30].view(3, 1, 10))
     fixed.free(ids[:100])
     _ = fixed.stats
     assert fixed.epoch == epoch  # a fixed pool never moves
@@ -95,7 +95,7 @@ def test_store_epoch_moves_exactly_when_a_pool_is_reallocated():
     growing.save(torch.randn(300, 2, BLOCK, HEAD_DIM))  # past the initial 256 blocks
     assert growing.dram.storage is not storage and growing.epoch != epoch
     epoch, pool = growing.epoch, growing.hbm.pool
-    growing.fetch(torch.arange(300).view(1, 300))  # the unlimited HBM cache grows its 256 slots
+    growing.fetch(torch.arange(300).view(1, 1, 300))  # the unlimited HBM cache grows its 256 slots
     assert growing.hbm.pool is not pool and growing.epoch != epoch
 
 

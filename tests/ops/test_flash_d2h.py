@@ -70,7 +70,7 @@ def test_store_saves_reads_and_fetches_through_the_backend(backend, save_path):
     assert torch.equal(store.read(ids), blocks)
     chosen = ids[torch.tensor([[3, 250, -1], [7, 3, 299]])]
     chosen[0, 2] = -1
-    slots = store.fetch(chosen)
+    slots = store.fetch(chosen.view(2, 1, 3)).view(2, 3)
     assert slots[0, 2] == -1 and slots[0, 0] == slots[1, 1]
     used = chosen >= 0
     assert torch.equal(store.hbm.pool[slots[used]], blocks[torch.tensor([3, 250, 7, 3, 299], device=DEVICE)])

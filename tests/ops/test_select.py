@@ -11,7 +11,11 @@ from sparseserve_hf.ops import reference, triton_select
 
 def scores_for(batch: int, num_q_heads: int, width: int, counts: list[int], integer: bool = False) -> torch.Tensor:
     """(B, Hq, N) random scores, -inf past each row's count (as `score_table` gives them)."""
-    scores = torch.randint(-40, 0, (batch, num_q_heads, width)).float() if integer else torch.randn(batch, num_q_heads, width)
+    scores = (
+        torch.randint(-40, 0, (batch, num_q_heads, width)).float()
+        if integer
+        else torch.randn(batch, num_q_heads, width)
+    )
     unused = torch.arange(width) >= torch.tensor(counts)[:, None, None]
     return scores.masked_fill(unused, float("-inf"))
 

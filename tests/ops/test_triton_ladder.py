@@ -64,7 +64,7 @@ def test_small_budget_triton_equals_torch_backend():
     ids = random_ids(1, 150)
     caches = {
         backend: SparseServeCache(
-            model.config, SparseServeConfig(block_size=16, token_budget=64, backend=backend, hbm_cache_bytes=1 << 16)
+            model.config, SparseServeConfig(block_size=16, token_budget=64, backend=backend, hbm_cache_bytes=1 << 17)
         )
         for backend in ("torch", "triton")
     }

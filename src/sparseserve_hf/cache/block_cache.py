@@ -64,7 +64,10 @@ class HbmBlockCache:
         self.num_partitions = 1 if self.unlimited else partitions
         per = UNLIMITED_INITIAL_SLOTS if num_slots is None else num_slots // partitions
         if per < 1:
-            raise ValueError(f"{num_slots} HBM slots cannot be split into {partitions} partitions")
+            raise ValueError(
+                f"hbm_cache_bytes holds {num_slots} head-blocks, fewer than the {partitions} (sparse layer, KV head) "
+                "partitions of the HBM block cache; raise hbm_cache_bytes"
+            )
         self.pool = torch.zeros((self.num_partitions * per, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
         self.tables = lru.empty_tables(self.num_partitions, per, 0, device)
         self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
@@ -77,6 +80,7 @@ class HbmBlockCache:
 
     @property
     def slots_per_partition(self) -> int:
+        """Pp, the slots of each LRU partition (P = NP x Pp)."""
         return self.tables.slots_per_partition
 
     @property

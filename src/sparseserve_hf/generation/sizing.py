@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..cache.block_cache import rows_that_fit
-from ..cache.cache import hbm_partitions
+from ..cache.cache import hbm_partitions, selected_blocks_per_kv_head
 from ..config import SparseServeConfig
 
 
@@ -29,6 +29,7 @@ class EngineSizes:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.vocab_size = text.vocab_size
         self.hbm_partitions = hbm_partitions(model_config, config)
+        self.selected_per_kv_head = selected_blocks_per_kv_head(model_config, config)  # per decode row
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.block_bytes = 2 * config.block_size * self.head_dim * dtype.itemsize
         self.kv_bytes_per_token_layer = self.num_kv_heads * 2 * self.head_dim * dtype.itemsize
@@ -39,13 +40,14 @@ class EngineSizes:
         of its KV heads' HBM partitions (a lookup cannot evict blocks it is itself using)."""
         if self.config.hbm_cache_bytes is None:
             return self.config.max_batch
-        per_head = self.num_heads // self.num_kv_heads if self.config.selection != "kv_head" else 1
-        fit = rows_that_fit(
-            self.config.hbm_cache_bytes // self.block_bytes,
-            self.hbm_partitions,
-            per_head * self.config.selected_full_blocks,
-        )
+        slots = self.config.hbm_cache_bytes // self.block_bytes
+        fit = rows_that_fit(slots, self.hbm_partitions, self.selected_per_kv_head)
         return max(1, min(self.config.max_batch, fit))
+
+    @property
+    def one_row_hbm_cache_bytes(self) -> int:
+        """The smallest HBM block cache that decodes one row: its largest selection in every partition."""
+        return self.hbm_partitions * self.selected_per_kv_head * self.block_bytes
 
     def prefill_bytes(self, num_tokens: int) -> int:
         """Exact HBM working set of a prompt's prefill: the KV it holds on the device at once.

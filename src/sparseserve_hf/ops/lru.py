@@ -48,6 +48,7 @@ class LruTables:
 
     @property
     def slots_per_partition(self) -> int:
+        """Pp, the slots of each partition."""
         return self.slot_order.shape[1]
 
 
@@ -217,4 +218,5 @@ class ReferenceLru:
                 self.slot_block[slot], self.slot_tick[slot] = -1, -1
 
     def eviction_order(self) -> list[int]:
+        """The partition's slots by (last use, slot): what the tensor `slot_order` row must equal."""
         return sorted(self.slots, key=lambda s: (self.slot_tick[s], s))

@@ -60,9 +60,7 @@ def _select_union_kernel(
     exist = (n < count) & (n < num_table)
     forced = exist & ((n < SINK) | (n >= count - WINDOW))
     live = (g < G)[:, None] & exist[None, :]  # (BG, BN)
-    x = tl.load(
-        scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0
-    )
+    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
     key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
     key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
     threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
