@@ -78,6 +78,64 @@ def _score_kernel(
             tl.store(out, score, mask=in_table)
 
 
+@triton.jit
+def _hybrid_score_kernel(
+    q_ptr,
+    meta_ptr,
+    ids_ptr,
+    quest_ptr,
+    mean_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ib,
+    stride_ih,
+    stride_ob,
+    stride_oh,
+    stride_mc,
+    num_blocks,
+    num_kv_heads,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Both hybrid scores in one pass: grid (B * Hkv, cdiv(N, BLOCK_N)).
+
+    A block's metadata rows are (min, max, mean_0 .. mean_{SUB-1}): the Quest bound of the block
+    goes to `quest`, the best sub-block mean score to `mean`. The table and each block's rows are
+    read once for both rankings and the whole group.
+    """
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_table = n < num_blocks
+    ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
+    valid = ids >= 0
+    load_mask = valid[:, None] & (d[None, :] < D)
+    rows = meta_ptr + ids[:, None] * stride_mc + d[None, :]  # (BLOCK_N, BLOCK_D), vector 0 of each block
+    low = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)
+    high = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)
+    for g in tl.static_range(G):
+        head = h * G + g
+        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+        bound = tl.sum(tl.maximum(q[None, :] * low, q[None, :] * high), axis=1)
+        out = b * stride_ob + head * stride_oh + n
+        tl.store(quest_ptr + out, tl.where(valid, bound, float("-inf")), mask=in_table)
+    for s in tl.static_range(SUB):
+        mean = tl.load(rows + (2 + s) * D, mask=load_mask, other=0.0).to(tl.float32)
+        for g in tl.static_range(G):
+            head = h * G + g
+            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+            score = tl.where(valid, tl.sum(q[None, :] * mean, axis=1), float("-inf"))
+            out = mean_ptr + b * stride_ob + head * stride_oh + n
+            if s > 0:
+                score = tl.maximum(score, tl.load(out, mask=in_table, other=float("-inf")))
+            tl.store(out, score, mask=in_table)
+
+
 def score_table(
     query: torch.Tensor,
     metadata: torch.Tensor,
@@ -102,11 +160,8 @@ def score_table(
     Returns:
         (B, Hq, N) fp32; -inf where the id is -1.
     """
-    if kind == "hybrid":  # two kernel passes over views of the pool, rankings combined on the device
-        parts = [
-            score_table(query, part, block_ids, k, block_n=block_n, num_warps=num_warps)
-            for k, part in reference.hybrid_parts(metadata)
-        ]
+    if kind == "hybrid":  # both rankings in one pass over the pool, combined on the device
+        parts = _hybrid_scores(query, metadata, block_ids, block_n, num_warps)
         if depth is None:
             return reference.combine_by_rank(*parts)
         return triton_rank.combine_top_ranks(*parts, depth=depth)
@@ -153,6 +208,35 @@ def score_table(
         num_warps=num_warps,
     )
     return out
+
+
+def _hybrid_scores(
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None, num_warps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Quest bound, best sub-block mean) scores, each (B, Hq, N) fp32, -inf where the id is -1."""
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads, num_blocks = block_ids.shape[1], block_ids.shape[2]
+    num_vectors = metadata.shape[1]
+    if num_vectors < 3:
+        raise ValueError(f"hybrid metadata holds min, max and >= 1 mean per block, got {num_vectors} vectors")
+    assert metadata.stride(2) == 1 and metadata.stride(1) == dim, "pool rows must be (M, D)"
+    quest = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
+    mean = torch.empty_like(quest)
+    if quest.numel() == 0:
+        return quest, mean
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    block_n = block_n or BLOCK_BYTES // (dim * metadata.element_size() * num_vectors)
+    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
+    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
+    _hybrid_score_kernel[grid](
+        query, metadata, block_ids, quest, mean,
+        query.stride(0), query.stride(1), block_ids.stride(0), block_ids.stride(1),
+        quest.stride(0), quest.stride(1), metadata.stride(0), num_blocks, num_kv_heads,
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), G=num_q_heads // num_kv_heads, BLOCK_N=block_n,
+        SUB=num_vectors - 2, num_warps=num_warps,
+    )  # fmt: skip
+    return quest, mean
 
 
 def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torch.Tensor:
