@@ -13,7 +13,10 @@ loaded are the recorded ones.
 The mapping onto a model of another shape is explicit (`TraceReplay`): layer l reads recorded
 layer l mod L_rec, KV head h recorded head h mod H_rec, row r recorded prompt r mod P at a step
 offset of 17 * (r // P) (rows that share a prompt are at different steps); sink and window
-blocks stay sink and window, the blocks between them are scaled linearly to the longer context.
+blocks stay sink and window, the blocks between them are stretched by the integer factor
+middle_target // middle_recorded (a shorter target scales them down linearly instead): an
+integer stretch keeps every mapped position where it was when either context grows by a block,
+as a real model's selections do, where a linear scale would move all of them at once.
 The number of blocks a KV head loads is the recorded one (what the recorded config loaded on the
 real model), not the target's `token_budget`.
 """
@@ -153,7 +156,10 @@ class TraceReplay:
         n_rec, n_tgt = recorded_blocks.view(-1, 1, 1), num_blocks.view(-1, 1, 1)
         middle_rec = (n_rec - sink - window).clamp(min=1)
         middle_tgt = (n_tgt - sink - window).clamp(min=0)
-        scaled = sink + (recorded - sink) * middle_tgt // middle_rec
+        stretch = middle_tgt // middle_rec  # >= 1 for a longer target: positions stay as contexts grow
+        stretched = (sink + (recorded - sink) * stretch).minimum((n_tgt - window - 1).clamp(min=sink))
+        shrunk = sink + (recorded - sink) * middle_tgt // middle_rec
+        scaled = torch.where(stretch >= 1, stretched, shrunk)
         from_end = n_tgt - (n_rec - recorded)
         return torch.where(recorded < sink, recorded, torch.where(recorded >= n_rec - window, from_end, scaled))
 

@@ -26,14 +26,24 @@ def replayed(trace: SelectionTrace, num_blocks: list[int], width: int, layer: in
     return replay, replay(layer, torch.tensor(num_blocks), width)
 
 
-def test_sink_and_window_stay_and_the_middle_scales():
+def test_sink_and_window_stay_and_the_middle_stretches():
     trace = synthetic_trace()
     _, (picked, valid) = replayed(trace, [80], width=32)
     recorded = np.flatnonzero(trace.loaded[0, 0, 0, 0])
     got = picked[0, 0][valid[0, 0]].tolist()
-    expected = sorted(r if r < 1 else 80 - (20 - r) if r >= 18 else 1 + (r - 1) * 77 // 17 for r in recorded.tolist())
+    stretch = 77 // 17  # middle blocks: 80 - sink - window over 20 - sink - window
+    expected = sorted(r if r < 1 else 80 - (20 - r) if r >= 18 else 1 + (r - 1) * stretch for r in recorded.tolist())
     assert got == expected and len(got) == len(recorded)  # the recorded load is kept
     assert not valid[0, 0, len(got) :].any() and (picked[~valid] == 0).all()
+
+
+def test_middle_positions_stay_put_when_the_target_context_grows_a_block():
+    """A real model's selected blocks keep their positions as the context grows; only the window moves."""
+    trace = synthetic_trace()
+    _, (before, valid_before) = replayed(trace, [80], width=32)
+    _, (after, valid_after) = replayed(trace, [81], width=32)
+    middle = valid_before[0, 0] & (before[0, 0] < 78)
+    assert torch.equal(before[0, 0][middle], after[0, 0][valid_after[0, 0] & (after[0, 0] < 78)])
 
 
 def test_layers_heads_and_rows_map_modulo_and_steps_advance_per_layer():
