@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernel_support import DEVICE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,8 +93,9 @@ def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp
 def test_lookup_cost_times_every_resolver_at_a_tiny_size():
     """The lookup microbenchmark's case runs (plain calls on CPU) and reports each resolver."""
     from eval.bench.lookup_cost import one_case
+
     from sparseserve_hf.ops import lru, triton_resolve
 
     resolvers = {"tensor spec": lru.resolve_, "fused kernel": triton_resolve.resolve_}
-    line = one_case(2, 512, torch.device("cpu"), resolvers)
+    line = one_case(2, 512, DEVICE, resolvers)  # the kernel runs where the ops tests run it
     assert line.startswith("B=2 Pp=512 entries/partition=496: ") and "tensor spec " in line and "fused kernel " in line
