@@ -68,8 +68,9 @@ class SparseServeConfig:
             "group_union" is the default: at the same transfers it kept the most needles on
             the real model (eval/results/needle_union.md; per KV head kept far fewer).
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
-        hbm_cache_bytes: bytes of the device block cache shared by all layers and
-            requests (LRU). None = unlimited: no selected block is ever evicted.
+        hbm_cache_bytes: bytes of the device block cache, split evenly into one LRU partition
+            per (sparse layer, KV head), each shared by all requests. None = unlimited: no
+            selected block is ever evicted.
         dram_bytes: bytes of the block pool (host DRAM; device memory with offload=False).
             None = grow on demand.
         backend: "auto" ("triton" on CUDA when triton is installed, else "torch"), "torch"

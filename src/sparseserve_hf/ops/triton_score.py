@@ -179,11 +179,7 @@ def score_table(
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    block_n = block_n or BLOCK_BYTES // (dim * metadata.element_size() * num_vectors)
-    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
-    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
+    query, block_ids, block_n, grid = _launch_plan(query, metadata, block_ids, block_n)
     _score_kernel[grid](
         query,
         metadata,
@@ -224,11 +220,7 @@ def _hybrid_scores(
     mean = torch.empty_like(quest)
     if quest.numel() == 0:
         return quest, mean
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    block_n = block_n or BLOCK_BYTES // (dim * metadata.element_size() * num_vectors)
-    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
-    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
+    query, block_ids, block_n, grid = _launch_plan(query, metadata, block_ids, block_n)
     _hybrid_score_kernel[grid](
         query, metadata, block_ids, quest, mean,
         query.stride(0), query.stride(1), block_ids.stride(0), block_ids.stride(1),
@@ -237,6 +229,18 @@ def _hybrid_scores(
         SUB=num_vectors - 2, num_warps=num_warps,
     )  # fmt: skip
     return quest, mean
+
+
+def _launch_plan(
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
+    """Unit-stride query and table, blocks per program (~BLOCK_BYTES of metadata each) and the grid."""
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    block_n = block_n or BLOCK_BYTES // (query.shape[-1] * metadata.element_size() * metadata.shape[1])
+    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
+    batch, num_kv_heads, num_blocks = block_ids.shape
+    return query, block_ids, block_n, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
 
 
 def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torch.Tensor:
