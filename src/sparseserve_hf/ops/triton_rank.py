@@ -2,8 +2,8 @@
 
 The reference runs a top-k per ranking (a radix select over every (row, query head, block) each),
 then scatters the ranks. Here one program per (row, query head) and ranking:
-1. finds the ranking's `depth`-th largest score by a digit-wise search over order-preserving
-   integer keys (`triton_select.kth_largest_keys`, `order_key`) and takes every score above it and the lowest-index ties up to
+1. finds the ranking's `depth`-th largest score by a bitwise search over order-preserving integer
+   keys (`triton_select.order_key`) and takes every score above it and the lowest-index ties up to
    `depth`: the ranking's top list;
 2. compacts the list through a small scratch row and ranks it exactly by pairwise comparison
    (depth x depth, ties to the lower block index);
@@ -19,24 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import digit_bits, kth_largest_keys, order_key
+from .triton_select import KEY_BITS, order_key
 
 
 @triton.jit
-def _top_list_ranks(
-    x,
-    live,
-    n,
-    scratch_key_ptr,
-    scratch_idx_ptr,
-    scratch_rank_ptr,
-    DEPTH,
-    BLOCK_K: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
-):
+def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
     """Rank (0 = best) of each block in the scores `x` (BN,) top-`DEPTH` list, DEPTH where not listed."""
     key = tl.where(live, order_key(x), -1)
-    threshold = tl.max(kth_largest_keys(key[None, :], DEPTH, DIGIT_BITS), axis=0)  # the DEPTH-th largest key
+    threshold = tl.zeros([], dtype=tl.int64)
+    for bit in tl.static_range(KEY_BITS - 1, -1, -1):
+        candidate = threshold | (1 << bit)
+        threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= DEPTH, candidate, threshold)
     above = key > threshold
     ties = (key == threshold) & live
     room = DEPTH - tl.sum(above.to(tl.int32), axis=0)
@@ -70,7 +63,6 @@ def _combine_kernel(
     DEPTH,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
 ):
     """Grid (B * Hq,), contiguous (B * Hq, N) inputs and output; scratch rows of BLOCK_K per program."""
     row = tl.program_id(0)
@@ -81,12 +73,8 @@ def _combine_kernel(
     scratch_key_ptr += row * BLOCK_K
     scratch_idx_ptr += row * BLOCK_K
     scratch_rank_ptr += row * BLOCK_K
-    rank_first = _top_list_ranks(
-        first, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K, DIGIT_BITS
-    )
-    rank_second = _top_list_ranks(
-        second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K, DIGIT_BITS
-    )
+    rank_first = _top_list_ranks(first, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
+    rank_second = _top_list_ranks(second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
     floor = -2.0 * DEPTH
     from_first = tl.where(rank_first < DEPTH, -2.0 * rank_first, floor)
     from_second = tl.where(rank_second < DEPTH, -(2.0 * rank_second + 1.0), floor)
@@ -109,6 +97,6 @@ def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> 
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, DIGIT_BITS=digit_bits(block_n), num_warps=4 if block_n <= 1024 else 8,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 1024 else 8,
     )  # fmt: skip
     return out

@@ -6,7 +6,7 @@ fills), several of them radix selects over every (row, query head, block). Here 
 1. maps each score to an order-preserving integer key (sink and window blocks above every score,
    blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
    the reference ranks it);
-2. finds each head's K-th largest key by a digit-wise search (`kth_largest_keys`), then takes
+2. finds each head's K-th largest key by a bitwise binary search (33 count reductions), then takes
    every key above it and the lowest-index ties up to K: the head's exact top-K set;
 3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
 Ties between equal scores go to the lower block index (the reference's top-k breaks them in no
@@ -32,25 +32,6 @@ def order_key(x):
 
 
 @triton.jit
-def kth_largest_keys(key, k, DIGIT_BITS: tl.constexpr):
-    """(R,) the k-th largest key of each row of `key` (R, BN) (int64 in [-1, 2^KEY_BITS); -1 = dead).
-
-    That is the largest t with count(key >= t) >= k, found digit by digit from the top: each step
-    counts, per row, the keys at or above all 2^DIGIT_BITS candidate digits at once and keeps the
-    largest candidate that still reaches k. Ceil(KEY_BITS / DIGIT_BITS) dependent steps instead of
-    one per bit: the steps are what a program waits on, the wider compare is cheap.
-    """
-    digits = tl.arange(0, 1 << DIGIT_BITS).to(tl.int64)  # (DG,)
-    threshold = tl.zeros([key.shape[0]], dtype=tl.int64)
-    for shift in tl.static_range(((KEY_BITS - 1) // DIGIT_BITS) * DIGIT_BITS, -1, -DIGIT_BITS):
-        candidate = threshold[:, None] | (digits[None, :] << shift)  # (R, DG)
-        reach = tl.sum((key[:, None, :] >= candidate[:, :, None]).to(tl.int32), axis=2)  # (R, DG)
-        best = tl.max(tl.where(reach >= k, digits[None, :], 0), axis=1)  # digit 0 always reaches k
-        threshold = threshold | (best << shift)
-    return threshold
-
-
-@triton.jit
 def _select_union_kernel(
     scores_ptr,
     num_blocks_ptr,
@@ -68,7 +49,6 @@ def _select_union_kernel(
     BLOCK_N: tl.constexpr,
     U: tl.constexpr,
     BLOCK_U: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
 ):
     """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U]."""
     row_head = tl.program_id(0)
@@ -83,7 +63,11 @@ def _select_union_kernel(
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
     key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
     key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
-    threshold = kth_largest_keys(key, K, DIGIT_BITS)  # per head: the largest t with count(key >= t) >= K
+    threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
+    for bit in tl.static_range(KEY_BITS - 1, -1, -1):
+        candidate = threshold | (1 << bit)
+        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+        threshold = tl.where(reach >= K, candidate, threshold)
     above = key > threshold[:, None]
     ties = (key == threshold[:, None]) & live
     room = K - tl.sum(above.to(tl.int32), axis=1)  # ties still taken, lowest block index first
@@ -97,12 +81,6 @@ def _select_union_kernel(
     tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
     tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
     tl.store(union_ptr + out + position, n.to(tl.int64), mask=(union > 0) & (position < U))
-
-
-def digit_bits(tile: int) -> int:
-    """Digit width of `kth_largest_keys` for a (rows x blocks) key tile: the search compares
-    tile x 2^bits keys per step, so wide tiles take narrower digits (more steps, fewer registers)."""
-    return 4 if tile <= 1024 else 2 if tile <= 4096 else 1
 
 
 def select_group_union(
@@ -128,6 +106,6 @@ def select_group_union(
         scores.stride(0), scores.stride(1), num_table, num_kv_heads,
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
-        BLOCK_U=triton.next_power_of_2(width), DIGIT_BITS=digit_bits(group * block_n), num_warps=4 if block_n <= 1024 else 8,
+        BLOCK_U=triton.next_power_of_2(width), num_warps=4 if block_n <= 1024 else 8,
     )  # fmt: skip
     return union, valid
