@@ -45,8 +45,7 @@ def table_width(blocks: int, step: int) -> int:
 
     Every width is one more graph per batch size. Geometric widths keep the captures logarithmic in
     the context: linear 4K-token steps gave 14 widths between 10K and 64K tokens, these give 6, at the
-    price of a table under 1.5x the `step`-rounded need: scoring and top-k work grows with the width
-    (the selection chain: 198 us per layer at 1024 blocks, 215 us at 2048, eval/results/lookup_cost.txt).
+    price of a table under 1.5x the `step`-rounded need: scoring and top-k work grows with the width.
     """
     units = -(-blocks // step)
     if units <= 1:
