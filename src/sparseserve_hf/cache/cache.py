@@ -75,11 +75,10 @@ class SparseServeCache(Cache):
         bad = [i for i in self.config.dense_layers if i >= len(layer_types)]
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
-        self._check_sizes(store)
-        self._slot = StoreSlot(
-            self.config, store, hbm_partitions(self.model_config, self.config)
-        )  # refers to no cache (no cycle)
         sparse = sparse_layer_indices(self.shape, self.config)
+        partitions = max(1, len(sparse) * self.shape.num_kv_heads)  # one per (sparse layer, KV head)
+        self._check_sizes(store, partitions)
+        self._slot = StoreSlot(self.config, store, partitions)  # refers to no cache (no cycle)
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
@@ -102,7 +101,7 @@ class SparseServeCache(Cache):
         """The TieredBlockStore of this cache (None until the first `update` when none was given)."""
         return self._slot.store
 
-    def _check_sizes(self, store: TieredBlockStore | None) -> None:
+    def _check_sizes(self, store: TieredBlockStore | None, partitions: int) -> None:
         """Refuse a store or pool that cannot serve this model: a shared store of another head_dim,
         a `dram_bytes` below one head-block or beyond the host's available memory (checked now,
         before the pool is allocated at the first update: a pinned pool past the host's memory
@@ -112,7 +111,6 @@ class SparseServeCache(Cache):
             raise ValueError(
                 f"the shared store holds head-blocks of head_dim {store.dram.block_shape[-1]}, this model's is {head_dim}"
             )
-        partitions = hbm_partitions(self.model_config, self.config)
         if store is not None and store.hbm_partitions not in (1, partitions):
             raise ValueError(
                 f"the shared store's HBM cache has {store.hbm_partitions} partitions; this model needs 1 or "
@@ -403,17 +401,16 @@ def sparse_layer_indices(shape: ModelShape, config: SparseServeConfig) -> list[i
 
 
 def hbm_partitions(model_config: Any, config: SparseServeConfig) -> int:
-    """LRU partitions of the HBM block cache: one per (sparse layer, KV head)."""
+    """LRU partitions of the HBM block cache a SparseServeCache builds: one per (sparse layer, KV head)."""
     shape = _model_shape(model_config)
     return max(1, len(sparse_layer_indices(shape, config)) * shape.num_kv_heads)
 
 
 def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:
     """Head-blocks one layer can select per KV head for one request (the union over a KV group)."""
-    text = _model_shape(model_config)
-    group = (
-        1 if config.selection == "kv_head" else model_config.get_text_config().num_attention_heads // text.num_kv_heads
-    )
+    if config.selection == "kv_head":
+        return config.selected_full_blocks
+    group = model_config.get_text_config().num_attention_heads // _model_shape(model_config).num_kv_heads
     return group * config.selected_full_blocks
 
 

@@ -108,7 +108,7 @@ def resolve_(
     batch, heads, width = selection.shape
     ids = selection.transpose(0, 1).reshape(heads, batch * width)  # (H, E)
     partitions = torch.arange(first_partition, first_partition + heads, device=ids.device)
-    num_rows, num_entries = ids.shape
+    num_rows, num_entries = heads, batch * width
     dump_block, dump_slot = tables.block_slot.shape[0] - 1, tables.slot_block.shape[0] - 1
     clock = tables.clock[partitions] + 1  # (H,)
     tables.clock[partitions] = clock
@@ -146,7 +146,8 @@ def resolve_(
     resolved = torch.where(valid, tables.block_slot[safe_ids], -1).view(heads, batch, width).transpose(0, 1)
 
     _move_used_to_back_(tables, partitions, order, now)
-    counts += torch.stack(((hit.sum() + num_misses.sum()), num_misses.sum()))
+    missed = num_misses.sum()
+    counts += torch.stack((hit.sum() + missed, missed))
     return resolved.contiguous(), load_ids, load_slots
 
 
