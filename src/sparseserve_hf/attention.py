@@ -177,6 +177,13 @@ def rank_depth(config: SparseServeConfig) -> int | None:
     return None if config.selection == "kv_head" else config.selected_full_blocks
 
 
+def rank_floor(config: SparseServeConfig) -> int | None:
+    """The lowest score a depth-limited hybrid ranking gives (`combine_by_rank`: integers from
+    -2 * depth up, -inf for unused entries), or None where scores are real numbers."""
+    depth = rank_depth(config)
+    return -2 * depth if config.metadata == "hybrid" and depth is not None else None
+
+
 def pick_blocks(
     ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -197,7 +204,13 @@ def pick_blocks(
     """
     if config.selection == "group_union":  # the default: one op (one kernel with Triton)
         picked, valid = ops.select_group_union(
-            scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, num_kv_heads
+            scores,
+            num_blocks,
+            config.selected_full_blocks,
+            config.sink_blocks,
+            config.window_blocks,
+            num_kv_heads,
+            rank_floor(config),
         )  # (B, Hkv, G*K)
         return picked, valid, None
     if config.selection == "kv_head":

@@ -39,11 +39,16 @@ def test_sink_and_window_stay_and_the_middle_stretches():
 
 def test_middle_positions_stay_put_when_the_target_context_grows_a_block():
     """A real model's selected blocks keep their positions as the context grows; only the window moves."""
-    trace = synthetic_trace()
+    trace = synthetic_trace(steps=1)
     _, (before, valid_before) = replayed(trace, [80], width=32)
     _, (after, valid_after) = replayed(trace, [81], width=32)
     middle = valid_before[0, 0] & (before[0, 0] < 78)
     assert torch.equal(before[0, 0][middle], after[0, 0][valid_after[0, 0] & (after[0, 0] < 78)])
+    # One replay whose rows grow a block after its first call (its plan) hands out what a fresh
+    # mapping at the new length gives: the window follows the end, the rest stays.
+    replay, _ = replayed(trace, [80], width=32)
+    grown, valid_grown = replay(0, torch.tensor([81]), 32)
+    assert torch.equal(grown, after) and torch.equal(valid_grown, valid_after)
 
 
 def test_layers_heads_and_rows_map_modulo_and_steps_advance_per_layer():

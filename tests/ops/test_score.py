@@ -69,3 +69,14 @@ def test_score_table_at_llama_shape_bf16():
     expected = reference.score_table(query, metadata, table, "quest")
     got = triton_score.score_table(query.cuda(), metadata.cuda(), table.cuda(), "quest")
     torch.testing.assert_close(got.cpu(), expected, atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["quest", "cuboid", "hybrid"])
+def test_score_table_of_an_fp32_query_over_half_metadata(kind):
+    """A query in another dtype than the metadata is scored in fp32, not rounded to the metadata's dtype."""
+    table = ragged_table(2, 2, 21, 100, [21, 8])
+    metadata = reference.block_metadata(torch.randn(100, 8, 32), kind, 2 if kind == "hybrid" else 1).half()
+    query = torch.randn(2, 6, 32)
+    expected = reference.score_table(query, metadata, table, kind)
+    got = triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))

@@ -20,11 +20,11 @@ def scores_for(batch: int, num_q_heads: int, width: int, counts: list[int], inte
     return scores.masked_fill(unused, float("-inf"))
 
 
-def check(scores, counts, num_selected, sink, window, kv_heads, exact_ties=True):
+def check(scores, counts, num_selected, sink, window, kv_heads, exact_ties=True, score_floor=None):
     num_blocks = torch.tensor(counts)
     want, want_valid = reference.select_group_union(scores, num_blocks, num_selected, sink, window, kv_heads)
     got, got_valid = triton_select.select_group_union(
-        scores.to(DEVICE), num_blocks.to(DEVICE), num_selected, sink, window, kv_heads
+        scores.to(DEVICE), num_blocks.to(DEVICE), num_selected, sink, window, kv_heads, score_floor
     )
     if exact_ties:
         assert torch.equal(got_valid.cpu(), want_valid) and torch.equal(got.cpu(), want)
@@ -80,6 +80,20 @@ def test_combined_hybrid_ranks_match_exactly():
     first, second = scores_for(2, 8, 96, counts), scores_for(2, 8, 96, counts)
     combined = reference.combine_by_rank(first, second, depth=10)
     check(combined, counts, 10, 1, 2, 2)
+    check(combined, counts, 10, 1, 2, 2, score_floor=-20)  # the few-bit search the hybrid default runs
+
+
+@pytest.mark.parametrize("depth,counts", [(12, [60, 40, 7]), (30, [20, 31, 0]), (64, [64, 1, 33])])
+def test_few_bit_search_over_rank_interleaves_matches_the_float_search(depth, counts):
+    """Scores at the floor (blocks in neither top list: rows shorter than the depth) and -inf
+    entries rank as in the float search, sink and window blocks still first."""
+    first, second = scores_for(3, 8, 64, counts), scores_for(3, 8, 64, counts)
+    combined = reference.combine_by_rank(first, second, depth=depth)
+    check(combined, counts, min(depth, 16), 1, 2, 2, score_floor=-2 * depth)
+    num_blocks = torch.tensor(counts).to(DEVICE)
+    floats = triton_select.select_group_union(combined.to(DEVICE), num_blocks, min(depth, 16), 1, 2, 2)
+    integers = triton_select.select_group_union(combined.to(DEVICE), num_blocks, min(depth, 16), 1, 2, 2, -2 * depth)
+    assert all(torch.equal(a, b) for a, b in zip(floats, integers))
 
 
 def test_rows_shorter_than_the_budget_load_every_block():

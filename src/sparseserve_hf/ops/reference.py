@@ -189,6 +189,7 @@ def select_group_union(
     sink_blocks: int,
     window_blocks: int,
     num_kv_heads: int,
+    score_floor: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The default selection in one op: every query head picks its blocks (`select_blocks`), each KV
     head loads the union of its group's picks (`union_over_group`, no per-head mask).
@@ -197,6 +198,8 @@ def select_group_union(
         scores: (B, Hq, N) block scores, -inf past a row's blocks; NaN ranks lowest among real blocks.
         num_blocks, num_selected, sink_blocks, window_blocks: as in `select_blocks`.
         num_kv_heads: Hkv.
+        score_floor: a promise that every score is -inf or an integer >= it (a rank interleave,
+            `combine_by_rank`); it changes no result, a kernel may search fewer key bits with it.
     Returns:
         union, union_valid: (B, Hkv, G*K) block indices, ascending, valid entries first (0 where invalid).
     """

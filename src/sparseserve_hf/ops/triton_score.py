@@ -5,6 +5,13 @@ the block metadata is read once per group (GQA) straight from the metadata pool 
 row's table of DRAM ids, so no (B, Hkv, N, M, D) copy of the metadata is ever gathered. At
 128K context and B=32 that copy would be 512 MiB per layer, as much as the scoring reads.
 Unused table entries (id -1) score -inf.
+
+The group's queries are one (G, D) tile and every score is a tensor-core product of a
+(BLOCK_N, D) metadata tile with it: a cuboid mean scores mean . q, and Quest's bound
+sum_d max(q_d min_d, q_d max_d) is max . q+ + min . q- (q+ = max(q, 0), q- = min(q, 0); min <= max
+per channel). The products are exact in fp32 for fp16/bf16 inputs, so only the summation
+order differs from the reference. Scores of sub-blocks reduce by max in registers and every
+output is written once, so the metadata loads of a program do not wait on its stores.
 """
 
 from __future__ import annotations
@@ -18,68 +25,16 @@ from . import reference, triton_rank
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 16 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 4
+MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
+
+
+@triton.jit
+def _as_dot_input(tile, UPCAST: tl.constexpr):
+    return tile.to(tl.float32) if UPCAST else tile
 
 
 @triton.jit
 def _score_kernel(
-    q_ptr,
-    meta_ptr,
-    ids_ptr,
-    out_ptr,
-    stride_qb,
-    stride_qh,
-    stride_ib,
-    stride_ih,
-    stride_ob,
-    stride_oh,
-    stride_mc,
-    num_blocks,
-    num_kv_heads,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    M: tl.constexpr,
-    SUB: tl.constexpr,
-    QUEST: tl.constexpr,
-):
-    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile].
-
-    A block's M = SUB * (2 or 1) vectors are (min_s, max_s) pairs or means, one per sub-block s;
-    its score is the max over sub-blocks. Each sub-block's metadata is read once for the whole
-    group; the running max lives in `out` (this program alone owns those entries).
-    """
-    row_head = tl.program_id(0)
-    b = row_head // num_kv_heads
-    h = row_head % num_kv_heads
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    in_table = n < num_blocks
-    ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
-    valid = ids >= 0
-    load_mask = valid[:, None] & (d[None, :] < D)
-    for s in tl.static_range(SUB):
-        rows = meta_ptr + ids[:, None] * stride_mc + (s * (M // SUB)) * D + d[None, :]  # (BLOCK_N, BLOCK_D)
-        first = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)  # quest: per-channel min; cuboid: mean
-        if QUEST:
-            second = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)  # per-channel max
-        for g in tl.static_range(G):
-            head = h * G + g
-            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-            if QUEST:
-                # Quest's upper bound of q.k over the (sub-)block: per channel the larger of q*min, q*max.
-                score = tl.sum(tl.maximum(q[None, :] * first, q[None, :] * second), axis=1)
-            else:
-                score = tl.sum(q[None, :] * first, axis=1)
-            score = tl.where(valid, score, float("-inf"))
-            out = out_ptr + b * stride_ob + head * stride_oh + n
-            if s > 0:
-                score = tl.maximum(score, tl.load(out, mask=in_table, other=float("-inf")))
-            tl.store(out, score, mask=in_table)
-
-
-@triton.jit
-def _hybrid_score_kernel(
     q_ptr,
     meta_ptr,
     ids_ptr,
@@ -97,43 +52,51 @@ def _hybrid_score_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SUB: tl.constexpr,
+    QUEST_SUB: tl.constexpr,
+    MEAN_SUB: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """Both hybrid scores in one pass: grid (B * Hkv, cdiv(N, BLOCK_N)).
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes quest/mean[b, h*G:(h+1)*G, n-tile].
 
-    A block's metadata rows are (min, max, mean_0 .. mean_{SUB-1}): the Quest bound of the block
-    goes to `quest`, the best sub-block mean score to `mean`. The table and each block's rows are
-    read once for both rankings and the whole group.
+    A block's vectors are QUEST_SUB (min_s, max_s) pairs, then MEAN_SUB means: the best
+    sub-block Quest bound goes to `quest`, the best sub-block mean score to `mean` (each only
+    when its count is > 0; "hybrid" has both: one pair, then the sub-block means). UPCAST: the
+    query's dtype is not the metadata's, so both tiles go to fp32 (tl.dot takes one dtype).
     """
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
+    g = tl.arange(0, BLOCK_G)
     in_table = n < num_blocks
     ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
     valid = ids >= 0
     load_mask = valid[:, None] & (d[None, :] < D)
     rows = meta_ptr + ids[:, None] * stride_mc + d[None, :]  # (BLOCK_N, BLOCK_D), vector 0 of each block
-    low = tl.load(rows, mask=load_mask, other=0.0).to(tl.float32)
-    high = tl.load(rows + D, mask=load_mask, other=0.0).to(tl.float32)
-    for g in tl.static_range(G):
-        head = h * G + g
-        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-        bound = tl.sum(tl.maximum(q[None, :] * low, q[None, :] * high), axis=1)
-        out = b * stride_ob + head * stride_oh + n
-        tl.store(quest_ptr + out, tl.where(valid, bound, float("-inf")), mask=in_table)
-    for s in tl.static_range(SUB):
-        mean = tl.load(rows + (2 + s) * D, mask=load_mask, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            head = h * G + g
-            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-            score = tl.where(valid, tl.sum(q[None, :] * mean, axis=1), float("-inf"))
-            out = mean_ptr + b * stride_ob + head * stride_oh + n
-            if s > 0:
-                score = tl.maximum(score, tl.load(out, mask=in_table, other=float("-inf")))
-            tl.store(out, score, mask=in_table)
+    q_mask = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.trans(q.to(tl.float32 if UPCAST else meta_ptr.dtype.element_ty))  # (BLOCK_D, BLOCK_G)
+    out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
+    out_mask = in_table[:, None] & (g < G)[None, :]
+    if QUEST_SUB > 0:
+        q_pos = tl.maximum(q, 0.0)
+        q_neg = tl.minimum(q, 0.0)
+        best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
+        for s in tl.static_range(QUEST_SUB):
+            low = _as_dot_input(tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0), UPCAST)
+            high = _as_dot_input(tl.load(rows + (2 * s + 1) * D, mask=load_mask, other=0.0), UPCAST)
+            bound = tl.dot(high, q_pos, input_precision="ieee") + tl.dot(low, q_neg, input_precision="ieee")
+            best = tl.maximum(best, bound)
+        tl.store(quest_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
+    if MEAN_SUB > 0:
+        best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
+        for s in tl.static_range(MEAN_SUB):
+            mean = _as_dot_input(tl.load(rows + (2 * QUEST_SUB + s) * D, mask=load_mask, other=0.0), UPCAST)
+            best = tl.maximum(best, tl.dot(mean, q, input_precision="ieee"))
+        tl.store(mean_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
 
 
 def score_table(
@@ -161,72 +124,51 @@ def score_table(
         (B, Hq, N) fp32; -inf where the id is -1.
     """
     if kind == "hybrid":  # both rankings in one pass over the pool, combined on the device
-        parts = _hybrid_scores(query, metadata, block_ids, block_n, num_warps)
+        parts = _scores(
+            query, metadata, block_ids, 1, reference.metadata_sub_blocks(kind, metadata.shape[1]), block_n, num_warps
+        )
         if depth is None:
             return reference.combine_by_rank(*parts)
         return triton_rank.combine_top_ranks(*parts, depth=depth)
     if kind not in KINDS:
         raise ValueError(f"unknown metadata kind {kind!r}")
+    sub = reference.metadata_sub_blocks(kind, metadata.shape[1])
+    quest, mean = _scores(
+        query, metadata, block_ids, sub if kind == "quest" else 0, sub if kind == "cuboid" else 0, block_n, num_warps
+    )
+    return quest if kind == "quest" else mean
+
+
+def _scores(
+    query: torch.Tensor,
+    metadata: torch.Tensor,
+    block_ids: torch.Tensor,
+    quest_sub: int,
+    mean_sub: int,
+    block_n: int | None,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best sub-block Quest bound, best sub-block mean) scores, each (B, Hq, N) fp32, -inf where the
+    id is -1; a part with no sub-blocks comes back unwritten."""
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_blocks = block_ids.shape[1], block_ids.shape[2]
-    num_vectors = metadata.shape[1]
-    if num_vectors % KINDS[kind]:
-        raise ValueError(f"{kind} metadata holds {KINDS[kind]} vectors per sub-block, got {num_vectors} per block")
     assert metadata.stride(2) == 1 and metadata.stride(1) == dim and metadata.shape[2] == dim, (
         "pool rows must be (M, D)"
     )
     assert num_q_heads % num_kv_heads == 0 and query.device == metadata.device == block_ids.device
-    out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
-    if out.numel() == 0:
-        return out
-    query, block_ids, block_n, grid = _launch_plan(query, metadata, block_ids, block_n)
-    _score_kernel[grid](
-        query,
-        metadata,
-        block_ids,
-        out,
-        query.stride(0),
-        query.stride(1),
-        block_ids.stride(0),
-        block_ids.stride(1),
-        out.stride(0),
-        out.stride(1),
-        metadata.stride(0),
-        num_blocks,
-        num_kv_heads,
-        D=dim,
-        BLOCK_D=triton.next_power_of_2(dim),
-        G=num_q_heads // num_kv_heads,
-        BLOCK_N=block_n,
-        M=num_vectors,
-        SUB=num_vectors // KINDS[kind],
-        QUEST=kind == "quest",
-        num_warps=num_warps,
-    )
-    return out
-
-
-def _hybrid_scores(
-    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None, num_warps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Quest bound, best sub-block mean) scores, each (B, Hq, N) fp32, -inf where the id is -1."""
-    batch, num_q_heads, dim = query.shape
-    num_kv_heads, num_blocks = block_ids.shape[1], block_ids.shape[2]
-    num_vectors = metadata.shape[1]
-    if num_vectors < 3:
-        raise ValueError(f"hybrid metadata holds min, max and >= 1 mean per block, got {num_vectors} vectors")
-    assert metadata.stride(2) == 1 and metadata.stride(1) == dim, "pool rows must be (M, D)"
     quest = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
-    mean = torch.empty_like(quest)
+    mean = torch.empty_like(quest) if mean_sub and quest_sub else quest
     if quest.numel() == 0:
         return quest, mean
     query, block_ids, block_n, grid = _launch_plan(query, metadata, block_ids, block_n)
-    _hybrid_score_kernel[grid](
+    group = num_q_heads // num_kv_heads
+    _score_kernel[grid](
         query, metadata, block_ids, quest, mean,
         query.stride(0), query.stride(1), block_ids.stride(0), block_ids.stride(1),
         quest.stride(0), quest.stride(1), metadata.stride(0), num_blocks, num_kv_heads,
-        D=dim, BLOCK_D=triton.next_power_of_2(dim), G=num_q_heads // num_kv_heads, BLOCK_N=block_n,
-        SUB=num_vectors - 2, num_warps=num_warps,
+        D=dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), G=group,
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        QUEST_SUB=quest_sub, MEAN_SUB=mean_sub, UPCAST=query.dtype != metadata.dtype, num_warps=num_warps,
     )  # fmt: skip
     return quest, mean
 
@@ -238,7 +180,7 @@ def _launch_plan(
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     block_n = block_n or BLOCK_BYTES // (query.shape[-1] * metadata.element_size() * metadata.shape[1])
-    block_n = max(16, min(256, triton.next_power_of_2(block_n)))
+    block_n = max(MIN_DOT, min(256, triton.next_power_of_2(block_n)))
     batch, num_kv_heads, num_blocks = block_ids.shape
     return query, block_ids, block_n, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
 

@@ -6,8 +6,10 @@ fills), several of them radix selects over every (row, query head, block). Here 
 1. maps each score to an order-preserving integer key (sink and window blocks above every score,
    blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
    the reference ranks it);
-2. finds each head's K-th largest key by a bitwise binary search (33 count reductions), then takes
-   every key above it and the lowest-index ties up to K: the head's exact top-K set;
+2. finds each head's K-th largest key by a bitwise binary search (one count reduction per key
+   bit: 33 for float keys, ~8 when the caller promises small integer scores, as the hybrid rank
+   interleave's are), then takes every key above it and the lowest-index ties up to K: the
+   head's exact top-K set;
 3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
 Ties between equal scores go to the lower block index (the reference's top-k breaks them in no
 particular order); the union is otherwise the reference's, entry for entry.
@@ -20,7 +22,8 @@ import triton
 import triton.language as tl
 
 FORCED_KEY = tl.constexpr((1 << 32) + 1)  # above every float key: sink and window blocks always make the top-K
-KEY_BITS = tl.constexpr(33)
+FLOAT_KEY_BITS = 33
+KEY_BITS = tl.constexpr(FLOAT_KEY_BITS)
 
 
 @triton.jit
@@ -41,6 +44,7 @@ def _select_union_kernel(
     stride_sh,
     num_table,
     num_kv_heads,
+    score_floor,
     K: tl.constexpr,
     SINK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -49,8 +53,14 @@ def _select_union_kernel(
     BLOCK_N: tl.constexpr,
     U: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    INTEGER_KEYS: tl.constexpr,
+    BITS: tl.constexpr,
 ):
-    """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U]."""
+    """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U].
+
+    INTEGER_KEYS: scores are -inf or integers >= score_floor, keyed score - score_floor + 1 (0
+    below the floor) in BITS bits, the forced key 2^BITS - 1 above them; else float keys.
+    """
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
@@ -61,10 +71,14 @@ def _select_union_kernel(
     forced = exist & ((n < SINK) | (n >= count - WINDOW))
     live = (g < G)[:, None] & exist[None, :]  # (BG, BN)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
-    key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
+    if INTEGER_KEYS:
+        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
+        key = tl.where(forced[None, :], (1 << BITS) - 1, small)
+    else:
+        key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
     key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
     threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
-    for bit in tl.static_range(KEY_BITS - 1, -1, -1):
+    for bit in tl.static_range(BITS - 1, -1, -1):
         candidate = threshold | (1 << bit)
         reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
         threshold = tl.where(reach >= K, candidate, threshold)
@@ -90,8 +104,13 @@ def select_group_union(
     sink_blocks: int,
     window_blocks: int,
     num_kv_heads: int,
+    score_floor: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.select_group_union` in one launch (no host sync). scores (B, Hq, N) fp32."""
+    """`reference.select_group_union` in one launch (no host sync). scores (B, Hq, N) fp32.
+
+    score_floor: the caller's promise that every score is -inf or an integer >= it (and < 0):
+    the top-K search then runs over the few bits of that range instead of 33.
+    """
     batch, num_q_heads, num_table = scores.shape
     group = num_q_heads // num_kv_heads
     width = group * num_selected
@@ -101,11 +120,14 @@ def select_group_union(
         return union, valid
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     block_n = triton.next_power_of_2(max(num_table, 16))
+    integer_keys = score_floor is not None
+    bits = (1 - score_floor + 1).bit_length() if integer_keys else FLOAT_KEY_BITS  # keys 0 .. 1 - floor, then forced
     _select_union_kernel[(batch * num_kv_heads,)](
         scores, num_blocks, union, valid.view(torch.int8),
-        scores.stride(0), scores.stride(1), num_table, num_kv_heads,
+        scores.stride(0), scores.stride(1), num_table, num_kv_heads, float(score_floor or 0),
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
-        BLOCK_U=triton.next_power_of_2(width), num_warps=4 if block_n <= 1024 else 8,
+        BLOCK_U=triton.next_power_of_2(width), INTEGER_KEYS=integer_keys, BITS=bits,
+        num_warps=4 if block_n <= 1024 else 8,
     )  # fmt: skip
     return union, valid
