@@ -82,8 +82,9 @@ def _score_kernel(
     out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
     out_mask = in_table[:, None] & (g < G)[None, :]
     if QUEST_SUB > 0:
-        q_pos = tl.maximum(q, 0.0)
-        q_neg = tl.minimum(q, 0.0)
+        zero = tl.zeros_like(q)  # not a float literal: it would promote the tile to fp32
+        q_pos = tl.maximum(q, zero)
+        q_neg = tl.minimum(q, zero)
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(QUEST_SUB):
             low = _as_dot_input(tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0), UPCAST)
