@@ -78,13 +78,13 @@ def _score_kernel(
     rows = meta_ptr + ids[:, None] * stride_mc + d[None, :]  # (BLOCK_N, BLOCK_D), vector 0 of each block
     q_mask = (g < G)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    q = tl.trans(q.to(tl.float32 if UPCAST else meta_ptr.dtype.element_ty))  # (BLOCK_D, BLOCK_G)
+    dot_dtype = tl.float32 if UPCAST else meta_ptr.dtype.element_ty
+    q = tl.trans(q.to(dot_dtype))  # (BLOCK_D, BLOCK_G)
     out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
     out_mask = in_table[:, None] & (g < G)[None, :]
     if QUEST_SUB > 0:
-        zero = tl.zeros_like(q)  # not a float literal: it would promote the tile to fp32
-        q_pos = tl.maximum(q, zero)
-        q_neg = tl.minimum(q, zero)
+        q_pos = tl.maximum(q, 0.0).to(dot_dtype)  # exact: max/min of 16-bit floats compute in fp32
+        q_neg = tl.minimum(q, 0.0).to(dot_dtype)
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(QUEST_SUB):
             low = _as_dot_input(tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0), UPCAST)
