@@ -1,11 +1,13 @@
-"""Launch sweep of the block-scoring kernel (`ops.triton_score.score_table`) on the T3 shape.
+"""Launch sweep of the block-scoring kernel (`ops.triton_score.score_parts`) on the T3 shape.
 
     python -m eval.bench.score_tuning --out eval/results/score_tuning.json   # ~30 s on the H200
 
 Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, 32-token blocks) at 128K context, B=32: every
 block's metadata read once through the row's table. Each (blocks per program, warps) point is
-timed as a CUDA-graph replay; `gb_per_s` counts the metadata, table and score bytes moved, and
-`copy_fraction` compares it with a device-to-device copy measured in the same run.
+timed as a CUDA-graph replay of the scoring kernel alone; `gb_per_s` counts the metadata, table
+and score bytes moved, and `copy_fraction` compares it with a device-to-device copy measured in
+the same run. For "hybrid" the rank interleave (`triton_rank.combine_top_ranks`, at the default
+config's depth) is swept over its warps too (`part` "combine").
 """
 
 from __future__ import annotations
@@ -53,23 +55,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vectors = SparseServeConfig(metadata=kind).metadata_vectors  # the kind's default layout
         metadata = torch.randn(args.batch * kv_heads * num_blocks, vectors, dim, device=device, dtype=query.dtype)
         table = torch.randperm(metadata.shape[0], device=device).view(args.batch, kv_heads, num_blocks)
-        moved = metadata.numel() * metadata.element_size() + table.numel() * 8 + args.batch * heads * num_blocks * 4
+        outputs = 2 if kind == "hybrid" else 1
+        moved = (
+            metadata.numel() * metadata.element_size()
+            + table.numel() * 8
+            + outputs * query.shape[:2].numel() * num_blocks * 4
+        )
         for block_n in args.block_n:
             for warps in args.warps:
 
-                def score(block_n=block_n, warps=warps, metadata=metadata, table=table, kind=kind) -> torch.Tensor:
-                    return triton_score.score_table(query, metadata, table, kind, block_n=block_n, num_warps=warps)
+                def score(block_n=block_n, warps=warps, metadata=metadata, table=table, kind=kind) -> tuple:
+                    return triton_score.score_parts(query, metadata, table, kind, block_n=block_n, num_warps=warps)
 
                 ms = graph_ms(score, device) or time_ms(score, device)
-                rows.append({"kind": kind, "block_n": block_n, "warps": warps, "ms": ms,
+                rows.append({"kind": kind, "part": "score", "block_n": block_n, "warps": warps, "ms": ms,
                              "gb_per_s": moved / ms / 1e6, "copy_fraction": moved / ms / 1e6 / copy_gb_per_s})  # fmt: skip
+        if kind == "hybrid":
+            rows += combine_sweep(triton_score.score_parts(query, metadata, table, kind), args.warps, device)
         del metadata, table
-    print_table(rows, ["kind", "block_n", "warps", "ms", "gb_per_s", "copy_fraction"])
-    best = {kind: min((r for r in rows if r["kind"] == kind), key=lambda r: r["ms"]) for kind in args.kinds}
+    print_table(rows, ["kind", "part", "block_n", "warps", "ms", "gb_per_s", "copy_fraction"])
+    best = {
+        f"{kind}_{part}": min((r for r in rows if (r["kind"], r["part"]) == (kind, part)), key=lambda r: r["ms"])
+        for kind, part in dict.fromkeys((r["kind"], r["part"]) for r in rows)
+    }
     result = {**run_record(device), "context": args.context, "batch": args.batch, "copy_gb_per_s": copy_gb_per_s,
               "best": best, "rows": rows}  # fmt: skip
     write_json(args.out, result)
     return result
+
+
+def combine_sweep(parts: tuple[torch.Tensor, torch.Tensor], warps: list[int], device) -> list[dict[str, Any]]:
+    """The hybrid rank interleave at the default depth, one row per warp count."""
+    from sparseserve_hf.ops import triton_rank
+
+    depth = SparseServeConfig().selected_full_blocks
+    rows = []
+    for num_warps in warps:
+
+        def combine(num_warps=num_warps) -> torch.Tensor:
+            return triton_rank.combine_top_ranks(*parts, depth=depth, num_warps=num_warps)
+
+        ms = graph_ms(combine, device) or time_ms(combine, device)
+        rows.append({"kind": "hybrid", "part": "combine", "block_n": parts[0].shape[-1], "warps": num_warps, "ms": ms,
+                     "gb_per_s": float("nan"), "copy_fraction": float("nan")})  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

@@ -58,8 +58,10 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     out = tmp_path / "score_tuning.json"
     run_module("eval.bench.score_tuning", "--dry-run", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [(r["kind"], r["block_n"], r["warps"]) for r in result["rows"]] == [("quest", 16, 4), ("hybrid", 16, 4)]
-    assert all(r["ms"] > 0 for r in result["rows"]) and set(result["best"]) == {"quest", "hybrid"}
+    points = [(r["kind"], r["part"], r["warps"]) for r in result["rows"]]
+    assert points == [("quest", "score", 4), ("hybrid", "score", 4), ("hybrid", "combine", 4)]
+    assert all(r["ms"] > 0 for r in result["rows"])
+    assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine"}
 
 
 def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):

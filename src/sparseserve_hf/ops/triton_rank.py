@@ -83,8 +83,13 @@ def _combine_kernel(
     tl.store(out_ptr + row * num_table + n, out, mask=live)
 
 
-def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
-    """`reference.combine_by_rank(first, second, depth)` for (B, H, N) fp32 scores, one launch."""
+def combine_top_ranks(
+    first: torch.Tensor, second: torch.Tensor, depth: int, *, num_warps: int | None = None
+) -> torch.Tensor:
+    """`reference.combine_by_rank(first, second, depth)` for (B, H, N) fp32 scores, one launch.
+
+    `num_warps` (a launch knob for `eval.bench.score_tuning`): None picks by the table width.
+    """
     depth = min(depth, first.shape[-1])
     out = torch.empty(first.shape, dtype=torch.float32, device=first.device)
     rows, num_table = first.numel() // max(first.shape[-1], 1), first.shape[-1]
@@ -97,6 +102,6 @@ def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> 
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 1024 else 8,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or (4 if block_n <= 1024 else 8),
     )  # fmt: skip
     return out

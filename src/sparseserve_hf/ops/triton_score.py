@@ -23,7 +23,7 @@ import triton.language as tl
 from . import reference, triton_rank
 
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
-BLOCK_BYTES = 16 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
+BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 4
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
@@ -124,20 +124,34 @@ def score_table(
     Returns:
         (B, Hq, N) fp32; -inf where the id is -1.
     """
-    if kind == "hybrid":  # both rankings in one pass over the pool, combined on the device
-        parts = _scores(
-            query, metadata, block_ids, 1, reference.metadata_sub_blocks(kind, metadata.shape[1]), block_n, num_warps
-        )
-        if depth is None:
-            return reference.combine_by_rank(*parts)
-        return triton_rank.combine_top_ranks(*parts, depth=depth)
-    if kind not in KINDS:
+    parts = score_parts(query, metadata, block_ids, kind, block_n=block_n, num_warps=num_warps)
+    if kind != "hybrid":
+        return parts[0]
+    if depth is None:
+        return reference.combine_by_rank(*parts)
+    return triton_rank.combine_top_ranks(*parts, depth=depth)
+
+
+def score_parts(
+    query: torch.Tensor,
+    metadata: torch.Tensor,
+    block_ids: torch.Tensor,
+    kind: str,
+    *,
+    block_n: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> tuple[torch.Tensor, ...]:
+    """The kernel alone: (scores,) for "quest" and "cuboid", (Quest bound, best sub-block mean)
+    for "hybrid" (before the rank interleave), each (B, Hq, N) fp32, -inf where the id is -1."""
+    if kind not in (*KINDS, "hybrid"):
         raise ValueError(f"unknown metadata kind {kind!r}")
     sub = reference.metadata_sub_blocks(kind, metadata.shape[1])
+    if kind == "hybrid":  # both rankings from one pass over the pool
+        return _scores(query, metadata, block_ids, 1, sub, block_n, num_warps)
     quest, mean = _scores(
         query, metadata, block_ids, sub if kind == "quest" else 0, sub if kind == "cuboid" else 0, block_n, num_warps
     )
-    return quest if kind == "quest" else mean
+    return (quest if kind == "quest" else mean,)
 
 
 def _scores(
