@@ -24,7 +24,7 @@ from . import reference, triton_rank
 
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
-NUM_WARPS = 4
+NUM_WARPS = 2
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
 
