@@ -55,6 +55,27 @@ def test_gather_blocks_with_device_count_copies_only_the_first_entries(count):
     assert int((got != SENTINEL).flatten(1).any(1).sum()) == int((src_ids[:count] >= 0).sum())
 
 
+def test_gather_blocks_over_counted_lists_copies_each_lists_live_prefix():
+    """A lookup's load lists: one per KV head, live entries first, -1 after, the count per list on the device."""
+    shape, dtype = (2, 8, 16), torch.float16
+    src = host_pool(60, shape, dtype)
+    lengths = [0, 5, 9, 2]
+    src_ids = torch.randperm(60)[:36].view(4, 9)
+    dst_slots = torch.randperm(39)[:36].view(4, 9)  # slot 39 stays free for the entry past a count
+    for lst, n in enumerate(lengths):
+        src_ids[lst, n:] = dst_slots[lst, n:] = -1
+    src_ids[2, 3] = -1  # a skipped entry inside a live prefix
+    src_ids[3, 7] = 11  # past its list's count: not copied, though its ids are valid
+    dst_slots[3, 7] = 39
+    counts = torch.tensor(lengths)
+    expected = torch.full((40, *shape), SENTINEL, dtype=dtype, device=DEVICE)
+    got = expected.clone()
+    reference.gather_blocks(src, src_ids, expected, dst_slots, counts)
+    triton_transfer.gather_blocks(src, src_ids.to(DEVICE), got, dst_slots.to(DEVICE), counts.to(DEVICE))
+    assert torch.equal(got, expected)
+    assert int((got != SENTINEL).flatten(1).any(1).sum()) == sum(lengths) - 1 and (got[39] == SENTINEL).all()
+
+
 def test_gather_blocks_empty_is_a_no_op():
     pool = torch.zeros(4, 2, 8, 16, device=DEVICE)
     triton_transfer.gather_blocks(

@@ -147,9 +147,9 @@ class HbmBlockCache:
         self.check_fits(selection.shape[0] * selection.shape[2])
         if self.unlimited:
             self._grow(max(dram.num_used, selection.numel()))  # host-known bound: never evicts
-        slots, load_ids, load_slots = self.resolve(selection, first_partition, self.tables, self._counts)
+        slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
-            self.gather_blocks(dram.storage, load_ids.view(-1), self.pool, load_slots.view(-1))  # the H2D copy
+            self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
         except BaseException:
             # The tables already call the misses resident: forget them, or a later lookup would
             # hit slots that never received their blocks.

@@ -41,7 +41,7 @@ class BlockOps:
     sparse_decode: Callable[..., torch.Tensor]
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
-    resolve_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # signature as `ops.lru.resolve_`
+    resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
 
 
 TORCH_OPS = BlockOps(

@@ -29,9 +29,9 @@ def gather_blocks(
 ) -> None:
     """Copy `pool_src[src_ids[i]] -> pool_dst[dst_slots[i]]` with one `copy_` per block.
 
-    Args as in `reference.gather_blocks`: pools (C, 2, S, D) / (P, 2, S, D), ids (n,) long with -1
-    skipped, optional (1,) `count` of live entries. Reads the ids on the host (a sync): a copy
-    per block is launched from the host anyway.
+    Args as in `reference.gather_blocks`: pools (C, 2, S, D) / (P, 2, S, D), ids (n,) or (L, n)
+    long with -1 skipped, optional (L,) `count` of live entries per list. Reads the ids on the
+    host (a sync): a copy per block is launched from the host anyway.
     """
     src_ids, dst_slots = reference.live_entries(count, src_ids, dst_slots)
     for src, dst in zip(src_ids.tolist(), dst_slots.tolist()):

@@ -87,7 +87,7 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
 
 def resolve_(
     selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
     Head h's entries form one row, in (row, entry) order: E = B * U entries, partition
@@ -104,6 +104,7 @@ def resolve_(
         slots: (B, H, U) the slot of each entry's block, -1 where unused.
         load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
             first appearance), -1 after them.
+        load_counts: (H,) long, the misses of each head (the live prefix of its load lists).
     """
     batch, heads, width = selection.shape
     ids = selection.transpose(0, 1).reshape(heads, batch * width)  # (H, E)
@@ -148,7 +149,7 @@ def resolve_(
     _move_used_to_back_(tables, partitions, order, now)
     missed = num_misses.sum()
     counts += torch.stack((hit.sum() + missed, missed))
-    return resolved.contiguous(), load_ids, load_slots
+    return resolved.contiguous(), load_ids, load_slots, num_misses
 
 
 def _move_used_to_back_(tables: LruTables, partitions: torch.Tensor, order: torch.Tensor, now: torch.Tensor) -> None:

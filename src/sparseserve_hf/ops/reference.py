@@ -336,11 +336,12 @@ def gather_blocks(
 
     Args:
         pool_src: (C, 2, S, D) source pool (the pinned DRAM pool for H2D).
-        src_ids: (n,) long source ids; -1 entries are skipped.
+        src_ids: (n,) or (L, n) long source ids (L lists of n entries); -1 entries are skipped.
         pool_dst: (P, 2, S, D) destination pool (the HBM slot pool), same dtype.
-        dst_slots: (n,) long destination slots; -1 entries are skipped.
-        count: optional (1,) int tensor: only the first `count` entries are copied (the rest of a
-            fixed-size id list is unused, as under CUDA-graph capture).
+        dst_slots: long destination slots, shaped as `src_ids`; -1 entries are skipped.
+        count: optional (L,) int tensor (L = 1 for (n,) ids): only the first `count[l]` entries
+            of list l are copied (the rest of a fixed-size list is unused, as under CUDA-graph
+            capture, where a lookup's per-KV-head load lists are filled on the device).
     """
     src_ids, dst_slots = live_entries(count, src_ids, dst_slots)
     keep = (src_ids >= 0) & (dst_slots >= 0)
@@ -350,14 +351,16 @@ def gather_blocks(
 
 
 def live_entries(count: torch.Tensor | None, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The first `count` entries of each id list (all of them when `count` is None).
+    """The live entries of each id list, flattened: with a (L,) `count`, the first `count[l]` of
+    list l of (L, n) ids (or of (n,) ids when L = 1); every entry when `count` is None.
 
-    Host-side copies read `count` back (a sync); the FlashH2D kernel reads it on the device.
+    Host-side copies select them with a mask (a sync); the FlashH2D kernel reads `count` on the device.
     """
     if count is None:
-        return ids
-    num = int(count.reshape(-1)[0])
-    return tuple(t[:num] for t in ids)
+        return tuple(t.reshape(-1) for t in ids)
+    lists = [t.reshape(count.numel(), -1) for t in ids]  # (L, n)
+    live = torch.arange(lists[0].shape[1], device=count.device) < count.reshape(-1, 1)  # (L, n)
+    return tuple(t[live.to(t.device)] for t in lists)
 
 
 def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:

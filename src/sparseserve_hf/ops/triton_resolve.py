@@ -35,6 +35,7 @@ def _resolve_kernel(
     slots_ptr,
     load_ids_ptr,
     load_slots_ptr,
+    load_counts_ptr,
     num_entries,
     per_partition,
     width,
@@ -139,6 +140,7 @@ def _resolve_kernel(
         tl.store(order_base + rank, slot, mask=moved)
         kept += tl.sum(moved.to(tl.int32), axis=0)
 
+    tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
     tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64))
     tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64))
 
@@ -153,10 +155,10 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
 
 def resolve_(
     ids: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
-    Returns slots (B, H, U) and the load lists (H, B * U) (see `ops.lru.resolve_`).
+    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
     """
     batch, heads, width = ids.shape
     ids = ids.contiguous()
@@ -165,10 +167,11 @@ def resolve_(
     slots = torch.empty_like(ids)
     load_ids = ids.new_empty((heads, num_entries))
     load_slots = ids.new_empty((heads, num_entries))
+    load_counts = ids.new_empty((heads,))
     block = min(4096, triton.next_power_of_2(max(num_entries, per, 16)))
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, load_ids, load_slots, num_entries, per, width, heads * width, width,
+        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
         BLOCK=block, num_warps=max(4, min(16, block // 256)),
     )  # fmt: skip
-    return slots, load_ids, load_slots
+    return slots, load_ids, load_slots, load_counts

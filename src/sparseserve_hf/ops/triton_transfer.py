@@ -21,6 +21,10 @@ MAX_TILE_WORDS = 4096  # 16 KiB of int32 per tile: a whole Llama-class head-bloc
 # programs still write pinned memory at 52.5 GB/s (PCIe-bound), and a bf16 matmul beside them runs
 # 1.02x its time alone, against 1.77x beside one program per block (which fills every SM).
 SAVE_PROGRAMS = 8
+# Programs of a gather over counted lists (a lookup's misses, one list per KV head): enough
+# blocks in flight to keep PCIe busy when every entry misses, few enough that launching them is
+# cheap when almost every entry hits (one program per entry would launch B x U per KV head).
+COUNTED_PROGRAMS = 1024
 
 
 @triton.jit
@@ -36,25 +40,28 @@ def _copy_blocks_kernel(
     HAS_SRC_IDS: tl.constexpr,
     HAS_COUNT: tl.constexpr,
 ):
-    """Block i goes src[src_ids[i]] (or src[i]) -> dst[dst_ids[i]]; -1 ids skip.
+    """Entry i of list l goes src[src_ids[l, i]] (or src[i]) -> dst[dst_ids[l, i]]; -1 ids skip.
 
-    Program p copies blocks p, p + grid, p + 2 grid, ...: one block each with a full grid, or a
-    strided share with a capped grid (a save that leaves most SMs to the compute beside it).
+    Grid (programs per list, lists). Program p of list l copies its entries p, p + grid, ...:
+    one block each with a full grid, or a strided share with a capped grid (a save that leaves
+    most SMs to the compute beside it, or a lookup's load lists, whose live prefix `count[l]`
+    only the device knows: the loop stops there, so the rest of a list costs nothing).
     """
     pid = tl.program_id(0)
     step = tl.num_programs(0)
+    lst = tl.program_id(1).to(tl.int64)
+    src_ids_ptr += lst * num
+    dst_ids_ptr += lst * num
+    end = num
     if HAS_COUNT:
-        # Fixed maximum grid (CUDA graphs): blocks past the device-side count are not copied.
-        live_count = tl.load(count_ptr)
-    for i in range(pid, num, step):
+        end = tl.load(count_ptr + lst).to(tl.int32)
+    for i in range(pid, end, step):
         if HAS_SRC_IDS:
             src = tl.load(src_ids_ptr + i).to(tl.int64)
         else:
             src = tl.cast(i, tl.int64)
         dst = tl.load(dst_ids_ptr + i).to(tl.int64)
         live = (src >= 0) & (dst >= 0)
-        if HAS_COUNT:
-            live = live & (i < live_count)
         # A dead block copies nothing: its word limit is 0 (a scalar bound, not a broadcast bool).
         limit = live.to(tl.int32) * WORDS
         src_base = src_ptr + src * WORDS  # int64 offsets: DRAM pools exceed 2**31 words
@@ -86,12 +93,14 @@ def _launch(
     block_words: int,
     max_programs: int | None = None,
 ) -> None:
-    num = dst_ids.numel()
+    """Copy (L, n) id lists (L = 1 without `count`); `max_programs` caps the programs per list."""
+    lists = 1 if count is None else count.numel()
+    num = dst_ids.numel() // lists
     if num == 0:
         return
     tile = min(triton.next_power_of_2(block_words), MAX_TILE_WORDS)
     grid = num if max_programs is None else max(1, min(num, max_programs))
-    _copy_blocks_kernel[(grid,)](
+    _copy_blocks_kernel[(grid, lists)](
         src_words,
         src_ids if src_ids is not None else dst_ids,  # unused when HAS_SRC_IDS is False
         dst_words,
@@ -124,15 +133,18 @@ def gather_blocks(
 
     Same contract as `reference.gather_blocks`. `pool_src` (C, 2, S, D) may be pinned host memory
     (read through UVA) or device memory; `pool_dst` (P, 2, S, D) is device memory. `src_ids`,
-    `dst_slots` (n,) and `count` (1,) must be on the device that runs the kernel. With `count`,
-    the grid stays n programs and the kernel reads how many are live: no host sync, so the
-    launch can be captured in a CUDA graph.
+    `dst_slots` ((n,) or (L, n)) and `count` ((L,)) must be on the device that runs the kernel.
+    With `count` the grid is fixed by the lists' shape (`COUNTED_PROGRAMS` programs in all) and
+    the kernel reads how many entries of each list are live: no host sync, so the launch can be
+    captured in a CUDA graph, and the unused tail of a list launches nothing.
     """
     _check_pair(pool_src, pool_dst)
     assert src_ids.numel() == dst_slots.numel() and src_ids.device == dst_slots.device
     if src_ids.numel() == 0:
         return
     src_words = _as_words(pool_src)
+    lists = 1 if count is None else count.numel()
+    per_list = None if count is None else max(1, COUNTED_PROGRAMS // lists)
     _launch(
         src_words,
         src_ids.reshape(-1),
@@ -140,6 +152,7 @@ def gather_blocks(
         dst_slots.reshape(-1),
         count,
         src_words.numel() // pool_src.shape[0],
+        per_list,
     )
 
 
