@@ -1,10 +1,10 @@
 """The hybrid score's rank interleave (`reference.combine_by_rank` with a depth) as one Triton kernel.
 
 The reference runs a top-k per ranking (a radix select over every (row, query head, block) each),
-then scatters the ranks. Here one program per (row, query head) and ranking:
-1. finds the ranking's `depth`-th largest score by a bitwise search over order-preserving integer
-   keys (`triton_select.order_key`) and takes every score above it and the lowest-index ties up to
-   `depth`: the ranking's top list;
+then scatters the ranks. Here one program per (row, query head), for both rankings at once:
+1. finds each ranking's `depth`-th largest score by a bitwise search over order-preserving integer
+   keys (`triton_select.order_key`; one reduction per key bit serves both rankings) and takes
+   every score above it and the lowest-index ties up to `depth`: the ranking's top list;
 2. compacts the list through a small scratch row and ranks it exactly by pairwise comparison
    (depth x depth, ties to the lower block index);
 3. writes back, per block, -2j for rank j in the first ranking or -(2j + 1) in the second (the
@@ -24,29 +24,35 @@ from .triton_select import KEY_BITS, order_key
 
 @triton.jit
 def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
-    """Rank (0 = best) of each block in the scores `x` (BN,) top-`DEPTH` list, DEPTH where not listed."""
-    key = tl.where(live, order_key(x), -1)
-    threshold = tl.zeros([], dtype=tl.int64)
+    """Rank (0 = best) of each block in each ranking's top-`DEPTH` list, DEPTH where not listed.
+
+    x: (2, BN) the two rankings' scores, searched together: each search step is one reduction
+    for both, so the latency chain is that of one ranking.
+    """
+    which = tl.arange(0, 2)
+    key = tl.where(live[None, :], order_key(x), -1)  # (2, BN)
+    threshold = tl.zeros([2], dtype=tl.int64)
     for bit in tl.static_range(KEY_BITS - 1, -1, -1):
         candidate = threshold | (1 << bit)
-        threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= DEPTH, candidate, threshold)
-    above = key > threshold
-    ties = (key == threshold) & live
-    room = DEPTH - tl.sum(above.to(tl.int32), axis=0)
-    listed = (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))) & live
-    position = tl.cumsum(listed.to(tl.int32), axis=0) - 1
+        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+        threshold = tl.where(reach >= DEPTH, candidate, threshold)
+    above = key > threshold[:, None]
+    ties = (key == threshold[:, None]) & live[None, :]
+    room = DEPTH - tl.sum(above.to(tl.int32), axis=1)
+    listed = (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))) & live[None, :]
+    position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
     tl.store(scratch_key_ptr + position, key, mask=listed)
-    tl.store(scratch_idx_ptr + position, n, mask=listed)
+    tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)
     tl.debug_barrier()
     k = tl.arange(0, BLOCK_K)
     k_ok = k < DEPTH
-    list_key = tl.load(scratch_key_ptr + k, mask=k_ok, other=-1)
-    list_idx = tl.load(scratch_idx_ptr + k, mask=k_ok, other=0)
-    better = (list_key[None, :] > list_key[:, None]) | (
-        (list_key[None, :] == list_key[:, None]) & (list_idx[None, :] < list_idx[:, None])
-    )  # [i, j]: entry j ranks before entry i
-    rank = tl.sum((better & k_ok[None, :]).to(tl.int32), axis=1)
-    tl.store(scratch_rank_ptr + k, rank, mask=k_ok)
+    entry = which[:, None] * BLOCK_K + k[None, :]  # (2, BK)
+    list_key = tl.load(scratch_key_ptr + entry, mask=k_ok[None, :], other=-1)
+    list_idx = tl.load(scratch_idx_ptr + entry, mask=k_ok[None, :], other=0)
+    key_i, key_j = list_key[:, :, None], list_key[:, None, :]
+    better = (key_j > key_i) | ((key_j == key_i) & (list_idx[:, None, :] < list_idx[:, :, None]))  # [r, i, j]: j first
+    rank = tl.sum((better & k_ok[None, None, :]).to(tl.int32), axis=2)  # (2, BK)
+    tl.store(scratch_rank_ptr + entry, rank, mask=k_ok[None, :])
     tl.debug_barrier()
     return tl.where(listed, tl.load(scratch_rank_ptr + position, mask=listed, other=0), DEPTH)
 
@@ -64,21 +70,21 @@ def _combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Grid (B * Hq,), contiguous (B * Hq, N) inputs and output; scratch rows of BLOCK_K per program."""
+    """Grid (B * Hq,), contiguous (B * Hq, N) inputs and output; scratch rows of 2 * BLOCK_K per program."""
     row = tl.program_id(0)
     n = tl.arange(0, BLOCK_N)
     live = n < num_table
     first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
     second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
-    scratch_key_ptr += row * BLOCK_K
-    scratch_idx_ptr += row * BLOCK_K
-    scratch_rank_ptr += row * BLOCK_K
-    rank_first = _top_list_ranks(first, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
-    rank_second = _top_list_ranks(second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
-    floor = -2.0 * DEPTH
-    from_first = tl.where(rank_first < DEPTH, -2.0 * rank_first, floor)
-    from_second = tl.where(rank_second < DEPTH, -(2.0 * rank_second + 1.0), floor)
-    out = tl.maximum(from_first, from_second)
+    which = tl.arange(0, 2)[:, None]  # (2, 1): 0 = first, 1 = second
+    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, BN)
+    scratch = row * 2 * BLOCK_K
+    rank = _top_list_ranks(
+        both, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K
+    )
+    # -2j for rank j of the first ranking, -(2j + 1) of the second, the larger where both list it.
+    scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
+    out = tl.max(scored, axis=0)
     out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), out)
     tl.store(out_ptr + row * num_table + n, out, mask=live)
 
@@ -96,9 +102,9 @@ def combine_top_ranks(
     if out.numel() == 0 or depth == 0:
         return out.fill_(-2.0 * depth).masked_fill_(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
     block_k = triton.next_power_of_2(depth)
-    scratch_key = torch.empty((rows, block_k), dtype=torch.int64, device=first.device)
+    scratch_key = torch.empty((rows, 2 * block_k), dtype=torch.int64, device=first.device)
     scratch_idx = torch.empty_like(scratch_key)
-    scratch_rank = torch.empty((rows, block_k), dtype=torch.int32, device=first.device)
+    scratch_rank = torch.empty((rows, 2 * block_k), dtype=torch.int32, device=first.device)
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
