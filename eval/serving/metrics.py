@@ -53,6 +53,7 @@ def summarize(records: list[RequestRecord], dense_iteration_s: float | None = No
         "throughput_tokens_per_s": tokens / span if span else 0.0,
         "mean_ttft_s": _mean([r.ttft for r in done]),
         "p50_ttft_s": _quantile([r.ttft for r in done], 0.5),
+        "p99_ttft_s": _quantile([r.ttft for r in done], 0.99),
         "mean_tbt_s": _mean(tbt),
         "p50_tbt_s": _quantile(tbt, 0.5),
         "p99_tbt_s": _quantile(tbt, 0.99),

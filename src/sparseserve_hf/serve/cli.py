@@ -33,6 +33,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, type], ...] = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`sparseserve-hf COMMAND ...` (one command so far: serve)."""
     parser = argparse.ArgumentParser(prog="sparseserve-hf", description="sparseserve_hf command line")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="an OpenAI-compatible server on the Generator", description=__doc__)
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve options: where to listen, the model, auth and limits, and the engine's config."""
     parser.add_argument("model", nargs="?", default=None, help="a model folder (default: the default real model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -98,6 +100,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the command until SIGTERM; bad options exit non-zero with a message before any loading."""
     args = parse_args(argv)
     try:
         config = engine_config(args)

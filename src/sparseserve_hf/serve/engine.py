@@ -65,6 +65,7 @@ class EngineThread:
     # ---- called from the event loop -----------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread (once)."""
         if self._thread is not None:
             raise RuntimeError("the engine thread is already started")
         self._thread = threading.Thread(target=self._run, name="sparseserve-engine", daemon=True)

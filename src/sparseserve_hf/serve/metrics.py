@@ -69,4 +69,5 @@ class ServerMetrics:
         self.sat_out.set(totals.get("sat_out") or 0)
 
     def exposition(self) -> bytes:
+        """Every series in Prometheus' text format (what GET /metrics returns)."""
         return generate_latest(self.registry)

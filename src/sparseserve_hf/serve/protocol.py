@@ -58,6 +58,7 @@ class ApiError(Exception):
         )
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error JSON."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
