@@ -146,11 +146,25 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
     q = query[:, :, 0]  # (B, Hq, D)
     slots, head_mask = select_and_fetch(layer, q)
+    if slots.device.type == "cpu" and not layer.caller_owns_tails:
+        slots, head_mask = used_columns(slots, head_mask)
     tail = layer.tail
     out = layer.store.ops.sparse_decode(
         q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling
     )
     return out.unsqueeze(1)
+
+
+def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`slots` (B, Hkv, U) and `head_mask` (B, Hq, U) without the columns that are -1 in every row
+    and head: the same attention without gathering, and multiplying by zero, blocks nobody loaded
+    (a group union is G x K wide and mostly unused while rows are short). Its shape depends on the
+    data, so only the eager CPU path takes it: there reading the mask back costs no sync, and no
+    static (graph-mode) step runs it."""
+    columns = (slots >= 0).flatten(0, 1).any(0).nonzero().flatten()  # (U',)
+    if columns.numel() == slots.shape[-1]:
+        return slots, head_mask
+    return slots[..., columns], None if head_mask is None else head_mask[..., columns]
 
 
 def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,9 +3,10 @@
 Steady: no row's tail block fills in this step (that step saves the full block to DRAM, host
 work once per block_size tokens of a row) and the rows did not change since the last step.
 On CUDA with the Triton backend, `torch.cuda.set_sync_debug_mode("error")` turns any sync into
-an error. On CPU, `sync_guard.forbid_host_syncs` looks for the ops that would sync; the one
-op swapped out there is the block copy, whose reference filters entries with a boolean mask
-(on the GPU it is the FlashH2D kernel, one launch over a fixed grid that skips -1 entries).
+an error. On CPU, `sync_guard.forbid_host_syncs` looks for the ops that would sync; two CPU-only
+pieces are swapped out there: the block copy, whose reference filters entries with a boolean mask
+(on the GPU it is the FlashH2D kernel, one launch over a fixed grid that skips -1 entries), and
+the eager CPU decode's trim of unused union columns (`attention.used_columns`, never run on CUDA).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def decode_step(stack: DecoderStack, cache: SparseServeCache, tokens: torch.Tens
     return stack.logits(hidden).argmax(-1)
 
 
-def test_steady_decode_step_runs_no_data_dependent_op_on_cpu():
+def test_steady_decode_step_runs_no_data_dependent_op_on_cpu(monkeypatch):
     stack, cache, tokens = prefilled("cpu", "torch")
     cache.store.hbm.gather_blocks = fixed_shape_gather
+    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask: (slots, head_mask))
     with torch.no_grad():
         tokens = decode_step(stack, cache, tokens, PROMPT)  # the first step after prefill reads tail lengths
         for step in range(1, 4):

@@ -141,3 +141,27 @@ def test_select_blocks_unordered_picks_the_same_set(counts):
             got = sorted(index[row, head][valid[row, head]].tolist())
             assert got == want_index[row, head][want_valid[row, head]].tolist()
     assert (index[~valid] == 0).all()
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("with_head_mask", [False, True])
+def test_dropping_the_columns_nobody_uses_keeps_the_attention(with_head_mask):
+    """`attention.used_columns` (the eager CPU decode's trim of a mostly empty group union) changes no output."""
+    from sparseserve_hf.attention import used_columns
+
+    batch, q_heads, kv_heads, size, dim = 2, 6, 2, 8, 16
+    pool = torch.randn(10, 2, size, dim)
+    slots = torch.full((batch, kv_heads, 9), -1)
+    slots[0, 0, :3], slots[1, 1, 2:5], slots[0, 1, 6] = torch.tensor([4, 1, 7]), torch.tensor([0, 9, 2]), 5
+    head_mask = torch.rand(batch, q_heads, 9) > 0.3 if with_head_mask else None
+    tail, tail_len, query = (
+        torch.randn(batch, kv_heads, 2, size, dim),
+        torch.tensor([3, 8]),
+        torch.randn(batch, q_heads, dim),
+    )
+    kept, kept_mask = used_columns(slots, head_mask)
+    assert kept.shape[-1] == 6 and (kept >= 0).sum() == (slots >= 0).sum()  # columns 0-4 and 6
+    args = (tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
+    full = reference.sparse_decode(query, pool, slots, head_mask, *args)
+    torch.testing.assert_close(reference.sparse_decode(query, pool, kept, kept_mask, *args), full)
+    assert used_columns(kept, kept_mask)[0] is kept  # nothing left to drop: the same tensors
