@@ -227,10 +227,13 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
 
 @pytest.mark.core
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs):
+def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs, monkeypatch):
     """One read-back per iteration (the sampled tokens with the working-set sizes); the memory peak
-    stays on the device. (The torch reference's block gather filters with masks; the GPU kernels do not.)"""
+    stays on the device. (The torch reference's block gather filters with masks, and the eager CPU
+    decode drops unused union columns, `attention.used_columns`: the GPU path does neither.)"""
     from sync_guard import forbid_host_syncs
+
+    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask: (slots, head_mask))
 
     steady = GRAPH_CONFIG | dict(
         max_batch=4, hbm_cache_bytes=2 * 400 * 2048, max_inject_tokens=600

@@ -35,7 +35,7 @@ class ServerMetrics:
         self.prompt = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter(
-            f"{PREFIX}_rejected_requests", "Requests refused before the engine", ["status"], registry=r
+            f"{PREFIX}_rejected_requests", "Requests answered with an error, by HTTP status", ["status"], registry=r
         )
         self.running = Gauge(
             f"{PREFIX}_requests_running", "Requests that produced a token and have not finished", registry=r
