@@ -76,7 +76,7 @@ class SparseServeCache(Cache):
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
         sparse = sparse_layer_indices(self.shape, self.config)
-        partitions = max(1, len(sparse) * self.shape.num_kv_heads)  # one per (sparse layer, KV head)
+        partitions = _partition_count(self.shape, sparse)
         self._check_sizes(store, partitions)
         self._slot = StoreSlot(self.config, store, partitions)  # refers to no cache (no cycle)
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
@@ -403,7 +403,12 @@ def sparse_layer_indices(shape: ModelShape, config: SparseServeConfig) -> list[i
 def hbm_partitions(model_config: Any, config: SparseServeConfig) -> int:
     """LRU partitions of the HBM block cache a SparseServeCache builds: one per (sparse layer, KV head)."""
     shape = _model_shape(model_config)
-    return max(1, len(sparse_layer_indices(shape, config)) * shape.num_kv_heads)
+    return _partition_count(shape, sparse_layer_indices(shape, config))
+
+
+def _partition_count(shape: ModelShape, sparse_layers: list[int]) -> int:
+    """One LRU partition per (sparse layer, KV head); at least one."""
+    return max(1, len(sparse_layers) * shape.num_kv_heads)
 
 
 def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:

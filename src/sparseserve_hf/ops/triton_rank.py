@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import KEY_BITS, order_key
+from .triton_select import KEY_BITS, order_key, top_k_rows
 
 
 @triton.jit
@@ -31,15 +31,7 @@ def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_p
     """
     which = tl.arange(0, 2)
     key = tl.where(live[None, :], order_key(x), -1)  # (2, BN)
-    threshold = tl.zeros([2], dtype=tl.int64)
-    for bit in tl.static_range(KEY_BITS - 1, -1, -1):
-        candidate = threshold | (1 << bit)
-        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-        threshold = tl.where(reach >= DEPTH, candidate, threshold)
-    above = key > threshold[:, None]
-    ties = (key == threshold[:, None]) & live[None, :]
-    room = DEPTH - tl.sum(above.to(tl.int32), axis=1)
-    listed = (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))) & live[None, :]
+    listed = top_k_rows(key, live[None, :], DEPTH, KEY_BITS)
     position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
     tl.store(scratch_key_ptr + position, key, mask=listed)
     tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)

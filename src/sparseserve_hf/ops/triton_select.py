@@ -35,6 +35,25 @@ def order_key(x):
 
 
 @triton.jit
+def top_k_rows(key, live, k, BITS: tl.constexpr):
+    """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN) int64 (live keys in
+    [0, 2^BITS), dead ones -1), ties to the lower index.
+
+    A bitwise search for each row's largest t with count(key >= t) >= k: one count reduction per
+    key bit serves every row at once. Then every key above t and the lowest-index ties up to k.
+    """
+    threshold = tl.zeros([key.shape[0]], dtype=tl.int64)
+    for bit in tl.static_range(BITS - 1, -1, -1):
+        candidate = threshold | (1 << bit)
+        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+        threshold = tl.where(reach >= k, candidate, threshold)
+    above = key > threshold[:, None]
+    ties = (key == threshold[:, None]) & live
+    room = k - tl.sum(above.to(tl.int32), axis=1)
+    return (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))) & live
+
+
+@triton.jit
 def _select_union_kernel(
     scores_ptr,
     num_blocks_ptr,
@@ -77,16 +96,7 @@ def _select_union_kernel(
     else:
         key = tl.where(forced[None, :], FORCED_KEY, order_key(x))
     key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
-    threshold = tl.zeros([BLOCK_G], dtype=tl.int64)  # per head: the largest t with count(key >= t) >= K
-    for bit in tl.static_range(BITS - 1, -1, -1):
-        candidate = threshold | (1 << bit)
-        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-        threshold = tl.where(reach >= K, candidate, threshold)
-    above = key > threshold[:, None]
-    ties = (key == threshold[:, None]) & live
-    room = K - tl.sum(above.to(tl.int32), axis=1)  # ties still taken, lowest block index first
-    tie_rank = tl.cumsum(ties.to(tl.int32), axis=1)
-    chosen = (above | (ties & (tie_rank <= room[:, None]))) & live
+    chosen = top_k_rows(key, live, K, BITS)
     union = tl.max(chosen.to(tl.int32), axis=0)  # (BN,)
     position = tl.cumsum(union, axis=0) - 1
     total = tl.sum(union, axis=0)

@@ -143,8 +143,7 @@ def gather_blocks(
     if src_ids.numel() == 0:
         return
     src_words = _as_words(pool_src)
-    lists = 1 if count is None else count.numel()
-    per_list = None if count is None else max(1, COUNTED_PROGRAMS // lists)
+    per_list = None if count is None else max(1, COUNTED_PROGRAMS // count.numel())
     _launch(
         src_words,
         src_ids.reshape(-1),
