@@ -13,6 +13,8 @@
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
+#   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
+#               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -41,7 +43,14 @@ case $part in
     python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
   profile)
     python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
+  metadata)
+    python -m pytest -q -p no:cacheprovider tests/ops/test_score.py tests/ops/test_score_sub_blocks.py tests/ops/test_select.py \
+      tests/ops/test_rank.py 2>&1 | tee "$out/gpu_pytest_metadata.log" | tail -5
+    python -m eval.bench.decode_step --graph --locality real --out "$out/decode_step.json" 2>&1 \
+      | tee "$out/decode_step.log" | tail -25
+    python -m eval.bench.decode_step --graph --locality real --skip-static --set metadata_dtype=float8_e4m3fn \
+      --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata)" >&2; exit 2 ;;
 esac

@@ -63,6 +63,7 @@ from eval.bench.selection_trace import (
     overlaps,
     sha256,
 )
+from eval.common import parse_variant
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
@@ -93,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--equal-context", type=int, default=4090, help="--graph token check: context per row")
     parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a SparseServeConfig field other than the defaults (repeatable), e.g. metadata_dtype=float8_e4m3fn",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -393,6 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         block_size=block_size, token_budget=args.budget, hbm_cache_bytes=hbm_cache,
         dram_bytes=dram_bytes(args, block_size, shape, dtype), backend="auto", max_batch=args.batch,
     )  # fmt: skip
+    config = replace(config, **config_overrides(args.overrides))
     _check_ram(config.dram_bytes)
     bw = bandwidths(device)
     _free(device)
@@ -426,10 +436,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     columns = ["sparse_ms", "graph_ms", "floor_ms", "graph_step_over_floor", "speedup_vs_best_stock", "hit_rate"]
     columns += ["overlap_1step", "overlap_union12", "bookkeeping_us_per_layer", "metadata_read_us_per_layer"]
     print(f"stock: dynamic {dense} ms, static {static} ms, best {stock_best} ms")
-    for name in blocks:
+    for name, block in blocks.items():
         print(name)
-        print_table([blocks[name]], [c for c in columns if c in blocks[name]])
-        print_table([blocks[name]["breakdown_ms"]], list(blocks[name]["breakdown_ms"]))
+        print_table([block], [c for c in columns if c in block])
+        print_table([block["breakdown_ms"]], list(block["breakdown_ms"]))
     if equality is not None:
         print(f"graph_equality={equality}")
     write_json(args.out, result)
@@ -451,6 +461,13 @@ def ratios(block: dict[str, Any], bw: dict[str, float], stock_best: float | None
     if graph:
         out["graph_step_over_floor"] = block["graph_ms"] / floor
     return out
+
+
+def config_overrides(settings: list[str]) -> dict[str, Any]:
+    """`--set` FIELD=VALUE options -> SparseServeConfig overrides (validated; ValueError names a bad one)."""
+    if not settings:
+        return {}
+    return parse_variant(":".join(("set", *settings)))[1]
 
 
 def localities(args) -> list[str]:

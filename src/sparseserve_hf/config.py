@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METADATA_KINDS = ("quest", "cuboid", "hybrid")
+METADATA_DTYPES = ("auto", "float8_e4m3fn")
 HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
@@ -60,6 +61,10 @@ class SparseServeConfig:
             None (default) = the kind's default, read through `sub_blocks`: 4 for "hybrid" (a
             cuboid mean per 8 tokens of a 32-token block; capped at block_size), 1 for "quest"
             and "cuboid" (so `dataclasses.replace(config, metadata="quest")` is plain Quest).
+        metadata_dtype: how the metadata is stored: "auto" (the KV cache's dtype) or
+            "float8_e4m3fn" (one byte per value, rounded to nearest and saturated at +-448: half
+            or a quarter of the bytes every decode step reads for scoring; blocks and attention
+            are unchanged, only the scores see the rounding).
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
@@ -128,6 +133,7 @@ class SparseServeConfig:
     dense_layers: tuple[int, ...] = ()
     metadata: str = "hybrid"
     metadata_sub_blocks: int | None = None
+    metadata_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
     hbm_cache_bytes: int | None = None
@@ -172,6 +178,7 @@ class SparseServeConfig:
                 f"metadata_sub_blocks must be a power of two no larger than block_size ({self.block_size}), "
                 f"got {self.metadata_sub_blocks}"
             )
+        _check_choice("metadata_dtype", self.metadata_dtype, METADATA_DTYPES)
         _check_choice("selection", self.selection, SELECTION_GRANULARITIES)
         _check_choice("group_aggregation", self.group_aggregation, GROUP_AGGREGATIONS)
         _check_choice("backend", self.backend, BACKENDS)

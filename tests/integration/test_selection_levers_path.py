@@ -18,7 +18,8 @@ def expected_selection(layer, query: torch.Tensor, config: SparseServeConfig) ->
     keys, _, _ = layer.past()  # (1, Hkv, L, D)
     num_full = int(layer.num_blocks[0])
     blocks = keys[0, :, : num_full * BLOCK].unflatten(1, (num_full, BLOCK))  # (Hkv, N, S, D)
-    meta = reference.block_metadata(blocks, config.metadata, config.sub_blocks)
+    stored = reference.metadata_dtype(config.metadata_dtype, keys.dtype)
+    meta = reference.block_metadata(blocks, config.metadata, config.sub_blocks, stored)
     scores = reference.score_blocks(query, meta[None], config.metadata)  # (1, Hq, N)
     picked, valid, head_mask = pick_blocks(reference, config, scores, layer.num_blocks, keys.shape[1], num_full)
     group = query.shape[1] // keys.shape[1]
@@ -27,11 +28,11 @@ def expected_selection(layer, query: torch.Tensor, config: SparseServeConfig) ->
 
 
 @pytest.mark.parametrize("metadata", ["quest", "cuboid", "hybrid"])
-@pytest.mark.parametrize("sub_blocks", [2, 4])
-def test_sub_block_selection_in_the_cache_matches_the_spec(llama, metadata, sub_blocks):
+@pytest.mark.parametrize("sub_blocks,metadata_dtype", [(2, "auto"), (4, "auto"), (2, "float8_e4m3fn")])
+def test_sub_block_selection_in_the_cache_matches_the_spec(llama, metadata, sub_blocks, metadata_dtype):
     config = SparseServeConfig(
         block_size=BLOCK, token_budget=4 * BLOCK, metadata=metadata, metadata_sub_blocks=sub_blocks,
-        selection="query_head",
+        metadata_dtype=metadata_dtype, selection="query_head",
     )  # fmt: skip
     cache = SparseServeCache(llama.config, config)
     captured = {}
@@ -44,6 +45,7 @@ def test_sub_block_selection_in_the_cache_matches_the_spec(llama, metadata, sub_
     hook.remove()
     layer = cache.layers[0]
     assert cache.store.metadata.shape[1] == config.metadata_vectors
+    assert cache.store.metadata.dtype == reference.metadata_dtype(metadata_dtype, llama.dtype)
     # Rebuild layer 0's decode query (q_proj -> heads -> RoPE) as the attention saw it.
     heads = llama.config.num_attention_heads
     q = captured["q"].view(1, 1, heads, -1).transpose(1, 2)  # (1, Hq, 1, D)
@@ -66,3 +68,17 @@ def test_sub_blocks_with_a_budget_covering_the_sequence_equal_dense(llama):
         llama.config, SparseServeConfig(block_size=BLOCK, token_budget=1024, metadata_sub_blocks=4)
     )
     assert torch.equal(greedy(llama, ids, cache, max_new_tokens=8), greedy(sdpa, ids, max_new_tokens=8))
+
+
+def test_float8_metadata_with_a_budget_covering_the_sequence_equals_dense(llama):
+    """Rounded scores change which blocks rank first, never what a covering budget attends."""
+    from tiny_models import greedy, tiny_model
+
+    sdpa = tiny_model("llama", "sdpa")
+    ids = random_ids(1, 90)
+    config = SparseServeConfig(block_size=BLOCK, token_budget=1024, metadata_dtype="float8_e4m3fn")
+    cache = SparseServeCache(llama.config, config)
+    assert torch.equal(greedy(llama, ids, cache, max_new_tokens=8), greedy(sdpa, ids, max_new_tokens=8))
+    meta = cache.store.metadata[: cache.store.dram.num_used]
+    assert meta.dtype == torch.float8_e4m3fn and meta.float().abs().sum() > 0
+    assert cache.stats()["hbm_metadata_bytes"] == meta.numel()  # one byte per value

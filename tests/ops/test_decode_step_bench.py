@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     out = tmp_path / "decode_step.json"
     subprocess.run(
-        [sys.executable, "-m", "eval.bench.decode_step", "--dry-run", "--graph", "--out", str(out)],
+        [
+            sys.executable, "-m", "eval.bench.decode_step", "--dry-run", "--graph", "--out", str(out),
+            "--set", "metadata_dtype=float8_e4m3fn",
+        ],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     result = json.loads(out.read_text())
@@ -24,6 +27,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
         assert result[key] > 0, key
     assert result["stock_best_ms"] == min(result["stock_dynamic_ms"], result["stock_static_ms"])
     assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
+    assert result["config"]["metadata_dtype"] == "float8_e4m3fn"  # --set reached the config
     assert result["trace"]["sha256"] and 0 < result["trace"]["overlap_1step"] <= 1
     for name in ("random_kv", "real_locality"):
         block = result[name]

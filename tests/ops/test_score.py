@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_support import DEVICE, DTYPES, tolerance
+from kernel_support import DEVICE, DTYPES, ON_GPU, tolerance
 from sparseserve_hf.ops import reference, triton_score
 
 
@@ -80,3 +80,16 @@ def test_score_table_of_an_fp32_query_over_half_metadata(kind):
     expected = reference.score_table(query, metadata, table, kind)
     got = triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["quest", "cuboid", "hybrid"])
+@pytest.mark.parametrize("query_dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_score_table_over_float8_metadata(kind, query_dtype):
+    """8-bit metadata widens exactly to the query's dtype: only the summation order differs."""
+    table = ragged_table(2, 2, 37, 160, [37, 9])
+    keys = torch.randn(160, 8, 32) * 4
+    metadata = reference.block_metadata(keys, kind, 2 if kind == "hybrid" else 1, torch.float8_e4m3fn)
+    query = torch.randn(2, 8, 32).to(query_dtype)
+    expected = reference.score_table(query, metadata, table, kind)
+    got = triton_score.score_table(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32 if kind == "hybrid" else query_dtype))

@@ -28,6 +28,7 @@ from sparseserve_hf import SparseServeConfig
         (dict(block_size=32.0), "block_size"),
         (dict(hbm_cache_bytes="1GiB"), "hbm_cache_bytes"),
         (dict(metadata="minmax"), "metadata"),
+        (dict(metadata_dtype="float16"), "metadata_dtype"),
         (dict(selection="head"), "selection"),
         (dict(group_aggregation="mean"), "group_aggregation"),
         (dict(hbm_cache_bytes=0), "hbm_cache_bytes"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SparseServeConfig
-from ..ops import BlockOps, block_copy
+from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
@@ -70,7 +70,10 @@ class TieredBlockStore:
         self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
-        self.metadata = torch.zeros((0, config.metadata_vectors, head_dim), dtype=dtype, device=device)  # (C, M, D)
+        meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype)
+        self.metadata = torch.zeros(
+            (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
+        )  # (C, M, D)
         self._stats = TransferStats()
         self._reallocations = 0
         self._track_capacity()
@@ -129,7 +132,10 @@ class TieredBlockStore:
             self.saver.save(blocks, self.dram.storage, ids)
         else:
             self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
-        self.metadata[device_ids] = self.ops.block_metadata(blocks[:, 0], self.config.metadata, self.config.sub_blocks)
+        config = self.config
+        self.metadata[device_ids] = self.ops.block_metadata(
+            blocks[:, 0], config.metadata, config.sub_blocks, self.metadata.dtype
+        )
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids
@@ -230,7 +236,7 @@ class TieredBlockStore:
 
     def metadata_bytes(self) -> int:
         """Bytes of the device metadata of every live block."""
-        return self.dram.num_used * self.metadata[:1].numel() * self.dtype.itemsize
+        return self.dram.num_used * self.metadata[:1].numel() * self.metadata.element_size()
 
     def _wait_for_saves(self) -> None:
         """FlashD2H saves finish on CPU threads: no DRAM read may start before they have."""

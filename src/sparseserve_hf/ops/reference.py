@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.Tensor:
+def block_metadata(
+    keys: torch.Tensor, kind: str, sub_blocks: int = 1, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Summarize each key block for scoring, per sub-block of S // sub_blocks consecutive tokens.
 
     Args:
@@ -21,11 +23,18 @@ def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.
         sub_blocks: summaries per block (a divisor of S). Finer summaries bound the keys more
             tightly (a needle's few tokens are not averaged or boxed with 31 others), at
             sub_blocks x the metadata; the block is still loaded and attended whole.
+        dtype: the stored dtype (see `to_metadata_dtype`); None keeps the keys' dtype.
     Returns:
-        (..., M, D) in the keys' dtype: M = 2 * sub_blocks for quest, laid out
+        (..., M, D) in `dtype` (default the keys'): M = 2 * sub_blocks for quest, laid out
         (min_0, max_0, min_1, max_1, ...); M = sub_blocks for cuboid (mean_0, mean_1, ...);
         M = 2 + sub_blocks for hybrid (min, max, mean_0, mean_1, ...).
     """
+    summary = _summarize(keys, kind, sub_blocks)
+    return summary if dtype is None else to_metadata_dtype(summary, dtype)
+
+
+def _summarize(keys: torch.Tensor, kind: str, sub_blocks: int) -> torch.Tensor:
+    """`block_metadata` in the keys' dtype."""
     size = keys.shape[-2]
     if sub_blocks < 1 or size % sub_blocks:
         raise ValueError(f"sub_blocks must divide the block's {size} tokens, got {sub_blocks}")
@@ -36,8 +45,24 @@ def block_metadata(keys: torch.Tensor, kind: str, sub_blocks: int = 1) -> torch.
         return parts.float().mean(dim=-2).to(keys.dtype)  # (..., sub, D)
     if kind == "hybrid":
         # Quest's (min, max) of the whole block, then the cuboid mean of each sub-block.
-        return torch.cat((block_metadata(keys, "quest"), block_metadata(keys, "cuboid", sub_blocks)), dim=-2)
+        return torch.cat((_summarize(keys, "quest", 1), _summarize(keys, "cuboid", sub_blocks)), dim=-2)
     raise ValueError(f"unknown metadata kind {kind!r}")
+
+
+def metadata_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of `SparseServeConfig.metadata_dtype` `name` ("auto" = the KV dtype)."""
+    return kv_dtype if name == "auto" else getattr(torch, name)
+
+
+def to_metadata_dtype(metadata: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`metadata` cast to its stored dtype: rounded to nearest, saturated at the dtype's largest
+    finite value (an 8-bit float has no infinity, and a cast out of its range gives NaN)."""
+    if dtype == metadata.dtype:
+        return metadata
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        bound = torch.finfo(dtype).max
+        metadata = metadata.clamp(-bound, bound)
+    return metadata.to(dtype)
 
 
 def metadata_sub_blocks(kind: str, num_vectors: int) -> int:

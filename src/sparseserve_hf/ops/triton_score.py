@@ -29,11 +29,6 @@ MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to
 
 
 @triton.jit
-def _as_dot_input(tile, UPCAST: tl.constexpr):
-    return tile.to(tl.float32) if UPCAST else tile
-
-
-@triton.jit
 def _score_kernel(
     q_ptr,
     meta_ptr,
@@ -62,8 +57,9 @@ def _score_kernel(
 
     A block's vectors are QUEST_SUB (min_s, max_s) pairs, then MEAN_SUB means: the best
     sub-block Quest bound goes to `quest`, the best sub-block mean score to `mean` (each only
-    when its count is > 0; "hybrid" has both: one pair, then the sub-block means). UPCAST: the
-    query's dtype is not the metadata's, so both tiles go to fp32 (tl.dot takes one dtype).
+    when its count is > 0; "hybrid" has both: one pair, then the sub-block means). Products run
+    in the query's dtype, or in fp32 when UPCAST (tl.dot takes one dtype: an fp32 query, or 16-bit
+    metadata of another dtype); 8-bit metadata widens to the query's dtype exactly.
     """
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
@@ -78,7 +74,7 @@ def _score_kernel(
     rows = meta_ptr + ids[:, None] * stride_mc + d[None, :]  # (BLOCK_N, BLOCK_D), vector 0 of each block
     q_mask = (g < G)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    dot_dtype = tl.float32 if UPCAST else meta_ptr.dtype.element_ty
+    dot_dtype = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     q = tl.trans(q.to(dot_dtype))  # (BLOCK_D, BLOCK_G)
     out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
     out_mask = in_table[:, None] & (g < G)[None, :]
@@ -87,15 +83,15 @@ def _score_kernel(
         q_neg = tl.minimum(q, 0.0).to(dot_dtype)
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(QUEST_SUB):
-            low = _as_dot_input(tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0), UPCAST)
-            high = _as_dot_input(tl.load(rows + (2 * s + 1) * D, mask=load_mask, other=0.0), UPCAST)
+            low = tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0).to(dot_dtype)
+            high = tl.load(rows + (2 * s + 1) * D, mask=load_mask, other=0.0).to(dot_dtype)
             bound = tl.dot(high, q_pos, input_precision="ieee") + tl.dot(low, q_neg, input_precision="ieee")
             best = tl.maximum(best, bound)
         tl.store(quest_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
     if MEAN_SUB > 0:
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(MEAN_SUB):
-            mean = _as_dot_input(tl.load(rows + (2 * QUEST_SUB + s) * D, mask=load_mask, other=0.0), UPCAST)
+            mean = tl.load(rows + (2 * QUEST_SUB + s) * D, mask=load_mask, other=0.0).to(dot_dtype)
             best = tl.maximum(best, tl.dot(mean, q, input_precision="ieee"))
         tl.store(mean_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
 
@@ -116,8 +112,9 @@ def score_table(
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
-        metadata: (C, M, D) metadata pool (rows may be strided, each row's (M, D) contiguous), same device; M = 2 (quest) or 1 (cuboid) per
-            sub-block (see `reference.block_metadata`).
+        metadata: (C, M, D) metadata pool (rows may be strided, each row's (M, D) contiguous), same
+            device, fp16/bf16/fp32 or float8_e4m3fn; M = 2 (quest) or 1 (cuboid) per sub-block (see
+            `reference.block_metadata`).
         block_ids: (B, Hkv, N) long DRAM ids, -1 where unused.
         kind: "quest", "cuboid" or "hybrid" (both rankings, combined by `reference.combine_by_rank`).
         depth: hybrid only: rank just each ranking's top `depth` blocks (see `combine_by_rank`).
@@ -183,9 +180,17 @@ def _scores(
         quest.stride(0), quest.stride(1), metadata.stride(0), num_blocks, num_kv_heads,
         D=dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), G=group,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        QUEST_SUB=quest_sub, MEAN_SUB=mean_sub, UPCAST=query.dtype != metadata.dtype, num_warps=num_warps,
+        QUEST_SUB=quest_sub, MEAN_SUB=mean_sub, UPCAST=_needs_fp32_products(query.dtype, metadata.dtype),
+        num_warps=num_warps,
     )  # fmt: skip
     return quest, mean
+
+
+def _needs_fp32_products(query_dtype: torch.dtype, metadata_dtype: torch.dtype) -> bool:
+    """True unless the metadata widens exactly to a 16-bit query's dtype (the same dtype, or 8-bit)."""
+    if query_dtype == torch.float32:
+        return True
+    return metadata_dtype != query_dtype and metadata_dtype.itemsize != 1
 
 
 def _launch_plan(
