@@ -9,16 +9,20 @@ Each request of the trace (`eval.serving.trace`) is sent at its arrival time as 
 so the chunks' arrival times are the request's token times as the client sees them. The records
 are `eval.serving.metrics.RequestRecord`s, summarized by the same `summarize` as in-process runs
 (queueing delay is not visible from the client: None). `--synthetic N` makes a seeded trace of N
-requests with random ids below `--vocab`, for a server on any model.
+requests with random ids below `--vocab`, for a server on any model. `--warmup K` first serves
+K requests of the trace's own (all at once, not measured: kernel compilation and graph capture
+are not serving); their summary is kept apart under "warmup".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,16 @@ from eval.serving.trace import Trace, TraceRequest
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", required=True, help="the server's root, e.g. http://127.0.0.1:8000")
+    add_trace_arguments(parser)
+    parser.add_argument("--model", default=None, help="the served model name (default: the server's only one)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
+    parser.add_argument("--out", default=None, help="JSON with the summary and every record")
+    return parser.parse_args(argv)
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The requests and their arrivals: a trace file or a synthetic trace, the rate, the warm-up."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="a trace file (python -m eval.serving trace)")
     source.add_argument("--synthetic", type=int, help="this many seeded random requests instead")
@@ -39,11 +53,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=256, help="--synthetic: ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
-    parser.add_argument("--model", default=None, help="the served model name (default: the server's only one)")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
-    parser.add_argument("--out", default=None, help="JSON with the summary and every record")
-    return parser.parse_args(argv)
+    parser.add_argument("--warmup", type=int, default=0, help="first serve this many of the trace's requests at once")
+
+
+def load_trace(args: argparse.Namespace) -> Trace:
+    """The trace `add_trace_arguments`' options name."""
+    if args.trace:
+        return Trace.load(args.trace)
+    return synthetic_trace(args.synthetic, args.prompt_tokens, args.output_tokens, args.vocab, args.seed)
+
+
+def warmup_trace(trace: Trace, count: int) -> Trace:
+    """The trace's first `count` requests (indices -1, -2, ...), all arriving at time zero."""
+    requests = tuple(replace(r, index=-1 - i, gap=0.0) for i, r in enumerate(trace.requests[:count]))
+    return replace(trace, requests=requests, source=f"warm-up: the first {len(requests)} of {trace.source}")
 
 
 def synthetic_trace(count: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int) -> Trace:
@@ -106,13 +129,12 @@ async def _one(http: httpx.AsyncClient, model: str, request: TraceRequest, recor
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.trace:
-        trace = Trace.load(args.trace)
-    else:
-        trace = synthetic_trace(args.synthetic, args.prompt_tokens, args.output_tokens, args.vocab, args.seed)
-    records = asyncio.run(run_load(args.url, trace, args.rate, args.model, args.api_key, args.timeout))
+    trace = load_trace(args)
+    load = functools.partial(run_load, args.url, model=args.model, api_key=args.api_key, timeout=args.timeout)
+    warmup = summarize(asyncio.run(load(warmup_trace(trace, args.warmup), 1.0))) if args.warmup > 0 else None
+    records = asyncio.run(load(trace, args.rate))
     summary = summarize(records)
-    result = {"url": args.url, "rate": args.rate, "trace": trace.summary(), "summary": summary,
+    result = {"url": args.url, "rate": args.rate, "trace": trace.summary(), "summary": summary, "warmup": warmup,
               "records": [r.as_dict() for r in records]}  # fmt: skip
     print(json.dumps(summary, indent=2))
     if args.out:
