@@ -14,6 +14,8 @@
 #                the default since; these ran as a --variant named hybrid_s8)
 #   4k           4K, six needle tasks: quest at 128..1024 and hybrid at 128, 256
 #   multi_news   LongBench multi_news, 50 records: dense vs quest (the default then) at 2048
+#   8k_metadata_dtype  8K, the four tasks: the default (8-bit metadata on the H200) against the same
+#                selector with metadata in the KV dtype (bf16), at 256 and 512
 #   Next (not run yet):
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
 #   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
@@ -43,6 +45,9 @@ case $part in
       "${common[@]}" --out "$out/ruler_4k"
     python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256 \
       --metadata none --variant "$hybrid" "${common[@]}" --out "$out/ruler_4k_hybrid" ;;
+  8k_metadata_dtype)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+      --variant kv_metadata:metadata_dtype=kv "${common[@]}" --out "$out/ruler_8k_metadata_dtype" ;;
   multi_news)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
@@ -56,5 +61,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype)" >&2; exit 2 ;;
 esac

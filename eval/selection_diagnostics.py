@@ -64,12 +64,12 @@ VARIANTS: dict[str, dict] = {
     "hybrid_s8": dict(metadata="hybrid", metadata_sub_blocks=4),
     "hybrid_s4": dict(metadata="hybrid", metadata_sub_blocks=8),
     "block16": dict(block_size=16),  # finer blocks: 2x the blocks (and metadata) per budget
-    # 8-bit metadata ("_fp8"): within the 1/32 metadata budget at 4 vectors per block.
-    "hybrid_s8_fp8": dict(metadata="hybrid", metadata_sub_blocks=4, metadata_dtype="float8_e4m3fn"),
+    # Metadata precision: "_kv" stores it in the KV dtype (bf16), the rest in 8 bits ("auto" on the CPU).
+    "hybrid_s8_kv": dict(metadata="hybrid", metadata_sub_blocks=4, metadata_dtype="kv"),
     "hybrid_s16": dict(metadata="hybrid", metadata_sub_blocks=2),
-    "hybrid_s16_fp8": dict(metadata="hybrid", metadata_sub_blocks=2, metadata_dtype="float8_e4m3fn"),
-    "cuboid_s8_fp8": dict(metadata="cuboid", metadata_sub_blocks=4, metadata_dtype="float8_e4m3fn"),
-    "quest_fp8": dict(metadata="quest", metadata_dtype="float8_e4m3fn"),
+    "hybrid_s16_kv": dict(metadata="hybrid", metadata_sub_blocks=2, metadata_dtype="kv"),
+    "cuboid_s8_kv": dict(metadata="cuboid", metadata_sub_blocks=4, metadata_dtype="kv"),
+    "quest_kv": dict(metadata="quest", metadata_dtype="kv"),
 }
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -189,7 +189,7 @@ def layer_metadata(config: SparseServeConfig, keys: torch.Tensor) -> torch.Tenso
     num_kv_heads, length, dim = keys.shape
     num_full = length // size
     blocks = keys[:, : num_full * size].reshape(num_kv_heads, num_full, size, dim)
-    stored = reference.metadata_dtype(config.metadata_dtype, torch.bfloat16)  # "auto": the GPU's KV dtype
+    stored = reference.metadata_dtype(config.metadata_dtype, torch.bfloat16)  # as on the GPU: bf16 KV
     return reference.block_metadata(blocks, config.metadata, config.sub_blocks, stored).float()
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 METADATA_KINDS = ("quest", "cuboid", "hybrid")
-METADATA_DTYPES = ("auto", "float8_e4m3fn")
+METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
 HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
@@ -61,10 +61,13 @@ class SparseServeConfig:
             None (default) = the kind's default, read through `sub_blocks`: 4 for "hybrid" (a
             cuboid mean per 8 tokens of a 32-token block; capped at block_size), 1 for "quest"
             and "cuboid" (so `dataclasses.replace(config, metadata="quest")` is plain Quest).
-        metadata_dtype: how the metadata is stored: "auto" (the KV cache's dtype) or
-            "float8_e4m3fn" (one byte per value, rounded to nearest and saturated at +-448: half
-            or a quarter of the bytes every decode step reads for scoring; blocks and attention
-            are unchanged, only the scores see the rounding).
+        metadata_dtype: how the metadata is stored (it lives in device memory for every block,
+            and every decode step reads all of it): "float8_e4m3fn" (one byte per value, rounded
+            to nearest, saturated at +-448; blocks and attention are unchanged, only the scores
+            see the rounding), "kv" (the KV cache's dtype) or "auto" (the default: float8_e4m3fn
+            on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
+            it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
+            16-bit KV, at no measured loss in selection (docs/metadata.md).
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more

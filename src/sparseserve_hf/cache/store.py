@@ -70,7 +70,7 @@ class TieredBlockStore:
         self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
-        meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype)
+        meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)

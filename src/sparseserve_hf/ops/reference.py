@@ -49,9 +49,21 @@ def _summarize(keys: torch.Tensor, kind: str, sub_blocks: int) -> torch.Tensor:
     raise ValueError(f"unknown metadata kind {kind!r}")
 
 
-def metadata_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype of `SparseServeConfig.metadata_dtype` `name` ("auto" = the KV dtype)."""
-    return kv_dtype if name == "auto" else getattr(torch, name)
+FP8_CAPABILITY = (8, 9)  # the first CUDA compute capability with native 8-bit float conversions
+
+
+def metadata_dtype(name: str, kv_dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The torch dtype of `SparseServeConfig.metadata_dtype` `name` for KV of `kv_dtype` on `device`:
+    "kv" is `kv_dtype`; "auto" is float8_e4m3fn on the CPU and on CUDA GPUs that convert it
+    natively, else `kv_dtype`; any other name is torch's dtype of that name."""
+    if name == "kv":
+        return kv_dtype
+    if name != "auto":
+        return getattr(torch, name)
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        return kv_dtype
+    return torch.float8_e4m3fn
 
 
 def to_metadata_dtype(metadata: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
