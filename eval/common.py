@@ -143,6 +143,9 @@ def answer(
     return answer_batch(model, tokenizer, [input_ids[0]], method, max_new_tokens, cache)[0]
 
 
+LOAD_KEYS = ("loaded_tokens_per_kv_head", "loaded_tokens_p95_over_heads", "loaded_fraction", "metadata_fraction")
+
+
 def answer_batch(
     model,
     tokenizer,
@@ -156,6 +159,20 @@ def answer_batch(
     Padding never reaches the sparse blocks (the cache commits real tokens only), so a prompt's
     answer does not depend on its batch-mates beyond floating-point rounding.
     """
+    return answer_batch_with_loads(model, tokenizer, prompts, method, max_new_tokens, cache)[0]
+
+
+def answer_batch_with_loads(
+    model,
+    tokenizer,
+    prompts: list[torch.Tensor],
+    method: Method,
+    max_new_tokens: int,
+    cache: SparseServeCache | None = None,
+) -> tuple[list[str], dict[str, float]]:
+    """`answer_batch` and what its decode steps cost: the cache's `LOAD_KEYS` from `stats()` (the
+    batch's averages: loaded tokens per KV head and row, their p95 over heads, their fraction of
+    the context, the metadata read over the dense KV bytes); {} for dense methods."""
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked anyway
     input_ids, attention_mask = left_pad(prompts, pad_id)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
@@ -168,11 +185,15 @@ def answer_batch(
     input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    loads = {}
+    if cache is not None:
+        stats = cache.stats()
+        loads = {key: stats[key] for key in LOAD_KEYS}
     del kwargs, cache
     # `del` frees the cache and its pinned DRAM pool at once (a cache is no reference cycle); the
     # collect also clears cycles elsewhere (e.g. in generate's outputs) that could hold device memory.
     gc.collect()
-    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
+    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), loads
 
 
 def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, dtype: torch.dtype) -> SparseServeConfig:
@@ -221,7 +242,17 @@ def summarize(rows: list[dict]) -> dict:
         for t, per in mean.items()
     }
     counts = {t: {m: len(v) for m, v in per.items()} for t, per in scores.items()}
-    return {"score": mean, "ratio_to_dense": ratio, "samples": counts}
+    return {"score": mean, "ratio_to_dense": ratio, "samples": counts, "loads": method_loads(rows)}
+
+
+def method_loads(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each sparse method's mean of `LOAD_KEYS` over its rows (rows without them are dense)."""
+    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        for key in LOAD_KEYS:
+            if key in row:
+                values[row["method"]][key].append(row[key])
+    return {m: {k: sum(v) / len(v) for k, v in per.items()} for m, per in values.items()}
 
 
 def write_results(out_dir: Path, rows: list[dict], meta: dict) -> dict:
@@ -247,7 +278,24 @@ def markdown_table(summary: dict) -> str:
             cell = "" if m not in per else f"{per[m]:.1f}"
             cells.append(cell + (f" ({ratio:.2f}x)" if ratio is not None else ""))
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nScores 0-100; in brackets: sparse / dense.\n"
+    text = "\n".join(lines) + "\n\nScores 0-100; in brackets: sparse / dense.\n"
+    loads = summary.get("loads") or {}
+    if loads:
+        text += (
+            "\nWhat each method's decode steps read (means over its batches): tokens per KV head and row"
+            " (loaded blocks + tail), their p95 over (layer, KV head), their fraction of the context, and"
+            " the metadata read over the dense KV bytes.\n\n"
+            "| method | loaded tokens / KV head | p95 over heads | loaded fraction | metadata fraction |\n"
+            "|---|---|---|---|---|\n"
+        )
+        for m in sorted(loads, key=_method_order):
+            row = loads[m]
+            text += (
+                f"| {m} | {row.get('loaded_tokens_per_kv_head', 0):.0f} | "
+                f"{row.get('loaded_tokens_p95_over_heads', 0):.0f} | {row.get('loaded_fraction', 0):.4f} | "
+                f"{row.get('metadata_fraction', 0):.4f} |\n"
+            )
+    return text
 
 
 def plot_score_vs_budget(summary: dict, path: Path) -> None:

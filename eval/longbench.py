@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.common import Method, answer_batch, batches, metadata_kinds, parse_budgets, sparse_methods, write_results
+from eval.common import (
+    Method,
+    answer_batch_with_loads,
+    batches,
+    metadata_kinds,
+    parse_budgets,
+    sparse_methods,
+    write_results,
+)
 from eval.longbench_metrics import DATASET_TO_METRIC, base_task, length_bucket, score_sample
 from sparseserve_hf import SparseServeConfig
 
@@ -332,16 +340,18 @@ def run(
         # One tokenization per sample, shared by all methods.
         prompts = [encode_sample(tokenizer, task, record, max_length)[0] for record in records]
         by_length = sorted(range(len(records)), key=lambda i: prompts[i].numel())
-        predictions: dict[tuple[str, int], str] = {}
+        predictions: dict[tuple[str, int], tuple[str, dict]] = {}
         for batch in tqdm(batches(by_length, batch_size), desc=task):
             for method in methods:
                 with samsum_stopping(model, tokenizer, task):
-                    texts = answer_batch(model, tokenizer, [prompts[i] for i in batch], method, max_gen)
-                predictions.update({(method.name, i): text for i, text in zip(batch, texts)})
+                    texts, loads = answer_batch_with_loads(
+                        model, tokenizer, [prompts[i] for i in batch], method, max_gen
+                    )
+                predictions.update({(method.name, i): (text, loads) for i, text in zip(batch, texts)})
         for method in methods:
             for index, record in enumerate(records):
-                prediction = predictions[(method.name, index)]
-                rows.append(_row(task, index, record, method, prediction, prompts[index].numel()))
+                prediction, loads = predictions[(method.name, index)]
+                rows.append(_row(task, index, record, method, prediction, prompts[index].numel()) | loads)
     return rows
 
 

@@ -170,7 +170,8 @@ def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[t
 def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
     HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, and the
-    per-query-head mask (B, Hq, U) or None. Records the pick in `layer.last_pick`."""
+    per-query-head mask (B, Hq, U) or None. Records the pick in `layer.last_pick` and what the
+    step reads in the store's load counters."""
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
@@ -179,6 +180,7 @@ def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Te
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
+    store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read

@@ -255,3 +255,5 @@ def test_cli_on_default_real_model(tmp_path):
     assert all(1490 <= r["prompt_tokens"] <= 1600 for r in rows), [r["prompt_tokens"] for r in rows]
     assert all(r["prediction"].strip() for r in rows if r["method"] == "dense")
     assert "| multi_news |" in (tmp_path / "out" / "results.md").read_text()
+    sparse = [r for r in rows if r["method"] == "sparse_512"]
+    assert all(0 < r["loaded_fraction"] < 1 and r["loaded_tokens_per_kv_head"] > 0 for r in sparse)

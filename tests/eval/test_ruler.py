@@ -259,6 +259,15 @@ def test_runner_end_to_end_on_the_default_model(tmp_path):
     assert len(rows) == 12 and all(0 <= r["score"] <= 100 and "prediction" in r for r in rows)
     assert {r["budget"] for r in rows} == {None, 256} and {r["prompt_tokens"] for r in rows} <= set(range(800, 993))
     assert len(ruler.read_samples(dump)) == 4
+    for row in rows:  # every sparse row names what its budget read; dense rows read everything
+        if row["budget"] is None:
+            assert "loaded_fraction" not in row
+        else:
+            assert 0 < row["loaded_fraction"] < 1 and row["loaded_tokens_per_kv_head"] > 256
+            assert row["loaded_tokens_p95_over_heads"] >= row["loaded_tokens_per_kv_head"] * 0.5
+            assert 0 < row["metadata_fraction"] < 0.1
+    assert set(summary["loads"]) == {"sparse_256", "quest_256"}
+    assert "loaded tokens / KV head" in (out / "results.md").read_text()
     # The passkey at 1K is easy for the model with full attention.
     assert summary["score"]["niah_single_1@1024"]["dense"] == 100.0
 

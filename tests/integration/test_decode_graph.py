@@ -13,6 +13,7 @@ import torch
 from test_graph_runner import EagerReference
 from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 
+from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
 from tiny_models import random_ids, tiny_model
 
@@ -45,6 +46,9 @@ def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype):
     assert graph.num_captures == 1
     hits = [runner.cache.stats() for runner in (graph, eager)]
     assert hits[0]["hits"] == hits[1]["hits"] and hits[0]["misses"] == hits[1]["misses"] > 0
+    for key in LOAD_SUMMARY_KEYS:  # replays count what they read, as the eager step does
+        assert hits[0][key] == pytest.approx(hits[1][key]), key
+    assert hits[0]["decode_steps"] == STEPS
     tokens, positions = graph._ids.clone(), reference.positions.clone()
     for step in range(BLOCK + 2):  # host tail lengths and num_positions must be right after replays
         tokens = eager_step(model, graph.cache, tokens, positions + step).argmax(-1, keepdim=True)

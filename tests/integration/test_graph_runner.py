@@ -19,6 +19,7 @@ from test_sync_free_decode import fixed_shape_gather
 
 from fake_graphs import FakeGraphs
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner, table_width
 from sync_guard import forbid_host_syncs
@@ -78,6 +79,10 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
         fills += int(runner.cache.layers[0].num_blocks.sum() != blocks)
         widths += int(runner.cache.layers[0].block_ids.shape[2] != width)
     assert fills >= 5 and widths >= 1
+    loads = [cache.stats() for cache in (runner.cache, reference.cache)]
+    for key in LOAD_SUMMARY_KEYS:  # the static step counts what it reads as the eager path does
+        assert loads[0][key] == pytest.approx(loads[1][key]), key
+    assert loads[0]["decode_steps"] == STEPS
     stats = runner.cache.stats()
     assert stats["misses"] > 0 and stats["hits"] > 0
     layer = runner.cache.layers[0]

@@ -17,7 +17,7 @@ from .block_cache import rows_that_fit
 from .forward_log import ForwardLog, ModelShape
 from .layer import SparseServeLayer
 from .plain import plain_tensors
-from .store import TieredBlockStore
+from .store import LOAD_SUMMARY_KEYS, TieredBlockStore
 from .store_slot import StoreSlot
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -343,7 +343,10 @@ class SparseServeCache(Cache):
         with offload=False every live block counts in hbm_block_cache_bytes, none in dram_bytes,
         and every lookup hits (no h2d_bytes, no d2h_bytes);
         blocks_selected (unique head-blocks selected, summed over layers and steps);
-        dense_read_bytes (blocks read back for dense prefill over a past).
+        dense_read_bytes (blocks read back for dense prefill over a past); and what a budget
+        costs (`TieredBlockStore.load_summary`): decode_steps, loaded_tokens_per_kv_head,
+        loaded_tokens_p95_over_heads, loaded_fraction, metadata_bytes_read_per_step,
+        metadata_fraction (all 0 before a sparse decode step).
         """
         store = self.store
         block_cache = store.block_cache_bytes() if store else 0
@@ -371,7 +374,7 @@ class SparseServeCache(Cache):
             "d2h_bytes": counters.d2h_bytes if counters else 0,
             "blocks_selected": counters.blocks_selected if counters else 0,
             "dense_read_bytes": counters.dense_read_bytes if counters else 0,
-        }
+        } | (store.load_summary() if store else dict.fromkeys(LOAD_SUMMARY_KEYS, 0))
 
 
 def attention_layer_types(text_config: Any) -> list[str]:

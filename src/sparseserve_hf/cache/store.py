@@ -16,6 +16,15 @@ from .grow import grown
 from .plain import plain_tensors
 from .resident import ResidentBlocks
 
+LOAD_SUMMARY_KEYS = (
+    "decode_steps",
+    "loaded_tokens_per_kv_head",
+    "loaded_tokens_p95_over_heads",
+    "loaded_fraction",
+    "metadata_bytes_read_per_step",
+    "metadata_fraction",
+)
+
 
 @dataclass
 class TransferStats:
@@ -75,6 +84,9 @@ class TieredBlockStore:
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)
         self._stats = TransferStats()
+        # Per HBM partition (sparse layer x KV head): what decode steps read (`ops.reference.account_loads`),
+        # summed on the device; `load_summary` reads it.
+        self.load_totals = torch.zeros((hbm_partitions, reference.LOAD_COUNTERS), dtype=torch.long, device=device)
         self._reallocations = 0
         self._track_capacity()
         # A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
@@ -191,7 +203,9 @@ class TieredBlockStore:
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The store's tensors a captured decode step reads or writes by address."""
-        return {"dram": self.dram.storage, "metadata": self.metadata} | self.hbm.graph_tensors()
+        return {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals} | (
+            self.hbm.graph_tensors()
+        )
 
     @property
     @plain_tensors
@@ -208,7 +222,52 @@ class TieredBlockStore:
     @plain_tensors
     def stats(self, value: TransferStats) -> None:
         self.hbm.counts()  # drop what the device counted so far: `value` starts afresh
+        self.load_totals.zero_()  # in place: a captured step adds into this very tensor
         self._stats = value
+
+    def account(
+        self, first_partition: int, valid: torch.Tensor, num_blocks: torch.Tensor, tail_len: torch.Tensor
+    ) -> None:
+        """Count one layer's decode reads: valid (B, Hkv, U) loaded blocks, num_blocks / tail_len (B,).
+
+        The counters of KV head h are row `first_partition + h`. A store shared by caches whose
+        layers outnumber its partitions (an unlimited HBM cache needs only one) grows them here, on
+        an eager step: a captured step only ever runs after its eager warm-up."""
+        end = first_partition + valid.shape[1]
+        if end > self.load_totals.shape[0]:
+            self.load_totals = grown(self.load_totals, end)
+            self._reallocations += 1
+        totals = self.load_totals[first_partition:end]
+        self.ops.account_loads(totals, valid, num_blocks, tail_len, self.config.block_size)
+
+    @plain_tensors
+    def load_summary(self) -> dict[str, float | int]:
+        """What the decode steps read since the cache was created or reset (one host sync).
+
+        decode_steps: decode steps of the busiest sparse layer; loaded_tokens_per_kv_head: tokens
+        attention read (loaded blocks + tail) per KV head and live row, averaged over steps, sparse
+        layers, KV heads and rows; loaded_tokens_p95_over_heads: the 95th percentile over
+        (layer, KV head) of that head's own average; loaded_fraction: the tokens read over the
+        tokens in the cache, summed over the same; metadata_bytes_read_per_step: metadata scored
+        per step (every full block's, all sparse layers); metadata_fraction: that over the dense
+        KV bytes of the same tokens.
+        """
+        totals = self.load_totals.cpu().double()  # (partitions, 5)
+        loaded, context, rows, scored, calls = totals.unbind(dim=1)
+        steps = int(calls.max()) if calls.numel() else 0
+        used = rows > 0
+        per_head = loaded[used] / rows[used]
+        vector_bytes = self.metadata.shape[2] * self.metadata.element_size()
+        meta_read = float(scored.sum()) * self.metadata.shape[1] * vector_bytes
+        kv_read = float(context.sum()) * 2 * self.metadata.shape[2] * self.dtype.itemsize
+        return {
+            "decode_steps": steps,
+            "loaded_tokens_per_kv_head": float(loaded.sum() / rows.sum()) if used.any() else 0.0,
+            "loaded_tokens_p95_over_heads": float(per_head.quantile(0.95)) if used.any() else 0.0,
+            "loaded_fraction": float(loaded.sum() / context.sum()) if context.sum() > 0 else 0.0,
+            "metadata_bytes_read_per_step": meta_read / steps if steps else 0.0,
+            "metadata_fraction": meta_read / kv_read if kv_read else 0.0,
+        }
 
     @plain_tensors
     def retain(self, ids: torch.Tensor) -> None:

@@ -308,16 +308,20 @@ class Generator:
             self.recorder.memory(int(self._hbm_peak))
         stats = self.store.stats
         looked_up = stats.hits + stats.misses
-        totals = self.recorder.totals() | {
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "hit_rate": stats.hits / looked_up if looked_up else 0.0,
-            "h2d_bytes": stats.h2d_bytes,
-            "hbm_bytes_in_use": self.hbm_bytes_in_use(),
-            "dram_bytes_in_use": self.dram_bytes_in_use(),
-            "hbm_cache_bytes": self.config.hbm_cache_bytes,
-            "graph_captures": self._runner.num_captures if self._runner is not None else 0,
-        }
+        totals = (
+            self.recorder.totals()
+            | {
+                "hits": stats.hits,
+                "misses": stats.misses,
+                "hit_rate": stats.hits / looked_up if looked_up else 0.0,
+                "h2d_bytes": stats.h2d_bytes,
+                "hbm_bytes_in_use": self.hbm_bytes_in_use(),
+                "dram_bytes_in_use": self.dram_bytes_in_use(),
+                "hbm_cache_bytes": self.config.hbm_cache_bytes,
+                "graph_captures": self._runner.num_captures if self._runner is not None else 0,
+            }
+            | self.store.load_summary()
+        )
         if torch.cuda.is_available() and self.stack.device.type == "cuda":
             totals["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.stack.device)
         requests = {rid: times.as_dict(rid) for rid, times in self.recorder.requests.items()}

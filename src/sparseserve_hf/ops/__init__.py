@@ -42,6 +42,7 @@ class BlockOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
+    account_loads: Callable[..., None]
 
 
 TORCH_OPS = BlockOps(
@@ -57,6 +58,7 @@ TORCH_OPS = BlockOps(
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
     resolve_blocks=lru.resolve_,
+    account_loads=reference.account_loads,
 )
 
 
@@ -151,6 +153,7 @@ def get_ops(backend: str, device: torch.device) -> BlockOps:
 
 def _triton_ops() -> BlockOps:
     from . import (  # import triton: only here
+        triton_account,
         triton_decode,
         triton_resolve,
         triton_score,
@@ -170,6 +173,7 @@ def _triton_ops() -> BlockOps:
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
         resolve_blocks=triton_resolve.resolve_,
+        account_loads=triton_account.account_loads,
     )
 
 

@@ -362,6 +362,32 @@ def score_table(
     return scores.masked_fill(unused, float("-inf"))
 
 
+LOAD_COUNTERS = 5  # per (sparse layer, KV head): see `account_loads`
+
+
+def account_loads(
+    totals: torch.Tensor, valid: torch.Tensor, num_blocks: torch.Tensor, tail_len: torch.Tensor, block_size: int
+) -> None:
+    """Add one decode step's reads to `totals` (Hkv, LOAD_COUNTERS) int64, in place.
+
+    Per KV head, over the live rows (those holding any token): [0] tokens attention reads (the
+    loaded blocks x block_size + the tail's tokens), [1] tokens in the cache, [2] live rows,
+    [3] blocks scored (every full block's metadata is read), and [4] += 1 (the calls).
+
+    Args:
+        valid: (B, Hkv, U) which of the blocks each KV head loaded are real.
+        num_blocks, tail_len: (B,) full blocks and tail tokens of each row.
+    """
+    tail = tail_len.view(-1, 1)  # (B, 1)
+    context = num_blocks.view(-1, 1) * block_size + tail  # (B, 1)
+    live = (context > 0).long()
+    loaded = (valid.sum(dim=-1) * block_size + tail) * live  # (B, Hkv)
+    per_row = torch.cat((context * live, live, num_blocks.view(-1, 1) * live), dim=1)  # (B, 3)
+    step = torch.cat((loaded.sum(dim=0)[:, None], per_row.sum(dim=0).expand(loaded.shape[1], 3)), dim=1)
+    totals[:, : LOAD_COUNTERS - 1] += step  # (Hkv, 4)
+    totals[:, LOAD_COUNTERS - 1] += 1
+
+
 def gather_blocks(
     pool_src: torch.Tensor,
     src_ids: torch.Tensor,

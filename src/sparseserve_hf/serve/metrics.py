@@ -44,6 +44,14 @@ class ServerMetrics:
         self.hit_rate = Gauge(f"{PREFIX}_hbm_cache_hit_rate", "HBM block-cache hits / lookups so far", registry=r)
         self.hbm_bytes = Gauge(f"{PREFIX}_hbm_kv_bytes", "Device bytes of KV in use", registry=r)
         self.dram_bytes = Gauge(f"{PREFIX}_dram_kv_bytes", "Host bytes of KV blocks in use", registry=r)
+        self.loaded = Gauge(
+            f"{PREFIX}_loaded_tokens_per_kv_head",
+            "KV tokens a sparse decode step reads per KV head and request (loaded blocks + tail), average so far",
+            registry=r,
+        )
+        self.loaded_fraction = Gauge(
+            f"{PREFIX}_loaded_fraction", "KV tokens read by sparse decode / tokens in the cache, so far", registry=r
+        )
         self.sat_out = Gauge(f"{PREFIX}_admission_sit_outs", "Decode slots that sat out an iteration (working-set admission), so far", registry=r)  # fmt: skip
         for reason in FINISH_REASONS:
             self.requests.labels(reason)  # every series exists from the start (scrapers see zeros)
@@ -67,6 +75,8 @@ class ServerMetrics:
         self.hbm_bytes.set(totals.get("hbm_bytes_in_use") or 0)
         self.dram_bytes.set(totals.get("dram_bytes_in_use") or 0)
         self.sat_out.set(totals.get("sat_out") or 0)
+        self.loaded.set(totals.get("loaded_tokens_per_kv_head") or 0.0)
+        self.loaded_fraction.set(totals.get("loaded_fraction") or 0.0)
 
     def exposition(self) -> bytes:
         """Every series in Prometheus' text format (what GET /metrics returns)."""
