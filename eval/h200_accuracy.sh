@@ -14,6 +14,9 @@
 #                the default since; these ran as a --variant named hybrid_s8)
 #   4k           4K, six needle tasks: quest at 128..1024 and hybrid at 128, 256
 #   multi_news   LongBench multi_news, 50 records: dense vs quest (the default then) at 2048
+#   8k_loaded    8K, the four tasks, every row with its loaded tokens: the default (group union) at 320
+#                and 512, and one selection per KV head (`selection="kv_head"`, which loads exactly its
+#                budget) at 320 and 512: the two at equal loaded tokens (~1/16 of the context)
 #   8k_metadata_dtype  8K, the four tasks: the default (8-bit metadata on the H200) against the same
 #                selector with metadata in the KV dtype (bf16), at 256 and 512
 #   Next (not run yet):
@@ -48,6 +51,9 @@ case $part in
   8k_metadata_dtype)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --variant kv_metadata:metadata_dtype=kv "${common[@]}" --out "$out/ruler_8k_metadata_dtype" ;;
+  8k_loaded)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
+      --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
   multi_news)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
@@ -61,5 +67,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded)" >&2; exit 2 ;;
 esac
