@@ -79,6 +79,8 @@ class SparseServeCache(Cache):
         partitions = _partition_count(self.shape, sparse)
         self._check_sizes(store, partitions)
         self._slot = StoreSlot(self.config, store, partitions)  # refers to no cache (no cycle)
+        if store is not None:
+            store.cover_load_rows(partitions)
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)

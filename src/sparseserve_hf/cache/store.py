@@ -230,15 +230,17 @@ class TieredBlockStore:
     ) -> None:
         """Count one layer's decode reads: valid (B, Hkv, U) loaded blocks, num_blocks / tail_len (B,).
 
-        The counters of KV head h are row `first_partition + h`. A store shared by caches whose
-        layers outnumber its partitions (an unlimited HBM cache needs only one) grows them here, on
-        an eager step: a captured step only ever runs after its eager warm-up."""
-        end = first_partition + valid.shape[1]
-        if end > self.load_totals.shape[0]:
-            self.load_totals = grown(self.load_totals, end)
-            self._reallocations += 1
-        totals = self.load_totals[first_partition:end]
+        The counters of KV head h are row `first_partition + h` (`cover_load_rows` made them exist)."""
+        totals = self.load_totals[first_partition : first_partition + valid.shape[1]]
         self.ops.account_loads(totals, valid, num_blocks, tail_len, self.config.block_size)
+
+    def cover_load_rows(self, rows: int) -> None:
+        """Make the load counters hold `rows` (sparse layers x KV heads of a cache sharing this store;
+        an unlimited HBM cache has fewer partitions). Called when a cache is built, never in a step,
+        so a captured step's counters never move."""
+        if rows > self.load_totals.shape[0]:
+            self.load_totals = grown(self.load_totals, rows)
+            self._reallocations += 1
 
     @plain_tensors
     def load_summary(self) -> dict[str, float | int]:
