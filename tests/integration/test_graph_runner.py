@@ -195,3 +195,20 @@ def test_table_widths_follow_the_geometric_buckets(llama):
         widths.append((needed, runner.layers[0].block_ids.shape[2]))
     assert all(width == table_width(needed, 1) for needed, width in widths)
     assert any(width != needed for needed, width in widths)  # a linear width would fail the line above
+
+
+def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama):
+    """A capture runs the step once (its warm-up) and a replay once more: the load counters add
+    each step once, as the eager path's do, and stay where the first capture found them."""
+    config = static_config()
+    reference = EagerReference(llama, config)
+    runner = started_runner(llama, config, table_step=64)  # one table width for all these steps
+    runner.capture, runner.graphs = True, FakeGraphs(runner)
+    counters = runner.cache.store.load_totals.data_ptr()
+    for step in range(12):
+        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+    assert runner.num_captures == 1
+    assert runner.cache.store.load_totals.data_ptr() == counters
+    loads = [cache.stats() for cache in (runner.cache, reference.cache)]
+    for key in LOAD_SUMMARY_KEYS:
+        assert loads[0][key] == pytest.approx(loads[1][key]), key
