@@ -71,6 +71,12 @@ VARIANTS: dict[str, dict] = {
     "cuboid_s8_kv": dict(metadata="cuboid", metadata_sub_blocks=4, metadata_dtype="kv"),
     "quest_kv": dict(metadata="quest", metadata_dtype="kv"),
 }
+# Selectors that read the true attention (ceilings, not implementable): name -> how they pick.
+# "oracle": per KV head, the top blocks by the group's summed attention mass (`oracle_blocks`),
+# loading exactly the budget's blocks per KV head (selection="kv_head" accounting).
+ORACLES = {"oracle"}
+VARIANTS["oracle"] = dict(selection="kv_head")
+VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
 
@@ -195,8 +201,9 @@ def layer_metadata(config: SparseServeConfig, keys: torch.Tensor) -> torch.Tenso
 
 def attended_blocks(
     config: SparseServeConfig, layer: int, q: torch.Tensor, meta: torch.Tensor, num_full: int
-) -> torch.Tensor:
-    """(Hq, N) bool: the full blocks each query head attends at one decode step (tail excluded).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full blocks each query head attends at one decode step (tail excluded), (Hq, N) bool,
+    and how many blocks each KV head loads for it, (Hkv,).
 
     q: (Hq, D) the step's queries; meta: (Hkv, >= N, M, D) block metadata; num_full: N, the
     full blocks stored at this step. Mirrors the sparse path: with L tokens stored (the current one
@@ -204,7 +211,7 @@ def attended_blocks(
     """
     num_kv_heads = meta.shape[0]
     if layer in config.dense_layers or num_full <= config.selected_full_blocks:
-        return torch.ones(q.shape[0], num_full, dtype=torch.bool)
+        return torch.ones(q.shape[0], num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
     scores = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)  # (1, Hq, N)
     picked, valid, head_mask = pick_blocks(
         reference, config, scores, torch.tensor([num_full]), num_kv_heads, num_full
@@ -216,7 +223,26 @@ def attended_blocks(
     out = torch.zeros(q.shape[0], num_full + 1, dtype=torch.bool)
     index = torch.where(use, picked.repeat_interleave(group, dim=1), num_full)[0]  # (Hq, U); dump slot N
     out.scatter_(1, index, True)
-    return out[:, :num_full]
+    return out[:, :num_full], valid[0].sum(-1)
+
+
+def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-KV-head block oracle: each KV head loads the sink, the window and the top blocks by
+    the true attention mass its query heads put on them (summed over the group), as many in all as
+    `config.selected_full_blocks`; every query head of the group attends them. Same returns as
+    `attended_blocks`: the ceiling of any selector that loads exactly that many blocks per KV head."""
+    block_mass = mass.block_mass  # (Hq, N)
+    heads, num_full = block_mass.shape
+    if num_full <= config.selected_full_blocks:
+        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+    group_mass = block_mass.view(num_kv_heads, heads // num_kv_heads, num_full).sum(1)  # (Hkv, N)
+    forced = torch.zeros(num_full, dtype=torch.bool)
+    forced[: config.sink_blocks] = True
+    forced[num_full - config.window_blocks :] = True
+    ranked = torch.where(forced, float("inf"), group_mass)
+    top = ranked.topk(config.selected_full_blocks, dim=-1).indices  # (Hkv, K)
+    chosen = torch.zeros(num_kv_heads, num_full, dtype=torch.bool).scatter_(1, top, True)
+    return chosen.repeat_interleave(heads // num_kv_heads, dim=0), torch.full((num_kv_heads,), top.shape[1])
 
 
 @dataclass
@@ -247,14 +273,21 @@ def step_mass(q: torch.Tensor, keys: torch.Tensor, needle: torch.Tensor, scaling
     )
 
 
-def step_stats(config: SparseServeConfig, mass: StepMass, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per query head (Hq,) recall, attended mass, dense needle mass and captured needle mass of one step."""
+def step_stats(
+    config: SparseServeConfig, mass: StepMass, chosen: torch.Tensor, loaded: torch.Tensor, length: int
+) -> dict[str, torch.Tensor]:
+    """Per query head (Hq,) recall, attended mass, dense needle mass, captured needle mass and the
+    fraction of the `length` stored tokens its KV head loads (`loaded` (Hkv,) blocks + the tail)."""
     # Oracle: as many full blocks as the head's own budget, by true mass (group_union may attend more,
     # so its recall is capped at 1).
     k = min(config.selected_full_blocks, mass.block_mass.shape[1])
     oracle = mass.block_mass.topk(k, dim=-1).values.sum(-1)  # (Hq,)
     kept = (mass.block_mass * chosen).sum(-1)
+    heads, num_full = mass.block_mass.shape
+    tail = length - num_full * config.block_size
+    loaded_fraction = ((loaded * config.block_size + tail) / length).repeat_interleave(heads // loaded.shape[0])
     return dict(
+        loaded_fraction=loaded_fraction.float(),
         recall=torch.where(oracle > 0, kept.clamp(max=oracle) / oracle.clamp(min=1e-30), torch.ones_like(oracle)),
         attended=kept + mass.tail_mass,
         needle_mass=mass.needle_mass,
@@ -275,8 +308,11 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
             for name, config in configs.items():
                 mass = masses[config.block_size]
                 num_full = mass.block_mass.shape[1]
-                chosen = attended_blocks(config, layer, queries[:, t], metas[name], num_full)
-                for stat, value in step_stats(config, mass, chosen).items():
+                if name in ORACLES:
+                    chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
+                else:
+                    chosen, loaded = attended_blocks(config, layer, queries[:, t], metas[name], num_full)
+                for stat, value in step_stats(config, mass, chosen, loaded, position + 1).items():
                     per_step[name][stat].append(value)
         for name in configs:
             for stat, values in per_step[name].items():
@@ -293,6 +329,7 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict:
     reads = needle_mass >= NEEDLE_HEAD_MASS
     lost = reads & (stats["needle_kept"] < 0.5 * needle_mass)  # a needle-reading head kept < half its needle mass
     return dict(
+        loaded_fraction=float(stats["loaded_fraction"].mean()),
         recall=float(stats["recall"].mean()),
         attended=float(stats["attended"].mean()),
         needle_capture=float(stats["needle_kept"].sum() / needle_mass.sum().clamp(min=1e-30)),
@@ -321,18 +358,20 @@ def markdown(result: dict) -> str:
     lines = [
         f"Selection diagnostics: {result['meta']['command']}",
         "",
-        "| task | budget | variant | recall | attended | needle capture | needle heads lost | worst recall layers |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | budget | variant | loaded | recall | attended | needle capture | needle heads lost | worst recall layers |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, summary in result["summaries"].items():
         task, budget, variant = key.split("|")
         bad = ", ".join(f"L{i} {v:.2f}" for i, v in worst(summary, "recall_per_layer", 3))
         lines.append(
-            f"| {task} | {budget} | {variant} | {summary['recall']:.3f} | {summary['attended']:.3f} | "
+            f"| {task} | {budget} | {variant} | {summary['loaded_fraction']:.4f} | {summary['recall']:.3f} | "
+            f"{summary['attended']:.3f} | "
             f"{summary['needle_capture']:.3f} | {summary['needle_heads_lost']}/{summary['needle_heads']} | {bad} |"
         )
     lines += [
         "",
+        "loaded: tokens a KV head loads (blocks + tail) / tokens stored, mean over steps, heads, layers, samples.",
         "recall: attended full-block mass / oracle top-k mass (same k), mean over steps, heads, layers, samples.",
         "attended: attention mass the sparse step keeps (attended blocks + tail). needle capture: needle-token",
         "mass in attended blocks / dense needle-token mass, summed over heads. needle heads: (sample, layer, head,",

@@ -6,7 +6,14 @@ import pytest
 import torch
 from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
-from eval.selection_diagnostics import needle_token_mask, step_mass, step_stats, variant_configs
+from eval.selection_diagnostics import (
+    StepMass,
+    needle_token_mask,
+    oracle_blocks,
+    step_mass,
+    step_stats,
+    variant_configs,
+)
 
 from sparseserve_hf import SparseServeConfig
 
@@ -67,11 +74,29 @@ def test_step_stats_by_hand():
     mass = step_mass(q, keys, needle, 1.0, 2)
     config = SparseServeConfig(block_size=32, token_budget=64, sink_blocks=0, window_blocks=0)  # 1 full block each
     chosen = torch.tensor([[True, False], [True, False]])  # both heads attend block 0 only
-    stats = step_stats(config, mass, chosen)
+    stats = step_stats(config, mass, chosen, torch.tensor([1]), 5)  # the KV head loads 1 block of 2 tokens
     # Head 0: nearly all mass on block 1 (oracle) -> recall ~0, needle lost; head 1: uniform, 2/5 on each block.
     assert stats["recall"][0] < 1e-3 and stats["needle_kept"][0] < 1e-3 and stats["needle_mass"][0] > 0.99
     torch.testing.assert_close(stats["recall"][1], torch.tensor(1.0))
     torch.testing.assert_close(stats["attended"][1], torch.tensor(0.6))
+    # the loaded fraction counts tokens in the config's blocks: at block size 2, (1 block x 2 + a 1-token tail) / 5
+    small = SparseServeConfig(block_size=2, token_budget=4, sink_blocks=0, window_blocks=0)
+    loaded = step_stats(small, mass, chosen, torch.tensor([1]), 5)["loaded_fraction"]
+    torch.testing.assert_close(loaded, torch.full((2,), 3 / 5))
+
+
+def test_the_oracle_loads_the_groups_heaviest_blocks_with_sink_and_window():
+    # 4 query heads / 2 KV heads, 6 full blocks; budget: 3 full blocks per KV head (1 sink + 1 window + 1).
+    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    block_mass = torch.zeros(4, 6)
+    block_mass[0, 2], block_mass[1, 3] = 0.5, 0.4  # KV head 0's group: block 2 heaviest in sum
+    block_mass[2, 4], block_mass[3, 1] = 0.3, 0.35  # KV head 1's group: block 1 (4 is the window)
+    zeros = torch.zeros(4)
+    mass = StepMass(block_mass, zeros, torch.zeros(4, 6), zeros, zeros)
+    chosen, loaded = oracle_blocks(config, mass, num_kv_heads=2)
+    assert loaded.tolist() == [3, 3]
+    assert chosen[0].nonzero().flatten().tolist() == [0, 2, 5] and torch.equal(chosen[0], chosen[1])
+    assert chosen[2].nonzero().flatten().tolist() == [0, 1, 5] and torch.equal(chosen[2], chosen[3])
 
 
 def test_variant_configs():
@@ -89,12 +114,16 @@ def test_diagnostics_cli_end_to_end_on_the_default_model(tmp_path):
     from eval.selection_diagnostics import main
 
     argv = ["--tasks", "niah_single_1", "--length", "1024", "--samples", "1", "--steps", "2", "--budgets", "128"]
-    argv += ["--variants", "default,hybrid_s8", "--answers", "1", "--max-new-tokens", "8", "--out", str(tmp_path)]
+    argv += ["--variants", "default,hybrid_s8,oracle", "--answers", "1", "--max-new-tokens", "8"]
+    argv += ["--answer-variants", "default,hybrid_s8", "--out", str(tmp_path)]
     result = main(argv + ["--cache-dir", str(tmp_path / "rec")])
-    assert set(result["summaries"]) == {"niah_single_1|128|default", "niah_single_1|128|hybrid_s8"}
+    assert set(result["summaries"]) == {f"niah_single_1|128|{v}" for v in ("default", "hybrid_s8", "oracle")}
     for summary in result["summaries"].values():
         assert 0 < summary["recall"] <= 1 and 0 < summary["attended"] <= 1 + 1e-6
+        assert 0 < summary["loaded_fraction"] < 1
         assert len(summary["recall_per_layer"]) == 30
+    # the oracle loads exactly its budget per KV head: 3 full blocks of 32 + the tail, of ~1K tokens
+    assert result["summaries"]["niah_single_1|128|oracle"]["loaded_fraction"] < 128 / 900
     assert {r["method"] for r in result["real_answers"]} == {"dense", "default_128", "hybrid_s8_128"}
     for name in ("diagnostics.json", "diagnostics.md", "recall_per_layer.png"):
         assert (tmp_path / name).is_file()
