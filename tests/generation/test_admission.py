@@ -43,6 +43,10 @@ def test_admitted_working_sets_never_exceed_the_cache(llama, seed):
     assert worst <= SLOTS  # what a step actually touched fit in the cache
     assert totals["sat_out"] > 0  # the load was high enough for admission to say no
     assert totals["finished"] == 10 and totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
+    # what the budget cost, over every request's decode steps: 64 tokens per query head, 2 heads per KV
+    # head, so a KV head reads at most 2 x 64 (sink and window shared) of 150-316 stored tokens
+    assert totals["decode_steps"] > 0 and 0 < totals["loaded_fraction"] < 1
+    assert 64 <= totals["loaded_tokens_per_kv_head"] <= 2 * 64
 
 
 def test_hit_rate_with_admission_is_at_least_without_under_load(llama):
