@@ -38,6 +38,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
         assert block["selected_kv_bytes"] > 0 and block["metadata_read_us_per_layer"] > 0
         assert block["speedup_vs_best_stock"] == pytest.approx(result["stock_best_ms"] / block["graph_ms"])
         assert block["bookkeeping_eager_us_per_layer"] > 0  # the graph replay time needs CUDA
+        assert block["loads"]["decode_steps"] > 0 and 0 < block["loads"]["loaded_fraction"] < 1
     # --graph: CUDA-graph replays on a GPU, the static step run eagerly on CPU; its tokens checked
     equality = result["graph_equality"]
     assert equality["captured"] is torch.cuda.is_available()
