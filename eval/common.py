@@ -140,7 +140,7 @@ def answer(
 
     A sparse method gets a fresh SparseServeCache, or `cache` when the caller wants its stats.
     """
-    return answer_batch(model, tokenizer, [input_ids[0]], method, max_new_tokens, cache)[0]
+    return answer_batch(model, tokenizer, [input_ids[0]], method, max_new_tokens, cache)[0][0]
 
 
 LOAD_KEYS = ("loaded_tokens_per_kv_head", "loaded_tokens_p95_over_heads", "loaded_fraction", "metadata_fraction")
@@ -153,26 +153,15 @@ def answer_batch(
     method: Method,
     max_new_tokens: int,
     cache: SparseServeCache | None = None,
-) -> list[str]:
-    """Greedy answers to several prompts (each (T_i,) ids) in one left-padded `generate` call.
+) -> tuple[list[str], dict[str, float]]:
+    """Greedy answers to several prompts (each (T_i,) ids) in one left-padded `generate` call, and
+    what its decode steps read: the cache's `LOAD_KEYS` from `stats()` (the batch's averages:
+    loaded tokens per KV head and row, their p95 over heads, their fraction of the context, the
+    metadata read over the dense KV bytes); {} for dense methods.
 
     Padding never reaches the sparse blocks (the cache commits real tokens only), so a prompt's
     answer does not depend on its batch-mates beyond floating-point rounding.
     """
-    return answer_batch_with_loads(model, tokenizer, prompts, method, max_new_tokens, cache)[0]
-
-
-def answer_batch_with_loads(
-    model,
-    tokenizer,
-    prompts: list[torch.Tensor],
-    method: Method,
-    max_new_tokens: int,
-    cache: SparseServeCache | None = None,
-) -> tuple[list[str], dict[str, float]]:
-    """`answer_batch` and what its decode steps cost: the cache's `LOAD_KEYS` from `stats()` (the
-    batch's averages: loaded tokens per KV head and row, their p95 over heads, their fraction of
-    the context, the metadata read over the dense KV bytes); {} for dense methods."""
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked anyway
     input_ids, attention_mask = left_pad(prompts, pad_id)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)

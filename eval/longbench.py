@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from eval.common import (
     Method,
-    answer_batch_with_loads,
+    answer_batch,
     batches,
     metadata_kinds,
     parse_budgets,
@@ -344,9 +344,7 @@ def run(
         for batch in tqdm(batches(by_length, batch_size), desc=task):
             for method in methods:
                 with samsum_stopping(model, tokenizer, task):
-                    texts, loads = answer_batch_with_loads(
-                        model, tokenizer, [prompts[i] for i in batch], method, max_gen
-                    )
+                    texts, loads = answer_batch(model, tokenizer, [prompts[i] for i in batch], method, max_gen)
                 predictions.update({(method.name, i): (text, loads) for i, text in zip(batch, texts)})
         for method in methods:
             for index, record in enumerate(records):

@@ -649,7 +649,7 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from eval.common import answer_batch_with_loads, batches
+    from eval.common import answer_batch, batches
 
     groups: dict[tuple[str, int], list[RulerSample]] = {}
     for sample in samples:
@@ -661,7 +661,7 @@ def evaluate(
         limit = batch[0].max_new_tokens if max_new_tokens is None else min(max_new_tokens, batch[0].max_new_tokens)
         new_rows = []
         for method in methods:
-            predictions, loads = answer_batch_with_loads(model, tokenizer, prompts, method, limit)
+            predictions, loads = answer_batch(model, tokenizer, prompts, method, limit)
             new_rows += [_row(sample, method, prediction) | loads for sample, prediction in zip(batch, predictions)]
         rows += new_rows
         if checkpoint is not None:

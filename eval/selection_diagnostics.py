@@ -452,7 +452,7 @@ def real_answers(
         prompts = [tokenizer(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0] for s in group]
         for method in methods:
             start = time.time()
-            predictions = answer_batch(model, tokenizer, prompts, method, max_new_tokens)
+            predictions = answer_batch(model, tokenizer, prompts, method, max_new_tokens)[0]
             rows += [
                 dict(task=task, index=s.index, method=method.name, score=score(s, text), prediction=text)
                 for s, text in zip(group, predictions)

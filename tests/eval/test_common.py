@@ -35,10 +35,14 @@ def _prompts(lengths: list[int]) -> list[torch.Tensor]:
 def test_batched_answers_equal_single_answers(tiny, method):
     tokenizer = word_tokenizer(vocab_size=VOCAB)
     prompts = _prompts([150, 171, 163])  # ragged: the batch is left-padded
-    together = answer_batch(tiny, tokenizer, prompts, method, max_new_tokens=8)
+    together, loads = answer_batch(tiny, tokenizer, prompts, method, max_new_tokens=8)
     alone = [answer(tiny, tokenizer, p[None], method, max_new_tokens=8) for p in prompts]
     assert together == alone
     assert all(text.strip() for text in together)
+    if method.config is None:
+        assert loads == {}
+    else:  # 64 tokens per query head of 150-178 stored: a KV head reads part of the context
+        assert 0 < loads["loaded_fraction"] < 1 and loads["loaded_tokens_per_kv_head"] >= 64
 
 
 def test_left_pad_right_aligns():
