@@ -76,6 +76,14 @@ VARIANTS: dict[str, dict] = {
 # loading exactly the budget's blocks per KV head (selection="kv_head" accounting).
 ORACLES = {"oracle"}
 VARIANTS["oracle"] = dict(selection="kv_head")
+# Selectors not in the package yet, built here from its metadata to measure them first.
+# "mass_s8" / "mass_s4": per KV head, the blocks with the most *estimated* attention mass of the
+# group (`estimated_mass_blocks`: each query head's softmax over the sub-block mean keys, scaled
+# as the model scales its logits, summed per block and over the group); exactly the budget's
+# blocks per KV head, as `selection="kv_head"` loads.
+ESTIMATES = {"mass_s8", "mass_s4"}
+VARIANTS["mass_s8"] = dict(metadata="cuboid", metadata_sub_blocks=4, selection="kv_head")
+VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="kv_head")
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -226,6 +234,26 @@ def attended_blocks(
     return out[:, :num_full], valid[0].sum(-1)
 
 
+def estimated_mass_blocks(
+    config: SparseServeConfig, q: torch.Tensor, meta: torch.Tensor, num_full: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`oracle_blocks` with the true mass replaced by an estimate from the metadata alone: query
+    head h's weight of sub-block s is softmax_s(scaling * q_h . mean_s) over every sub-block of the
+    row; a block's mass is the sum over its sub-blocks, the group's the sum over its query heads.
+    meta: (Hkv, >= N, sub, D) cuboid sub-block means. Same returns as `attended_blocks`."""
+    num_kv_heads, _, sub, dim = meta.shape
+    heads = q.shape[0]
+    if num_full <= config.selected_full_blocks:
+        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+    means = meta[:, :num_full].reshape(num_kv_heads, num_full * sub, dim)  # (Hkv, N*sub, D)
+    logits = q.view(num_kv_heads, heads // num_kv_heads, dim) @ means.transpose(1, 2)  # (Hkv, G, N*sub)
+    weights = torch.softmax(logits * scaling, dim=-1).view(num_kv_heads, -1, num_full, sub)
+    block_mass = weights.sum(-1).reshape(heads, num_full)  # (Hq, N)
+    zeros = torch.zeros(heads)
+    estimate = StepMass(block_mass, zeros, torch.zeros_like(block_mass), zeros, zeros)
+    return oracle_blocks(config, estimate, num_kv_heads)
+
+
 def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-KV-head block oracle: each KV head loads the sink, the window and the top blocks by
     the true attention mass its query heads put on them (summed over the group), as many in all as
@@ -310,6 +338,8 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 num_full = mass.block_mass.shape[1]
                 if name in ORACLES:
                     chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
+                elif name in ESTIMATES:
+                    chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)
                 else:
                     chosen, loaded = attended_blocks(config, layer, queries[:, t], metas[name], num_full)
                 for stat, value in step_stats(config, mass, chosen, loaded, position + 1).items():

@@ -8,6 +8,7 @@ from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
 from eval.selection_diagnostics import (
     StepMass,
+    estimated_mass_blocks,
     needle_token_mask,
     oracle_blocks,
     step_mass,
@@ -97,6 +98,19 @@ def test_the_oracle_loads_the_groups_heaviest_blocks_with_sink_and_window():
     assert loaded.tolist() == [3, 3]
     assert chosen[0].nonzero().flatten().tolist() == [0, 2, 5] and torch.equal(chosen[0], chosen[1])
     assert chosen[2].nonzero().flatten().tolist() == [0, 1, 5] and torch.equal(chosen[2], chosen[3])
+
+
+def test_the_mass_estimate_picks_the_blocks_the_sub_block_means_point_at():
+    # 2 query heads / 1 KV head, 6 full blocks of 2 sub-blocks; head 0's query matches a sub-block
+    # mean of block 3, head 1's one of block 1: with sink + window that is the budget of 4 blocks.
+    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    meta = torch.zeros(1, 6, 2, 2)  # (Hkv, N, sub, D)
+    meta[0, 3, 1] = torch.tensor([5.0, 0.0])
+    meta[0, 1, 0] = torch.tensor([0.0, 5.0])
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    chosen, loaded = estimated_mass_blocks(config, q, meta, num_full=6, scaling=1.0)
+    assert loaded.tolist() == [4]
+    assert chosen[0].nonzero().flatten().tolist() == [0, 1, 3, 5] and torch.equal(chosen[0], chosen[1])
 
 
 def test_variant_configs():
