@@ -77,3 +77,31 @@ def test_budget_curves_leave_out_a_family_missing_tasks():
     scores = {"a@4096": {"dense": 90, "quest_256": 50, "sparse_256": 10}, "b@4096": {"dense": 70, "quest_256": 30}}
     assert accuracy_report.budget_curves(scores, ["a@4096", "b@4096"]) == {"quest": {256: 40.0}}
     assert accuracy_report.budget_curves(scores, ["a@4096"]) == {"quest": {256: 50.0}, "sparse": {256: 10.0}}
+
+
+def _loaded(rows, method, loaded_fraction, metadata_fraction=0.047):
+    """`rows` of `method` with the load keys every sparse `eval.ruler` row carries."""
+    return [dict(r, loaded_fraction=loaded_fraction, metadata_fraction=metadata_fraction)
+            if r["method"] == method else r for r in rows]  # fmt: skip
+
+
+def test_t7_is_judged_at_the_loaded_fraction_with_a_paired_bootstrap(tmp_path):
+    scores = {"dense": [100] * 10, "sparse_256": [100] * 8 + [0] * 2, "sparse_512": [100] * 10}
+    rows = _rows("niah@8192", scores) + _rows("qa@8192", {m: [s / 2 for s in v] for m, v in scores.items()})
+    rows = _loaded(_loaded(rows, "sparse_256", 0.05), "sparse_512", 0.09)  # 512 loads past 1/16
+    rows += [dict(r, method="kvh_512", loaded_fraction=0.06, metadata_fraction=0.047)
+             for r in rows if r["method"] == "sparse_512"]  # fmt: skip
+    _write(tmp_path / "run", rows)
+    report = accuracy_report.main(["--ruler", str(tmp_path / "run"), "--out", str(tmp_path)])
+    t7 = report["t7"]
+    assert t7["method_at_1_16"] == "sparse_256"  # not 512: it loads 0.09
+    assert t7["loaded_fraction_1_16"] == pytest.approx(0.05)
+    assert t7["ratio_at_1_16"] == pytest.approx(0.8)
+    low, high = t7["ci90_1_16"]
+    assert low < 0.8 < high <= 1.0  # two misses in ten: the interval is wide
+    assert t7["method_at_1_32"] is None and t7["ratio_at_1_32"] is None  # nothing loads <= 1/32
+    assert t7["n_tasks"] == 2 and t7["n_samples_per_task"] == 10 and t7["metadata_fraction"] == pytest.approx(0.047)
+    assert t7["oracle_at_1_16"] is None
+    kvh = report["t7_by_family"]["kvh"]
+    assert kvh["method_at_1_16"] == "kvh_512" and kvh["ratio_at_1_16"] == 1.0 and kvh["ci90_1_16"] == [1.0, 1.0]
+    assert "T7 at 8K by loaded tokens" in (tmp_path / "accuracy.md").read_text()
