@@ -84,6 +84,14 @@ VARIANTS["oracle"] = dict(selection="kv_head")
 ESTIMATES = {"mass_s8", "mass_s4"}
 VARIANTS["mass_s8"] = dict(metadata="cuboid", metadata_sub_blocks=4, selection="kv_head")
 VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="kv_head")
+# "twostage_q4": Quest (8-bit) over every block picks a quarter of them as candidates per KV head (the
+# group's best bound); a 4-bit copy of the candidates' keys then estimates each query head's
+# attention over them (`two_stage_blocks`); exactly the budget per KV head. Bytes read per step:
+# 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/16 of their KV) = 1/32.
+ESTIMATES.add("twostage_q4")
+VARIANTS["twostage_q4"] = dict(metadata="quest", selection="kv_head")
+CANDIDATE_SHARE = 4  # stage 1 keeps 1 in this many blocks
+KEY_BITS = 4
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -254,6 +262,47 @@ def estimated_mass_blocks(
     return oracle_blocks(config, estimate, num_kv_heads)
 
 
+def quantized_keys(keys: torch.Tensor, bits: int = KEY_BITS) -> torch.Tensor:
+    """(Hkv, L, D) keys rounded to `bits` per value with a per-token min/max scale (dequantized)."""
+    low = keys.amin(dim=-1, keepdim=True)
+    scale = (keys.amax(dim=-1, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
+    return ((keys - low) / scale).round() * scale + low
+
+
+def two_stage_blocks(
+    config: SparseServeConfig,
+    q: torch.Tensor,
+    meta: torch.Tensor,
+    coarse_keys: torch.Tensor,
+    num_full: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1: each KV head keeps the N / CANDIDATE_SHARE blocks with the best Quest bound of its group
+    (sink and window included); stage 2: each query head's softmax over the candidates' tokens with
+    `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group; `oracle_blocks` on that.
+    meta: (Hkv, >= N, 2, D) Quest min/max. Same returns as `attended_blocks`."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    heads, size = q.shape[0], config.block_size
+    if num_full <= config.selected_full_blocks:
+        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+    bounds = reference.score_blocks(q[None], meta[None, :, :num_full], "quest")[0]  # (Hq, N)
+    group = bounds.view(num_kv_heads, heads // num_kv_heads, num_full).amax(1)  # (Hkv, N)
+    forced = torch.zeros(num_full, dtype=torch.bool)
+    forced[: config.sink_blocks] = True
+    forced[num_full - config.window_blocks :] = True
+    count = max(config.selected_full_blocks, -(-num_full // CANDIDATE_SHARE))
+    candidates = torch.where(forced, float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
+    keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
+    picked = torch.gather(keys, 1, candidates[..., None, None].expand(-1, -1, size, dim))  # (Hkv, C, S, D)
+    logits = q.view(num_kv_heads, heads // num_kv_heads, dim) @ picked.flatten(1, 2).transpose(1, 2)  # (Hkv, G, C*S)
+    weights = torch.softmax(logits * scaling, dim=-1).view(num_kv_heads, -1, count, size).sum(-1)  # (Hkv, G, C)
+    block_mass = torch.zeros(num_kv_heads, weights.shape[1], num_full)
+    block_mass.scatter_(2, candidates[:, None].expand_as(weights), weights)
+    zeros = torch.zeros(heads)
+    estimate = StepMass(block_mass.reshape(heads, num_full), zeros, torch.zeros(heads, num_full), zeros, zeros)
+    return oracle_blocks(config, estimate, num_kv_heads)
+
+
 def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-KV-head block oracle: each KV head loads the sink, the window and the top blocks by
     the true attention mass its query heads put on them (summed over the group), as many in all as
@@ -329,6 +378,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
     out: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
     for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
+        coarse = {name: quantized_keys(keys) for name in configs if name == "twostage_q4"}
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -338,6 +388,10 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 num_full = mass.block_mass.shape[1]
                 if name in ORACLES:
                     chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
+                elif name == "twostage_q4":
+                    chosen, loaded = two_stage_blocks(
+                        config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling
+                    )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)
                 else:

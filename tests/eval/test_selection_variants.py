@@ -11,12 +11,15 @@ from eval.selection_diagnostics import (
     estimated_mass_blocks,
     needle_token_mask,
     oracle_blocks,
+    quantized_keys,
     step_mass,
     step_stats,
+    two_stage_blocks,
     variant_configs,
 )
 
 from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.ops import reference
 
 
 def test_parse_variant_types_and_validation():
@@ -111,6 +114,28 @@ def test_the_mass_estimate_picks_the_blocks_the_sub_block_means_point_at():
     chosen, loaded = estimated_mass_blocks(config, q, meta, num_full=6, scaling=1.0)
     assert loaded.tolist() == [4]
     assert chosen[0].nonzero().flatten().tolist() == [0, 1, 3, 5] and torch.equal(chosen[0], chosen[1])
+
+
+def test_quantized_keys_round_each_token_to_16_levels():
+    keys = torch.randn(2, 7, 16)
+    coarse = quantized_keys(keys, bits=4)
+    step = (keys.amax(-1, keepdim=True) - keys.amin(-1, keepdim=True)) / 15
+    assert ((coarse - keys).abs() <= step / 2 + 1e-6).all()
+    assert all(len(coarse[h, t].unique()) <= 16 for h in range(2) for t in range(7))
+
+
+def test_two_stage_keeps_the_candidate_whose_tokens_the_query_reads():
+    # 1 KV head / 2 query heads, 8 full blocks of 2 tokens (D = 2); budget: sink + window + 1 block.
+    # Block 5 holds the token both queries point at; its Quest box is also the widest, so it is a candidate.
+    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    keys = torch.zeros(1, 16, 2)
+    keys[0, 11] = torch.tensor([6.0, 0.0])  # block 5, second token
+    keys[0, 4] = torch.tensor([1.0, 1.0])  # block 2: a weaker pull
+    meta = reference.block_metadata(keys[0].view(8, 2, 2), "quest")[None]  # (1, N, 2, D)
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.2]])
+    chosen, loaded = two_stage_blocks(config, q, meta, quantized_keys(keys), num_full=8, scaling=1.0)
+    assert loaded.tolist() == [3]
+    assert chosen[0].nonzero().flatten().tolist() == [0, 5, 7]
 
 
 def test_variant_configs():
