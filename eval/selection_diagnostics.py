@@ -88,9 +88,11 @@ VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="
 # group's best bound); a 4-bit copy of the candidates' keys then estimates each query head's
 # attention over them (`two_stage_blocks`); exactly the budget per KV head. Bytes read per step:
 # 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/16 of their KV) = 1/32.
-ESTIMATES.add("twostage_q4")
-VARIANTS["twostage_q4"] = dict(metadata="quest", selection="kv_head")
-CANDIDATE_SHARE = 4  # stage 1 keeps 1 in this many blocks
+# "twostage_q4_half" keeps half of the blocks as candidates (1/64 + 1/32 of the KV read per step).
+TWO_STAGE = {"twostage_q4": 4, "twostage_q4_half": 2}  # variant -> stage 1 keeps 1 in this many blocks
+ESTIMATES.update(TWO_STAGE)
+for _name in TWO_STAGE:
+    VARIANTS[_name] = dict(metadata="quest", selection="kv_head")
 KEY_BITS = 4
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
@@ -276,8 +278,9 @@ def two_stage_blocks(
     coarse_keys: torch.Tensor,
     num_full: int,
     scaling: float,
+    share: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1: each KV head keeps the N / CANDIDATE_SHARE blocks with the best Quest bound of its group
+    """Stage 1: each KV head keeps the N / `share` blocks with the best Quest bound of its group
     (sink and window included); stage 2: each query head's softmax over the candidates' tokens with
     `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group; `oracle_blocks` on that.
     meta: (Hkv, >= N, 2, D) Quest min/max. Same returns as `attended_blocks`."""
@@ -290,7 +293,7 @@ def two_stage_blocks(
     forced = torch.zeros(num_full, dtype=torch.bool)
     forced[: config.sink_blocks] = True
     forced[num_full - config.window_blocks :] = True
-    count = max(config.selected_full_blocks, -(-num_full // CANDIDATE_SHARE))
+    count = max(config.selected_full_blocks, -(-num_full // share))
     candidates = torch.where(forced, float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
     keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
     picked = torch.gather(keys, 1, candidates[..., None, None].expand(-1, -1, size, dim))  # (Hkv, C, S, D)
@@ -378,7 +381,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
     out: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
     for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
-        coarse = {name: quantized_keys(keys) for name in configs if name == "twostage_q4"}
+        coarse = {name: quantized_keys(keys) for name in configs if name in TWO_STAGE}
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -388,9 +391,9 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 num_full = mass.block_mass.shape[1]
                 if name in ORACLES:
                     chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
-                elif name == "twostage_q4":
+                elif name in TWO_STAGE:
                     chosen, loaded = two_stage_blocks(
-                        config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling
+                        config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name]
                     )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)
