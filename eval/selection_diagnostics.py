@@ -89,10 +89,11 @@ VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="
 # attention over them (`two_stage_blocks`); exactly the budget per KV head. Bytes read per step:
 # 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/16 of their KV) = 1/32.
 # "twostage_q4_half" keeps half of the blocks as candidates (1/64 + 1/32 of the KV read per step).
-TWO_STAGE = {"twostage_q4": 4, "twostage_q4_half": 2}  # variant -> stage 1 keeps 1 in this many blocks
+# "twostage_hybrid_q4": stage 1 ranks by the default's hybrid metadata instead (its bytes on top).
+TWO_STAGE = {"twostage_q4": 4, "twostage_q4_half": 2, "twostage_hybrid_q4": 4}  # variant -> 1 in this many blocks
 ESTIMATES.update(TWO_STAGE)
 for _name in TWO_STAGE:
-    VARIANTS[_name] = dict(metadata="quest", selection="kv_head")
+    VARIANTS[_name] = dict(metadata="hybrid" if "hybrid" in _name else "quest", selection="kv_head")
 KEY_BITS = 4
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
@@ -280,15 +281,15 @@ def two_stage_blocks(
     scaling: float,
     share: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1: each KV head keeps the N / `share` blocks with the best Quest bound of its group
-    (sink and window included); stage 2: each query head's softmax over the candidates' tokens with
-    `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group; `oracle_blocks` on that.
-    meta: (Hkv, >= N, 2, D) Quest min/max. Same returns as `attended_blocks`."""
+    """Stage 1: each KV head keeps the N / `share` blocks with the best score of its group under
+    `config.metadata` (sink and window included); stage 2: each query head's softmax over the
+    candidates' tokens with `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group;
+    `oracle_blocks` on that. meta: (Hkv, >= N, M, D). Same returns as `attended_blocks`."""
     num_kv_heads, _, dim = coarse_keys.shape
     heads, size = q.shape[0], config.block_size
     if num_full <= config.selected_full_blocks:
         return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
-    bounds = reference.score_blocks(q[None], meta[None, :, :num_full], "quest")[0]  # (Hq, N)
+    bounds = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)[0]  # (Hq, N)
     group = bounds.view(num_kv_heads, heads // num_kv_heads, num_full).amax(1)  # (Hkv, N)
     forced = torch.zeros(num_full, dtype=torch.bool)
     forced[: config.sink_blocks] = True

@@ -127,7 +127,7 @@ def test_quantized_keys_round_each_token_to_16_levels():
 def test_two_stage_keeps_the_candidate_whose_tokens_the_query_reads():
     # 1 KV head / 2 query heads, 8 full blocks of 2 tokens (D = 2); budget: sink + window + 1 block.
     # Block 5 holds the token both queries point at; its Quest box is also the widest, so it is a candidate.
-    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1, metadata="quest")
     keys = torch.zeros(1, 16, 2)
     keys[0, 11] = torch.tensor([6.0, 0.0])  # block 5, second token
     keys[0, 4] = torch.tensor([1.0, 1.0])  # block 2: a weaker pull
