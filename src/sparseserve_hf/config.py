@@ -51,9 +51,8 @@ class SparseServeConfig:
             min/max, an upper bound on q.k), "cuboid" (per-channel key mean, ArkVale) or
             "hybrid" (the block's quest min/max plus the cuboid mean of each sub-block; the
             two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
-            the few tokens a retrieval head reads; eval/results/selection_diagnostics.md).
-            "hybrid" is the default: at 8K on the real model it kept 0.86 of dense at budget 512
-            where quest kept 0.71 (eval/results/accuracy.md), for 3x quest's metadata bytes.
+            the few tokens a retrieval head reads). "hybrid" is the default: on the real model it
+            keeps more of dense's accuracy than either alone, for 3x quest's metadata vectors.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
@@ -67,14 +66,14 @@ class SparseServeConfig:
             see the rounding), "kv" (the KV cache's dtype) or "auto" (the default: float8_e4m3fn
             on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
             it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
-            16-bit KV, at no measured loss in selection (docs/metadata.md).
+            16-bit KV (docs/metadata.md measures what the rounding costs in selection).
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
             transfers, up to G x the attention work) or "kv_head" (one selection per
             KV head from its query heads' scores, aggregated by `group_aggregation`).
-            "group_union" is the default: at the same transfers it kept the most needles on
-            the real model (eval/results/needle_union.md; per KV head kept far fewer).
+            "group_union" is the default: at the same transfers it keeps the most needles on
+            the real model (per KV head keeps fewer at the same nominal budget).
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
         hbm_cache_bytes: bytes of the device block cache, split evenly into one LRU partition
             per (sparse layer, KV head), each shared by all requests. None = unlimited: no
@@ -112,13 +111,13 @@ class SparseServeConfig:
             block cache then, so `hbm_cache_bytes` must be None and `save_path` "scatter".
         transfer: how blocks move between the tiers: "kernel" (the backend's gather/scatter:
             FlashH2D and a UVA scatter with Triton, index copies with the torch reference) or
-            "copy" (one `copy_` per block, the paper's per-block cudaMemcpy baseline, a few
-            GB/s at 16 KiB blocks). "copy" saves
-            through it too, so it needs `save_path="scatter"`.
+            "copy" (one `copy_` per block, the paper's per-block cudaMemcpy baseline, far below
+            PCIe bandwidth at 16 KiB blocks). "copy" saves through it too, so it needs
+            `save_path="scatter"`.
         save_path: how new full blocks reach DRAM with transfer="kernel": "scatter" (one
-            GPU-direct UVA scatter launch; 52 GB/s = 0.945 of bulk D2H on the H200,
-            eval/results/transfer.json) or "flash_d2h" (the paper's FlashD2H: one contiguous D2H
-            copy into pinned staging, CPU threads scatter it; 14.9 GB/s = 0.27 of bulk there).
+            GPU-direct UVA scatter launch, close to bulk D2H bandwidth) or "flash_d2h" (the paper's
+            FlashD2H: one contiguous D2H copy into pinned staging, CPU threads scatter it; slower,
+            as the CPU scatter bounds it).
         cuda_graphs: decode steps replay a captured CUDA graph (`graph.DecodeGraphRunner`; on
             CUDA with the "triton" or "flash" backend) instead of launching ~100 kernels per
             layer from Python. A captured step holds every pool by address, so it needs a fixed

@@ -1,7 +1,7 @@
 """DecodeGraphRunner: the sparse decode step captured in a CUDA graph.
 
-Eager PyTorch spends ~35 ms per decode step of an 8B model launching ~100 small kernels per
-layer; a CUDA graph replays them with one launch. A captured step may not sync with the host,
+Eager PyTorch spends most of a sparse decode step launching ~100 small kernels per layer from
+Python; a CUDA graph replays them with one launch. A captured step may not sync with the host,
 change a shape, allocate where the graph does not expect it or take a Python branch on data, so a
 step splits in three:
 

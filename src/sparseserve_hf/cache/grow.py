@@ -10,8 +10,8 @@ def grown(tensor: torch.Tensor, size: int, fill: float = 0, dim: int = 0) -> tor
 
     Returns `tensor` itself when it is already at least that large. The result is allocated once
     and the old entries copied in: growing peaks at old + new bytes (a `torch.cat` with a filled
-    extension would peak at old + extension + new; from empty, twice the table: 9 GiB for the
-    metadata of a 48 GiB DRAM pool, which broke a 40 GiB cap on the H200).
+    extension would peak at old + extension + new; from empty, twice the table, which for the
+    metadata of a large DRAM pool is GiBs that a capped device does not have).
     """
     have = tensor.shape[dim]
     if size <= have:

@@ -15,8 +15,8 @@ class StoreSlot:
     Layers reach the store through the slot, never through the cache: a layer holding
     `cache._store_for` made every cache a reference cycle (cache -> layers -> bound method ->
     cache), so a cache's DRAM pool (pinned, possibly tens of GiB) was only released at the next
-    cyclic garbage collection; on the H200 pinning failed after a few 8K batches because of it.
-    The slot refers to no cache, so `del cache` frees an unshared pool at once.
+    cyclic garbage collection, and pinning the next pool could fail meanwhile. The slot refers to
+    no cache, so `del cache` frees an unshared pool at once.
 
     Args:
         config: the cache's SparseServeConfig (the store is built from it).

@@ -303,13 +303,11 @@ def combine_by_rank(first: torch.Tensor, second: torch.Tensor, depth: int | None
     both rankings' top blocks, taken alternately (first's j-th, second's j-th, first's j+1-th, ...).
 
     Why: Quest's bound keeps the mass of diffuse early layers, the sub-block mean finds the few
-    tokens a retrieval head reads (eval/results/selection_diagnostics.md); either alone loses what
-    the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
+    tokens a retrieval head reads; either alone loses what the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
     (ties go to `first`); -inf stays -inf (unused table entries).
 
-    `depth`: rank only each ranking's top `depth` blocks, two top-k instead of four full sorts
-    (H200, 128K, B=32: hybrid scoring took 1.6 ms with the sorts, eval/results/score_tuning.json;
-    select with this 1.2 ms, decode_attention.json); the rest tie at rank `depth`.
+    `depth`: rank only each ranking's top `depth` blocks, two top-k instead of four full sorts over
+    every block; the rest tie at rank `depth`.
     Any top-k with k <= depth is unchanged (the two top-depth lists hold >= depth distinct
     blocks), except that equal scores may break ties either way. None ranks every block.
     """

@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 MAX_TILE_WORDS = 4096  # 16 KiB of int32 per tile: a whole Llama-class head-block in flight per program
-# Grid of a save. Measured on the H200 (eval/results/transfer.json, 16 KiB blocks, 256 MiB): 8
-# programs still write pinned memory at 52.5 GB/s (PCIe-bound), and a bf16 matmul beside them runs
-# 1.02x its time alone, against 1.77x beside one program per block (which fills every SM).
+# Grid of a save: a handful of programs already keeps PCIe busy writing pinned memory, and leaves the
+# SMs to the compute running beside the save (one program per block would fill every SM).
 SAVE_PROGRAMS = 8
 # Programs of a gather over counted lists (a lookup's misses, one list per KV head): enough
 # blocks in flight to keep PCIe busy when every entry misses, few enough that launching them is
