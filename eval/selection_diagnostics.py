@@ -230,7 +230,7 @@ def attended_blocks(
     """
     num_kv_heads = meta.shape[0]
     if layer in config.dense_layers or num_full <= config.selected_full_blocks:
-        return torch.ones(q.shape[0], num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+        return _all_blocks(q.shape[0], num_full, num_kv_heads)
     scores = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)  # (1, Hq, N)
     picked, valid, head_mask = pick_blocks(
         reference, config, scores, torch.tensor([num_full]), num_kv_heads, num_full
@@ -255,14 +255,11 @@ def estimated_mass_blocks(
     num_kv_heads, _, sub, dim = meta.shape
     heads = q.shape[0]
     if num_full <= config.selected_full_blocks:
-        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+        return _all_blocks(heads, num_full, num_kv_heads)
     means = meta[:, :num_full].reshape(num_kv_heads, num_full * sub, dim)  # (Hkv, N*sub, D)
     logits = q.view(num_kv_heads, heads // num_kv_heads, dim) @ means.transpose(1, 2)  # (Hkv, G, N*sub)
     weights = torch.softmax(logits * scaling, dim=-1).view(num_kv_heads, -1, num_full, sub)
-    block_mass = weights.sum(-1).reshape(heads, num_full)  # (Hq, N)
-    zeros = torch.zeros(heads)
-    estimate = StepMass(block_mass, zeros, torch.zeros_like(block_mass), zeros, zeros)
-    return oracle_blocks(config, estimate, num_kv_heads)
+    return top_blocks_by_mass(config, weights.sum(-1).reshape(heads, num_full), num_kv_heads)  # mass (Hq, N)
 
 
 def quantized_keys(keys: torch.Tensor, bits: int = KEY_BITS) -> torch.Tensor:
@@ -288,23 +285,18 @@ def two_stage_blocks(
     num_kv_heads, _, dim = coarse_keys.shape
     heads, size = q.shape[0], config.block_size
     if num_full <= config.selected_full_blocks:
-        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+        return _all_blocks(heads, num_full, num_kv_heads)
     bounds = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)[0]  # (Hq, N)
     group = bounds.view(num_kv_heads, heads // num_kv_heads, num_full).amax(1)  # (Hkv, N)
-    forced = torch.zeros(num_full, dtype=torch.bool)
-    forced[: config.sink_blocks] = True
-    forced[num_full - config.window_blocks :] = True
     count = max(config.selected_full_blocks, -(-num_full // share))
-    candidates = torch.where(forced, float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
+    candidates = torch.where(_forced(config, num_full), float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
     keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
     picked = torch.gather(keys, 1, candidates[..., None, None].expand(-1, -1, size, dim))  # (Hkv, C, S, D)
     logits = q.view(num_kv_heads, heads // num_kv_heads, dim) @ picked.flatten(1, 2).transpose(1, 2)  # (Hkv, G, C*S)
     weights = torch.softmax(logits * scaling, dim=-1).view(num_kv_heads, -1, count, size).sum(-1)  # (Hkv, G, C)
     block_mass = torch.zeros(num_kv_heads, weights.shape[1], num_full)
     block_mass.scatter_(2, candidates[:, None].expand_as(weights), weights)
-    zeros = torch.zeros(heads)
-    estimate = StepMass(block_mass.reshape(heads, num_full), zeros, torch.zeros(heads, num_full), zeros, zeros)
-    return oracle_blocks(config, estimate, num_kv_heads)
+    return top_blocks_by_mass(config, block_mass.reshape(heads, num_full), num_kv_heads)
 
 
 def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,18 +304,35 @@ def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) 
     the true attention mass its query heads put on them (summed over the group), as many in all as
     `config.selected_full_blocks`; every query head of the group attends them. Same returns as
     `attended_blocks`: the ceiling of any selector that loads exactly that many blocks per KV head."""
-    block_mass = mass.block_mass  # (Hq, N)
+    return top_blocks_by_mass(config, mass.block_mass, num_kv_heads)
+
+
+def top_blocks_by_mass(
+    config: SparseServeConfig, block_mass: torch.Tensor, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head loads the sink, the window and the blocks of most `block_mass` (Hq, N) summed
+    over its group, `config.selected_full_blocks` in all. Same returns as `attended_blocks`."""
     heads, num_full = block_mass.shape
     if num_full <= config.selected_full_blocks:
-        return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
+        return _all_blocks(heads, num_full, num_kv_heads)
     group_mass = block_mass.view(num_kv_heads, heads // num_kv_heads, num_full).sum(1)  # (Hkv, N)
-    forced = torch.zeros(num_full, dtype=torch.bool)
-    forced[: config.sink_blocks] = True
-    forced[num_full - config.window_blocks :] = True
-    ranked = torch.where(forced, float("inf"), group_mass)
+    ranked = torch.where(_forced(config, num_full), float("inf"), group_mass)
     top = ranked.topk(config.selected_full_blocks, dim=-1).indices  # (Hkv, K)
     chosen = torch.zeros(num_kv_heads, num_full, dtype=torch.bool).scatter_(1, top, True)
     return chosen.repeat_interleave(heads // num_kv_heads, dim=0), torch.full((num_kv_heads,), top.shape[1])
+
+
+def _forced(config: SparseServeConfig, num_full: int) -> torch.Tensor:
+    """(N,) True on the sink and window blocks, which every selection keeps."""
+    forced = torch.zeros(num_full, dtype=torch.bool)
+    forced[: config.sink_blocks] = True
+    forced[num_full - config.window_blocks :] = True
+    return forced
+
+
+def _all_blocks(heads: int, num_full: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every full block, attended by every head (a budget that covers them all)."""
+    return torch.ones(heads, num_full, dtype=torch.bool), torch.full((num_kv_heads,), num_full)
 
 
 @dataclass

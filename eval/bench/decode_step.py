@@ -200,9 +200,8 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
             replay = TraceReplay(trace, len(cache.layers), model.config.num_key_value_heads, device)
             out["trace"] = {"path": args.trace, "sha256": sha256(args.trace)} | describe(trace)
         store.selection_override = replay
-        store.stats = type(store.stats)()  # this locality's load counters only
         out[locality], tokens = measure_locality(args, model, cache, tokens, replay)
-        out[locality]["loads"] = store.load_summary()  # what its steps read, as cache.stats() reports it
+        out[locality]["loads"] = store.load_summary()  # its last measured steps' reads (measure_locality resets)
     del model, cache, store
     _free(device)
     return out

@@ -259,9 +259,8 @@ class TieredBlockStore:
         steps = int(calls.max()) if calls.numel() else 0
         used = rows > 0
         per_head = loaded[used] / rows[used]
-        vector_bytes = self.metadata.shape[2] * self.metadata.element_size()
-        meta_read = float(scored.sum()) * self.metadata.shape[1] * vector_bytes
-        kv_read = float(context.sum()) * 2 * self.metadata.shape[2] * self.dtype.itemsize
+        meta_read = float(scored.sum()) * self.metadata.shape[1] * self.metadata.shape[2] * self.metadata.element_size()
+        kv_read = float(context.sum()) * self.block_bytes / self.config.block_size  # K and V of each token
         return {
             "decode_steps": steps,
             "loaded_tokens_per_kv_head": float(loaded.sum() / rows.sum()) if used.any() else 0.0,

@@ -303,8 +303,9 @@ def combine_by_rank(first: torch.Tensor, second: torch.Tensor, depth: int | None
     both rankings' top blocks, taken alternately (first's j-th, second's j-th, first's j+1-th, ...).
 
     Why: Quest's bound keeps the mass of diffuse early layers, the sub-block mean finds the few
-    tokens a retrieval head reads; either alone loses what the other finds. Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers
-    (ties go to `first`); -inf stays -inf (unused table entries).
+    tokens a retrieval head reads; either alone loses what the other finds.
+    Output = -(2 * min(rank1, rank2) + [rank2 < rank1]): exact small integers (ties go to
+    `first`); -inf stays -inf (unused table entries).
 
     `depth`: rank only each ranking's top `depth` blocks, two top-k instead of four full sorts over
     every block; the rest tie at rank `depth`.
