@@ -74,3 +74,58 @@ class FakeGraph:
         for layer, (positions, mirror, pick) in zip(layers, counters):  # no Python ran
             layer.num_positions, layer._tail_len_mirror, layer.last_pick = positions, mirror, pick
         self.replays += 1
+
+
+class FakePieceCapture:
+    """CPU stand-in for `layer_graphs.PieceCapture`, with what a real capture and replay do to state.
+
+    Like `FakeGraphs`, but for one layer's attention piece: a capture runs the piece's Python on
+    the state before its warm-up and then puts the warmed-up state back, and its outputs hold
+    nothing (zeros) until a replay; a replay runs the piece again (the kernels), writes into the
+    captured outputs, and refuses to run once a store tensor it holds has moved.
+    """
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.pools = 1
+        self.replays = 0
+
+    def new_pool(self) -> None:
+        self.pools += 1
+
+    def warm_up(self, fn):
+        self._before_warm_up = [t.clone() for t in self._tensors().values()]
+        return fn()
+
+    def record(self, fn):
+        tensors = self._tensors()
+        saved = [t.clone() for t in tensors.values()]
+        for t, value in zip(tensors.values(), self._before_warm_up):
+            t.copy_(value)
+        picks = [id(layer.last_pick) for layer in self.cache.layers]
+        out = fn()
+        layer = next(lay for lay, pick in zip(self.cache.layers, picks) if id(getattr(lay, "last_pick", None)) != pick)
+        for t, value in zip(tensors.values(), saved):
+            t.copy_(value)
+        out.zero_()
+        for t in layer.last_pick:
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+        return FakePiece(self, fn, out, layer, layer.last_pick, {n: t.data_ptr() for n, t in tensors.items()}), out
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return self.cache.store.graph_tensors()
+
+
+class FakePiece:
+    def __init__(self, capture: FakePieceCapture, fn, out, layer, pick, held: dict[str, int]) -> None:
+        self.capture, self.fn, self.out, self.layer, self.pick, self.held = capture, fn, out, layer, pick, held
+
+    def replay(self) -> None:
+        moved = [name for name, t in self.capture._tensors().items() if t.data_ptr() != self.held[name]]
+        assert not moved, f"replayed a piece whose store tensors moved: {moved}"
+        self.out.copy_(self.fn())
+        for fresh, held in zip(self.layer.last_pick, self.pick):
+            if isinstance(held, torch.Tensor):
+                held.copy_(fresh)
+        self.capture.replays += 1

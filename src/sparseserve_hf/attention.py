@@ -143,16 +143,29 @@ def causal_attention_over_past(
 
 
 def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D)."""
+    """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D).
+
+    An eager caller on CUDA replays the layer's captured piece (`LayerGraphs`); a caller that runs
+    the whole step itself (`graph.DecodeGraphRunner`, eager or capturing) runs it inline."""
     q = query[:, :, 0]  # (B, Hq, D)
+    graphs = layer.store.layer_graphs
+    if graphs is not None and not layer.caller_owns_tails and not _capturing(q):
+        out = graphs.attend(layer, q, functools.partial(select_and_attend, layer, scaling=scaling))
+    else:
+        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not layer.caller_owns_tails)
+    return out.unsqueeze(1)
+
+
+def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False) -> torch.Tensor:
+    """The sparse decode of one layer: pick and fetch blocks, attend over them and the tails.
+    q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`)."""
     slots, head_mask = select_and_fetch(layer, q)
-    if slots.device.type == "cpu" and not layer.caller_owns_tails:
+    if trim:
         slots, head_mask = used_columns(slots, head_mask)
     tail = layer.tail
-    out = layer.store.ops.sparse_decode(
+    return layer.store.ops.sparse_decode(
         q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling
     )
-    return out.unsqueeze(1)
 
 
 def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -238,6 +251,11 @@ def pick_blocks(
     if not per_query_head:
         return picked, valid, None
     return ops.union_over_group(picked, valid, num_kv_heads, capacity, True)  # (B, Hkv, U) and (B, Hq, U)
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """True while a CUDA graph captures on the current stream (a piece cannot be captured inside it)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:

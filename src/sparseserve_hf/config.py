@@ -126,6 +126,13 @@ class SparseServeConfig:
             torch reference's block copy syncs). The `Generator` captures once per batch size
             and table width and copies changed rows into the captured tensors; on CPU it runs
             the same static step eagerly.
+        layer_graphs: eager decode steps (`model.generate`, the `Generator` without
+            `cuda_graphs`) on CUDA with the "triton" or "flash" backend and transfer="kernel"
+            replay each sparse layer's decode attention as a CUDA graph (`layer_graphs.LayerGraphs`):
+            one launch per layer instead of ~20, the rest of the model eager. Captured per
+            (layer, rows, table width) at the first step of each and again when the layer's
+            rows change (a `Generator` whose batch changes every few steps recaptures often:
+            `cuda_graphs=True` suits it better). No effect elsewhere.
     """
 
     block_size: int = 32
@@ -151,6 +158,7 @@ class SparseServeConfig:
     transfer: str = "kernel"
     save_path: str = "scatter"
     cuda_graphs: bool = False
+    layer_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -223,6 +231,7 @@ class SparseServeConfig:
 
     def _check_graph_fields(self) -> None:
         _check_bool("cuda_graphs", self.cuda_graphs)
+        _check_bool("layer_graphs", self.layer_graphs)
         if not self.cuda_graphs:
             return
         needs = []  # a captured step holds every pool and table by address: nothing may grow or move

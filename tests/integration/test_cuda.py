@@ -44,3 +44,24 @@ def test_cuda_and_cpu_select_the_same_blocks():
             model(token, past_key_values=cache)
     for cpu_layer, gpu_layer in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(cpu_layer.last_selection, gpu_layer.last_selection.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_generate_replaying_layer_pieces_equals_launching_them(dtype):
+    """The drop-in `generate` with each layer's attention replayed (`layer_graphs`, the default)
+    decodes the tokens it decodes launching the kernels one by one, through block fills, an HBM
+    cache that evicts and a table that grows (prompts of 250 tokens, 16-token blocks)."""
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2).to("cuda", dtype)
+    ids = random_ids(3, 250).cuda()
+    outs, caches = [], []
+    for layer_graphs in (True, False):
+        config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=1 << 20, layer_graphs=layer_graphs)
+        cache = SparseServeCache(model.config, config)
+        outs.append(greedy(model, ids, cache, max_new_tokens=40))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    graphs = caches[0].store.layer_graphs
+    assert caches[1].store.layer_graphs is None
+    assert len(caches[0].layers) <= graphs.num_captures <= 3 * len(caches[0].layers)  # per table width
+    stats = [cache.stats() for cache in caches]
+    assert stats[0]["misses"] == stats[1]["misses"] > 0 and stats[0]["hits"] == stats[1]["hits"]

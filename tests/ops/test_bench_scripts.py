@@ -101,3 +101,15 @@ def test_lookup_cost_times_every_resolver_at_a_tiny_size():
     resolvers = {"tensor spec": lru.resolve_, "fused kernel": triton_resolve.resolve_}
     line = one_case(2, 512, DEVICE, resolvers)  # the kernel runs where the ops tests run it
     assert line.startswith("B=2 Pp=512 entries/partition=496: ") and "tensor spec " in line and "fused kernel " in line
+
+
+def test_dropin_dry_run_times_stock_and_both_of_ours_through_generate(tmp_path):
+    out = tmp_path / "dropin.json"
+    run_module("eval.bench.dropin", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    systems = [row["system"] for row in result["rows"]]
+    assert systems == ["stock DynamicCache (sdpa)", "ours, layer_graphs=True", "ours, layer_graphs=False"]
+    for row in result["rows"]:
+        assert row["decode_ms_per_step"] > 0 and row["vs_stock"] > 0
+    for row in result["rows"][1:]:
+        assert 0 < row["loaded_fraction"] <= 1 and row["config"]["layer_graphs"] == row["system"].endswith("True")

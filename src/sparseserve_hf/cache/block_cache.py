@@ -136,17 +136,10 @@ class HbmBlockCache:
         """
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
+        self.prepare(tuple(block_ids.shape), dram, first_partition)
         selection = block_ids.to(self.device)
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
-        elif first_partition + selection.shape[1] > self.num_partitions:
-            raise ValueError(
-                f"partitions {first_partition}..{first_partition + selection.shape[1] - 1} do not exist: "
-                f"the cache has {self.num_partitions}"
-            )
-        self.check_fits(selection.shape[0] * selection.shape[2])
-        if self.unlimited:
-            self._grow(max(dram.num_used, selection.numel()))  # host-known bound: never evicts
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
@@ -156,6 +149,21 @@ class HbmBlockCache:
             lru.forget_(load_ids.view(-1), self.tables)
             raise
         return slots.view(block_ids.shape)
+
+    def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
+        """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one
+        that names missing partitions or may not fit, grow an unlimited cache to hold every live
+        block (a host-known bound: it never evicts). `lookup` runs it; a replayed capture of a
+        lookup runs no Python, so its caller runs this first."""
+        batch, heads, width = shape
+        if self.num_partitions > 1 and first_partition + heads > self.num_partitions:
+            raise ValueError(
+                f"partitions {first_partition}..{first_partition + heads - 1} do not exist: "
+                f"the cache has {self.num_partitions}"
+            )
+        self.check_fits(batch * width if self.num_partitions > 1 else batch * heads * width)
+        if self.unlimited:
+            self._grow(max(dram.num_used, batch * heads * width))
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a lookup reads or writes by address (what a captured decode step holds)."""

@@ -49,6 +49,9 @@ class ResidentBlocks:
     def check_fits(self, entries_per_partition: int) -> None:
         """Always fits: nothing is loaded."""
 
+    def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
+        """Nothing to do on the host before a lookup: every block is resident."""
+
     def invalidate(self, block_ids: torch.Tensor) -> None:
         """Nothing to forget: freed ids are the pool's business."""
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SparseServeConfig
+from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
@@ -95,6 +96,8 @@ class TieredBlockStore:
         # a random-weight model shows a real model's locality). Every query head then attends all
         # of its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
         self.selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Eager decode steps replay each layer's captured attention (None: launched op by op).
+        self.layer_graphs = LayerGraphs(self) if _captures_layers(config, self.ops, device) else None
 
     def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
         """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
@@ -193,6 +196,12 @@ class TieredBlockStore:
         """
         self._wait_for_saves()
         return self.hbm.lookup(block_ids, self.dram, first_partition)
+
+    def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
+        """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for
+        asynchronous saves, check and grow the device cache (a captured fetch runs no Python)."""
+        self._wait_for_saves()
+        self.hbm.prepare(shape, self.dram, first_partition)
 
     @property
     def epoch(self) -> int:
@@ -314,6 +323,16 @@ class TieredBlockStore:
             self._reallocations += 1
         self.metadata = grown(self.metadata, self.dram.capacity)
         self.hbm.track_blocks(self.dram.capacity)
+
+
+def _captures_layers(config: SparseServeConfig, ops: BlockOps, device: torch.device) -> bool:
+    """Whether a layer's decode attention can be captured: CUDA, kernels that never sync."""
+    return (
+        config.layer_graphs
+        and device.type == "cuda"
+        and ops.name in ("triton", "flash")
+        and config.transfer == "kernel"
+    )
 
 
 def _check_store_args(config: object, ops: object, head_dim: object, dtype: object) -> None:

@@ -1,0 +1,155 @@
+"""LayerGraphs: each sparse layer's decode attention replayed as a CUDA graph by eager callers.
+
+An eager forward (`model.generate`, the `Generator` without `cuda_graphs`) would launch a sparse
+layer's decode attention (scoring, top-k, GQA union, block-cache lookup, loading the misses,
+sparse attention) as ~20 kernels from Python, for every layer and token. Here each
+(layer, query shape, table width) captures that work once; later calls copy the query into the
+captured input and launch one graph. The model around it stays eager: the code captured is the
+attention call of the very step the whole-step graph (`graph.DecodeGraphRunner`) captures.
+
+A captured piece reads, by address, the layer's tail, lengths and block table (the caller
+changes them only between calls: appending the new token, linking a saved block) and the
+store's pools and tables (which it updates in place: LRU, HBM slots, counters). So a piece
+replays only while those are the very tensors it captured:
+- the store's tensors moved (its epoch or an address changed): every piece is dropped;
+- the layer's own tensors were replaced (rows joined or left, the table grew): that piece is
+  captured again. Pieces never write the layer's tensors, so none is ever copied.
+What a replay skips because no Python runs in it happens eagerly first
+(`TieredBlockStore.prepare_fetch`: asynchronous saves finished, an unlimited cache grown).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_MAX_PIECES = 256  # captured pieces kept (least recently replayed dropped first)
+
+
+@dataclass
+class _Piece:
+    graph: Any  # torch.cuda.CUDAGraph (a stand-in in CPU tests)
+    query: torch.Tensor  # (B, Hq, D) the input it reads; a call copies its query here
+    out: torch.Tensor  # (B, Hq, D) written by every replay
+    pick: Any  # the layer's `last_pick` as captured: tensors every replay overwrites
+    rows: tuple[torch.Tensor, ...]  # the layer's tensors it reads by address
+    selection_shape: tuple[int, ...]  # (B, Hkv, U) of its lookups, for `prepare_fetch`
+
+
+class PieceCapture:
+    """The CUDA side: a warm-up on a side stream, then a capture into a pool shared by the pieces.
+
+    Captures with `capture_begin`/`capture_end` on the side stream rather than through
+    `torch.cuda.graph`, which synchronizes the device and empties the allocator's cache: a
+    capture then costs the eager model no sync and no fresh allocations. Apart from
+    `LayerGraphs` so that tests can stand a fake in for it on CPU.
+    """
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+
+    def new_pool(self) -> None:
+        """Capture later pieces into a fresh pool (a pool whose graphs are all gone is released)."""
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run `fn` for real on the side stream (Triton compiles, the result is this call's)."""
+        return self._on_side_stream(fn)
+
+    def record(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Capture `fn`'s kernels without running them; returns the graph and `fn`'s static output."""
+        graph = torch.cuda.CUDAGraph()
+
+        def captured() -> torch.Tensor:
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                return fn()
+            finally:
+                graph.capture_end()
+
+        return graph, self._on_side_stream(captured)
+
+    def _on_side_stream(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+
+class LayerGraphs:
+    """The captured decode-attention pieces of every sparse layer over one `TieredBlockStore`.
+
+    Args:
+        store: the store whose pools and tables the pieces hold by address.
+        capture: the capturing side (`PieceCapture` on CUDA; None builds one).
+        max_pieces: pieces kept; past it the least recently replayed one is dropped.
+    """
+
+    def __init__(self, store: Any, capture: Any | None = None, max_pieces: int = DEFAULT_MAX_PIECES) -> None:
+        self.store = store
+        self.capture = capture if capture is not None else PieceCapture()
+        self.max_pieces = max_pieces
+        self.num_captures = 0
+        self._pieces: OrderedDict[tuple, _Piece] = OrderedDict()
+        self._state: tuple | None = None
+
+    def attend(self, layer: Any, query: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`attend(query)` for `layer`, (B, Hq, D) -> (B, Hq, D), as a replay once captured.
+
+        `attend` must be the layer's selection and sparse attention at fixed shapes with no host
+        sync. The output of a replay is the piece's static buffer: the layer's next call
+        overwrites it, so it is to be consumed before then (the model's output projection does).
+        """
+        key = (layer.layer_idx, tuple(query.shape), query.dtype, layer.block_ids.shape[2])
+        piece = self._pieces.get(key)
+        if piece is not None:
+            self.store.prepare_fetch(piece.selection_shape)  # may grow an unlimited cache (a new epoch)
+        self._check_store()
+        piece = self._pieces.get(key)
+        if piece is None or any(held is not now for held, now in zip(piece.rows, _rows(layer))):
+            return self._capture(key, layer, query, attend)
+        self._pieces.move_to_end(key)
+        piece.query.copy_(query)
+        piece.graph.replay()
+        layer.last_pick = piece.pick  # a replay runs no Python: point the layer at what it wrote
+        return piece.out
+
+    def drop(self) -> None:
+        """Forget every piece (the next calls capture again)."""
+        if self._pieces:
+            self.capture.new_pool()
+        self._pieces.clear()
+
+    def _check_store(self) -> None:
+        state = (self.store.epoch, tuple(t.data_ptr() for t in self.store.graph_tensors().values()))
+        if state != self._state:
+            self.drop()
+            self._state = state
+
+    def _capture(
+        self, key: tuple, layer: Any, query: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Run this call for real (its result), then capture it for the next ones."""
+        self._pieces.pop(key, None)
+        static_query = query.clone()
+        out = self.capture.warm_up(lambda: attend(static_query))
+        self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
+        pick = layer.last_pick
+        graph, static_out = self.capture.record(lambda: attend(static_query))
+        if len(self._pieces) >= self.max_pieces:  # the new piece keeps the pool alive: never all dropped
+            self._pieces.popitem(last=False)
+        selection_shape = tuple(layer.last_pick[0].shape)
+        self._pieces[key] = _Piece(graph, static_query, static_out, layer.last_pick, _rows(layer), selection_shape)
+        layer.last_pick = pick  # the warm-up's: the captured tensors hold nothing until a replay
+        self.num_captures += 1
+        return out
+
+
+def _rows(layer: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(layer.graph_tensors().values())
