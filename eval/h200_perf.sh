@@ -13,6 +13,8 @@
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
+#   dropin      model.generate with a SparseServeCache vs stock generate, B=4 x 32K, decode ms/step:
+#               each layer's attention replayed (layer_graphs=True) and launched op by op
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -41,6 +43,8 @@ case $part in
     python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -20 ;;
   lookup)
     python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
+  dropin)
+    python -m eval.bench.dropin --out "$out/dropin.json" 2>&1 | tee "$out/dropin.log" | tail -20 ;;
   profile)
     python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
   metadata)
@@ -52,5 +56,5 @@ case $part in
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin)" >&2; exit 2 ;;
 esac

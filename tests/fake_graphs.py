@@ -89,15 +89,23 @@ class FakePieceCapture:
         self.cache = cache
         self.pools = 1
         self.replays = 0
+        self.live: dict[int, weakref.WeakSet] = {}  # per layer: the pieces captured into its pool
 
-    def new_pool(self) -> None:
+    def new_pools(self) -> None:
         self.pools += 1
+        self.live = {}
+
+    def forget_pool(self, layer_idx: int) -> None:
+        self.live.pop(layer_idx, None)
 
     def warm_up(self, fn):
         self._before_warm_up = [t.clone() for t in self._tensors().values()]
         return fn()
 
-    def record(self, fn):
+    def record(self, fn, layer_idx: int):
+        # Like PyTorch: a pool whose graphs are all gone is released, and capturing into it asserts.
+        pool = self.live.get(layer_idx)
+        assert pool is None or len(pool) > 0, f"captured into the released pool of layer {layer_idx}"
         tensors = self._tensors()
         saved = [t.clone() for t in tensors.values()]
         for t, value in zip(tensors.values(), self._before_warm_up):
@@ -111,7 +119,9 @@ class FakePieceCapture:
         for t in layer.last_pick:
             if isinstance(t, torch.Tensor):
                 t.zero_()
-        return FakePiece(self, fn, out, layer, layer.last_pick, {n: t.data_ptr() for n, t in tensors.items()}), out
+        piece = FakePiece(self, fn, out, layer, layer.last_pick, {n: t.data_ptr() for n, t in tensors.items()})
+        self.live.setdefault(layer_idx, weakref.WeakSet()).add(piece)
+        return piece, out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return self.cache.store.graph_tensors()

@@ -41,32 +41,40 @@ class _Piece:
 
 
 class PieceCapture:
-    """The CUDA side: a warm-up on a side stream, then a capture into a pool shared by the pieces.
+    """The CUDA side: a warm-up on a side stream, then a capture into the pool of the piece's layer.
 
-    Captures with `capture_begin`/`capture_end` on the side stream rather than through
-    `torch.cuda.graph`, which synchronizes the device and empties the allocator's cache: a
-    capture then costs the eager model no sync and no fresh allocations. Apart from
-    `LayerGraphs` so that tests can stand a fake in for it on CPU.
+    Pieces of one layer share a memory pool, pieces of different layers never do: a piece's
+    outputs (its pick, read after the whole step) may sit where another piece of its pool keeps
+    intermediates, and of one layer's pieces only one replays per step. Captures with
+    `capture_begin`/`capture_end` on the side stream rather than through `torch.cuda.graph`,
+    which synchronizes the device and empties the allocator's cache: a capture then costs the
+    eager model no sync and no fresh allocations. Apart from `LayerGraphs` so that tests can
+    stand a fake in for it on CPU.
     """
 
     def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pools: dict[int, Any] = {}
         self.stream = torch.cuda.Stream()
 
-    def new_pool(self) -> None:
-        """Capture later pieces into a fresh pool (a pool whose graphs are all gone is released)."""
-        self.pool = torch.cuda.graph_pool_handle()
+    def new_pools(self) -> None:
+        """Capture later pieces into fresh pools (a pool whose graphs are all gone is released)."""
+        self.pools = {}
+
+    def forget_pool(self, layer_idx: int) -> None:
+        """The layer's pieces are all gone: its next capture needs a fresh pool."""
+        self.pools.pop(layer_idx, None)
 
     def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `fn` for real on the side stream (Triton compiles, the result is this call's)."""
         return self._on_side_stream(fn)
 
-    def record(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    def record(self, fn: Callable[[], torch.Tensor], layer_idx: int) -> tuple[Any, torch.Tensor]:
         """Capture `fn`'s kernels without running them; returns the graph and `fn`'s static output."""
         graph = torch.cuda.CUDAGraph()
+        pool = self.pools.setdefault(layer_idx, torch.cuda.graph_pool_handle())
 
         def captured() -> torch.Tensor:
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 return fn()
             finally:
@@ -123,7 +131,7 @@ class LayerGraphs:
     def drop(self) -> None:
         """Forget every piece (the next calls capture again)."""
         if self._pieces:
-            self.capture.new_pool()
+            self.capture.new_pools()
         self._pieces.clear()
 
     def _check_store(self) -> None:
@@ -136,14 +144,17 @@ class LayerGraphs:
         self, key: tuple, layer: Any, query: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """Run this call for real (its result), then capture it for the next ones."""
-        self._pieces.pop(key, None)
+        replaced = self._pieces.pop(key, None)  # alive until the capture: its pool must not be released
         static_query = query.clone()
         out = self.capture.warm_up(lambda: attend(static_query))
         self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
         pick = layer.last_pick
-        graph, static_out = self.capture.record(lambda: attend(static_query))
-        if len(self._pieces) >= self.max_pieces:  # the new piece keeps the pool alive: never all dropped
-            self._pieces.popitem(last=False)
+        graph, static_out = self.capture.record(lambda: attend(static_query), layer.layer_idx)
+        if len(self._pieces) >= self.max_pieces:
+            evicted, _ = self._pieces.popitem(last=False)
+            if all(other[0] != evicted[0] for other in self._pieces) and evicted[0] != key[0]:
+                self.capture.forget_pool(evicted[0])  # its last graph goes: PyTorch releases the pool
+        del replaced
         selection_shape = tuple(layer.last_pick[0].shape)
         self._pieces[key] = _Piece(graph, static_query, static_out, layer.last_pick, _rows(layer), selection_shape)
         layer.last_pick = pick  # the warm-up's: the captured tensors hold nothing until a replay

@@ -115,5 +115,6 @@ def test_the_piece_limit_drops_the_least_recently_replayed(llama):
 def test_layer_graphs_is_a_bool_and_off_on_cpu(llama):
     with pytest.raises(ValueError, match="layer_graphs must be a bool"):
         SparseServeConfig(layer_graphs="yes")
-    cache, _ = batch_cache(llama, static_config(), lengths=LENGTHS[:1])
+    assert SparseServeConfig().layer_graphs is False  # opt-in for now
+    cache, _ = batch_cache(llama, static_config(layer_graphs=True), lengths=LENGTHS[:1])
     assert cache.store.layer_graphs is None  # CPU: nothing to capture

@@ -31,11 +31,15 @@ def fixed_shape_gather(pool_src, src_ids, pool_dst, dst_slots, count=None) -> No
     pool_dst.copy_(scratch[:-1])
 
 
-def prefilled(device: str, backend: str, batch: int = 3):
+def prefilled(device: str, backend: str, batch: int = 3, layer_graphs: bool = False):
     """A tiny model, its stack and a cache holding a prefilled batch, tight enough to evict."""
     model = tiny_model("llama", num_heads=4, num_kv_heads=2).to(device)
     config = SparseServeConfig(
-        block_size=BLOCK, token_budget=64, hbm_cache_bytes=2 * batch * 4 * 3 * 2 * BLOCK * 16 * 4, backend=backend
+        block_size=BLOCK,
+        token_budget=64,
+        hbm_cache_bytes=2 * batch * 4 * 3 * 2 * BLOCK * 16 * 4,
+        backend=backend,
+        layer_graphs=layer_graphs,
     )
     cache = SparseServeCache(model.config, config)
     ids = random_ids(batch, PROMPT).to(device)
@@ -66,8 +70,11 @@ def test_steady_decode_step_runs_no_data_dependent_op_on_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_steady_decode_step_does_not_sync_on_cuda():
-    stack, cache, tokens = prefilled("cuda", "triton")
+@pytest.mark.parametrize("layer_graphs", [False, True])
+def test_steady_decode_step_does_not_sync_on_cuda(layer_graphs):
+    """Launched kernel by kernel, or each layer's attention replayed (`layer_graphs`: the first
+    step captures, the next ones replay)."""
+    stack, cache, tokens = prefilled("cuda", "triton", layer_graphs=layer_graphs)
     with torch.no_grad():
         tokens = decode_step(stack, cache, tokens, PROMPT)
         torch.cuda.synchronize()
@@ -78,6 +85,8 @@ def test_steady_decode_step_does_not_sync_on_cuda():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert cache.stats()["misses"] > 0
+    if layer_graphs:
+        assert cache.store.layer_graphs.num_captures == stack.num_layers
 
 
 def test_decode_under_inference_mode_equals_stock():
