@@ -100,6 +100,6 @@ def combine_top_ranks(
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or (4 if block_n <= 1024 else 8),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or (2 if block_n <= 1024 else 8),
     )  # fmt: skip
     return out
