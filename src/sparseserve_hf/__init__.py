@@ -5,13 +5,14 @@ Importing the package registers `attn_implementation="sparseserve"`.
 
 from .cache import SparseServeCache
 from .config import SparseServeConfig
-from .generation import Generator, RequestOutput, SamplingParams, StreamEvent
+from .generation import Generator, GeneratorGroup, RequestOutput, SamplingParams, StreamEvent
 from .registry import register
 
 register()
 
 __all__ = [
     "Generator",
+    "GeneratorGroup",
     "RequestOutput",
     "SamplingParams",
     "SparseServeCache",

@@ -225,3 +225,28 @@ def test_http_load_runs_a_poisson_trace_through_the_server(server):
 
     summary = summarize(records)
     assert summary["completed"] == 12 and summary["failed"] == 0 and summary["p50_ttft_s"] > 0
+
+
+def test_two_engines_behind_one_server_answer_as_one_engine_does(folder, tmp_path, in_process):
+    """`--devices cpu,cpu`: a GeneratorGroup of two replicas serves the same endpoints; greedy
+    answers equal the in-process Generator's, and /metrics reports both engines' work."""
+    group = Server(folder, "--devices", "cpu,cpu", "--api-key", KEY, log=tmp_path / "group.log")
+    try:
+        client = openai.OpenAI(base_url=f"{group.url}/v1", api_key=KEY, max_retries=0)
+        generator, _ = in_process
+        prompts = [words(30 + 7 * i, seed=i) for i in range(4)]
+        want = [out.text for out in generator.generate(prompts, SamplingParams(max_new_tokens=6))]
+
+        async def ask_all() -> list[str]:
+            aclient = openai.AsyncOpenAI(base_url=f"{group.url}/v1", api_key=KEY, max_retries=0)
+            answers = await asyncio.gather(
+                *(aclient.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts)
+            )
+            return [a.choices[0].text for a in answers]
+
+        assert asyncio.run(ask_all()) == want
+        assert client.models.list().data[0].id
+        time.sleep(1.2)  # engine figures are published at most once a second
+        assert metric(group.url, "sparseserve_dram_kv_bytes") == 0
+    finally:
+        assert group.stop() == 0

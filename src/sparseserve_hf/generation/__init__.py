@@ -1,6 +1,7 @@
 """The batching Generator: requests, admission, layer-segmented prefill, the continuous-batching loop."""
 
 from .generator import Generator
+from .group import GeneratorGroup
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
 from .prefill import DecoderStack, PrefillJob, SegmentedPrefill
@@ -8,6 +9,7 @@ from .prefill import DecoderStack, PrefillJob, SegmentedPrefill
 __all__ = [
     "DecoderStack",
     "Generator",
+    "GeneratorGroup",
     "PrefillJob",
     "RequestOutput",
     "SamplingParams",

@@ -22,7 +22,6 @@ batch cache and back (`append_rows` / `pop_rows`), and a finished row's blocks a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 import torch
@@ -33,7 +32,8 @@ from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
 from ..graph import DecodeGraphRunner
 from ..ops import get_ops
-from .inputs import as_prompt_list, check_engine_arguments, metrics_sink, prompt_token_ids
+from .frontend import Prompt, RequestFrontend
+from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
@@ -44,10 +44,8 @@ from .scheduler import DECODE, PREFILL, Candidate, Limits, Plan, schedule
 from .sizing import EngineSizes
 from .working_set import WorkingSetTracker, initial_working_set
 
-Prompt = str | Sequence[int] | torch.Tensor
 
-
-class Generator:
+class Generator(RequestFrontend):
     """A batching engine over a model loaded with `attn_implementation="sparseserve"`.
 
     Args:
@@ -208,69 +206,6 @@ class Generator:
         """
         return bool(self._requests or self._pending)
 
-    # ---- list-in, list-out API ---------------------------------------------------------------
-
-    def stream(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams | None] | None = None,
-    ) -> Iterator[StreamEvent]:
-        """Submit `prompts` and yield their events as tokens come (each event names its prompt_index).
-
-        `prompts` is a list of prompts, or one prompt (a str, a flat list of token ids, a 1-D
-        tensor: a list of one, as in vLLM's `LLM.generate`; so `stream("Hi")` is one request,
-        not "H" and "i"). A 2-D tensor is a list of its rows. `params` is one SamplingParams for
-        all, one per prompt, or None (the defaults).
-
-        A prompt that can never run (empty, too long, bad ids...) yields one finishing event with
-        finish_reason "error" and the message; the others run. Events of requests added with
-        `submit` are kept for the next `step()` caller.
-
-        Raises (at the call, before anything is submitted):
-            TypeError: `prompts` is neither a prompt nor a sequence of them; `params` is not a
-                SamplingParams, None or a sequence of them.
-            ValueError: a params sequence whose length is not the number of prompts.
-        """
-        prompt_list = as_prompt_list(prompts)
-        return self._stream(prompt_list, _per_prompt(params, len(prompt_list)))
-
-    def _stream(self, prompts: list[Any], params: list[SamplingParams | None]) -> Iterator[StreamEvent]:
-        """`stream`'s loop. Closed early (the consumer broke off or raised, or an interrupt), it
-        ends its unfinished requests (`_abandon`) and loses no other request's event."""
-        own: set[int] = set()
-        try:
-            for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-                try:
-                    own.add(self.submit(prompt, request_params, prompt_index=index))
-                except (ValueError, TypeError) as exc:
-                    yield self._rejected(prompt, index, str(exc))
-            while own:
-                events = self.step()
-                self._pending.extend(event for event in events if event.request_id not in own)  # before any yield
-                for event in [event for event in events if event.request_id in own]:
-                    if event.finished:
-                        own.discard(event.request_id)
-                    yield event
-        finally:
-            self._abandon(own)
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Run `prompts` to completion; returns their outputs in the same order.
-
-        Takes what `stream` takes: a list of prompts, or one prompt, which returns a list of one
-        output. Raises what `stream` raises, before anything runs.
-        """
-        prompt_list = as_prompt_list(prompts)
-        outputs: list[RequestOutput | None] = [None] * len(prompt_list)
-        for event in self._stream(prompt_list, _per_prompt(params, len(prompt_list))):
-            if event.finished:
-                outputs[event.prompt_index] = event.output
-        return outputs  # type: ignore[return-value]
-
     # ---- reporting ------------------------------------------------------------------------------
 
     def hbm_bytes_in_use(self) -> int:
@@ -295,6 +230,18 @@ class Generator:
             return
         now = self.store.hbm.resident_count() * self.store.block_bytes + host_known  # () on the device
         self._hbm_peak = now if self._hbm_peak is None else torch.maximum(self._hbm_peak, now)
+
+    def committed_hbm_bytes(self) -> int:
+        """HBM block-cache bytes this engine's requests ask of the next iteration: the admission
+        numbers (working sets of decoding requests, prefill working sets of the others), summed.
+        What a router compares engines by: `config.hbm_cache_bytes` minus this is room left."""
+        return sum(candidate.working_set_bytes for candidate in self._candidates())
+
+    def request_times(self, request_id: int) -> dict[str, Any] | None:
+        """The timings `metrics()["requests"]` reports for one request (arrival, first token,
+        finish...), or None for an id this engine never saw."""
+        times = self.recorder.requests.get(request_id)
+        return None if times is None else times.as_dict(request_id)
 
     def dram_bytes_in_use(self) -> int:
         """Host bytes of live KV blocks (0 with offload=False: they are in `hbm_bytes_in_use`)."""
@@ -606,20 +553,6 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return frozenset(ids)
-
-
-def _per_prompt(params: object, count: int) -> list[SamplingParams | None]:
-    """`params` of `stream`/`generate` as one entry per prompt; refuses anything else by name."""
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * count
-    if not isinstance(params, Sequence) or isinstance(params, str):
-        raise TypeError(f"params must be a SamplingParams, None or a list of them, got {type(params).__name__}")
-    bad = [type(p).__name__ for p in params if p is not None and not isinstance(p, SamplingParams)]
-    if bad:
-        raise TypeError(f"params must be a SamplingParams, None or a list of them; the list holds {bad[0]}")
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
-    return list(params)
 
 
 def _check_prompt_index(prompt_index: object) -> None:

@@ -51,6 +51,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="'auto' (CUDA when there is one), 'cpu', 'cuda', 'cuda:1', ..."
     )
     parser.add_argument(
+        "--devices",
+        default=None,
+        help="data parallel: one engine per device, comma-separated (e.g. cuda:0,cuda:1); overrides --device",
+    )
+    parser.add_argument(
         "--served-model-name", default=None, help="the name clients pass as `model` (default: the folder's)"
     )
     parser.add_argument("--api-key", default=None, help="bearer token for /v1 (default: no auth)")
@@ -110,14 +115,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("sparseserve-hf serve: --max-queue must be >= 0")
     import uvicorn
 
-    from ..generation import Generator
+    from ..generation import Generator, GeneratorGroup
     from .app import ServerSettings, create_app
     from .engine import EngineThread
     from .metrics import ServerMetrics
 
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    if devices is not None:
+        args.device = devices[0]
     model, tokenizer, name = load(args)
     metrics = ServerMetrics()
-    engine = EngineThread(Generator(model, tokenizer, config), metrics.finished, metrics.engine_totals)
+    if devices is None:
+        generator = Generator(model, tokenizer, config)
+    else:
+        generator = GeneratorGroup.replicate(model, tokenizer, config, devices=devices)
+    engine = EngineThread(generator, metrics.finished, metrics.engine_totals)
     settings = ServerSettings(
         model_name=name,
         api_key=args.api_key,

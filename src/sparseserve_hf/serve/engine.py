@@ -150,8 +150,7 @@ class EngineThread:
             if event.finished:
                 self._routes.pop(event.request_id, None)
                 if self._on_finish is not None:
-                    times = self.generator.recorder.requests.get(event.request_id)
-                    self._on_finish(event, times.as_dict(event.request_id) if times is not None else {})
+                    self._on_finish(event, self.generator.request_times(event.request_id) or {})
             if route is not None:
                 loop, events_queue = route
                 loop.call_soon_threadsafe(events_queue.put_nowait, event)
