@@ -87,7 +87,7 @@ VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="
 # "twostage_q4": Quest (8-bit) over every block picks a quarter of them as candidates per KV head (the
 # group's best bound); a 4-bit copy of the candidates' keys then estimates each query head's
 # attention over them (`two_stage_blocks`); exactly the budget per KV head. Bytes read per step:
-# 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/16 of their KV) = 1/32.
+# 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/8 of their K and V in bf16) = 3/64.
 # "twostage_q4_half" keeps half of the blocks as candidates (1/64 + 1/32 of the KV read per step).
 # "twostage_hybrid_q4": stage 1 ranks by the default's hybrid metadata instead (its bytes on top).
 TWO_STAGE = {"twostage_q4": 4, "twostage_q4_half": 2, "twostage_hybrid_q4": 4}  # variant -> 1 in this many blocks
