@@ -76,7 +76,7 @@ class SparseServeCache(Cache):
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
         sparse = sparse_layer_indices(self.shape, self.config)
-        partitions = _partition_count(self.shape, sparse)
+        partitions = _partition_count(self.shape.num_kv_heads, sparse)
         self._check_sizes(store, partitions)
         self._slot = StoreSlot(self.config, store, partitions)  # refers to no cache (no cycle)
         if store is not None:
@@ -84,6 +84,7 @@ class SparseServeCache(Cache):
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
+        self.kv_heads = self.shape.num_kv_heads  # KV heads this cache stores per layer (a rank's share under TP)
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
@@ -154,6 +155,7 @@ class SparseServeCache(Cache):
         a later layer (keys of another shape) after undoing the layers this forward updated.
         """
         if layer_idx == 0:  # nothing to undo yet: the log still holds the last forward until `begin`
+            self._adopt_rank_heads(key_states)
             self._check_layer_keys(key_states, value_states, layer_idx)
             self._check_new_tokens(key_states)
             self._log.begin(self.get_seq_length(), key_states.shape[-2])
@@ -168,6 +170,24 @@ class SparseServeCache(Cache):
         layer = self.layers[layer_idx]
         handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
         return keys, values
+
+    def _adopt_rank_heads(self, key_states: torch.Tensor) -> None:
+        """Under tensor parallelism (transformers' `tp_plan`) a rank's attention sees only its share
+        of the model's KV heads. Nothing is sized before the first keys arrive, so a cache whose
+        first keys carry one rank's share sizes itself to it: the heads it checks and stores, one
+        HBM partition per (sparse layer, local KV head), each layer's first partition. Selection
+        is per local KV head, so ranks never exchange anything about blocks."""
+        if self.store is not None or self.get_seq_length() != 0 or not isinstance(key_states, torch.Tensor):
+            return
+        given = key_states.shape[1] if key_states.dim() == 4 else self.kv_heads
+        if given == self.kv_heads or not _is_rank_share(self.shape.num_kv_heads, given):
+            return  # the same heads, or a mismatch `_check_layer_keys` reports
+        self.kv_heads = given
+        sparse = sparse_layer_indices(self.shape, self.config)
+        self._slot.hbm_partitions = _partition_count(given, sparse)
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, SparseServeLayer):
+                layer.first_partition = sparse.index(index) * given
 
     def _check_new_tokens(self, key_states: torch.Tensor) -> None:
         """Reject bad input at the first layer, before any layer has changed.
@@ -193,7 +213,7 @@ class SparseServeCache(Cache):
             )
         if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
             raise TypeError("key_states and value_states must be tensors")
-        expected = (self.shape.num_kv_heads, self.shape.head_dim)
+        expected = (self.kv_heads, self.shape.head_dim)
         if key_states.dim() != 4 or (key_states.shape[1], key_states.shape[3]) != expected:
             raise ValueError(
                 f"this SparseServeCache was built for {expected[0]} KV heads of head_dim {expected[1]} "
@@ -408,12 +428,21 @@ def sparse_layer_indices(shape: ModelShape, config: SparseServeConfig) -> list[i
 def hbm_partitions(model_config: Any, config: SparseServeConfig) -> int:
     """LRU partitions of the HBM block cache a SparseServeCache builds: one per (sparse layer, KV head)."""
     shape = _model_shape(model_config)
-    return _partition_count(shape, sparse_layer_indices(shape, config))
+    return _partition_count(shape.num_kv_heads, sparse_layer_indices(shape, config))
 
 
-def _partition_count(shape: ModelShape, sparse_layers: list[int]) -> int:
+def _partition_count(kv_heads: int, sparse_layers: list[int]) -> int:
     """One LRU partition per (sparse layer, KV head); at least one."""
-    return max(1, len(sparse_layers) * shape.num_kv_heads)
+    return max(1, len(sparse_layers) * kv_heads)
+
+
+def _is_rank_share(model_heads: int, given: int) -> bool:
+    """True when `given` of the model's `model_heads` KV heads is one rank's share: a torch.distributed
+    world whose size the split divides (transformers' tensor parallel splits heads evenly)."""
+    if given <= 0 or given >= model_heads or model_heads % given:
+        return False
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() % (model_heads // given) == 0
 
 
 def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:
