@@ -13,8 +13,9 @@
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
-#   dropin      model.generate with a SparseServeCache vs stock generate, B=4 x 32K, decode ms/step:
-#               each layer's attention replayed (layer_graphs=True) and launched op by op
+#   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
+#               StaticCache), decode ms/step at B=4 x 32K and B=2 x 128K, real locality and random KV,
+#               launched op by op (the default) and with layer_graphs=True; the first call of a new process
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -44,7 +45,7 @@ case $part in
   lookup)
     python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
   dropin)
-    python -m eval.bench.dropin --out "$out/dropin.json" 2>&1 | tee "$out/dropin.log" | tail -20 ;;
+    python -m eval.bench.dropin --static --first-call --out "$out/dropin.json" 2>&1 | tee "$out/dropin.log" | tail -30 ;;
   profile)
     python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
   metadata)

@@ -1,55 +1,80 @@
 """The drop-in: `model.generate(past_key_values=SparseServeCache(...))` against stock `generate`.
 
-    python -m eval.bench.dropin --out eval/results/dropin.json      # H200: ~4 min
-    python -m eval.bench.dropin --dry-run                          # tiny shapes on CPU
+    python -m eval.bench.dropin --out eval/results/dropin.json                  # H200: ~6 min
+    python -m eval.bench.dropin --points 32k --first-call --out ...            # + the first-call overhead
+    python -m eval.bench.dropin --dry-run                                      # tiny shapes on CPU
 
-Llama-3-8B shape, random bf16 weights, B=4 x 32K, greedy. Each cache is filled with random KV as
-in `decode_step` (no prefill), and the prompt is one token longer than what it holds, so
-`generate` runs only decode steps. Decode ms/step goes through the user's entry point, with
-`generate`'s own per-step work: (time of `generate` with N + 1 new tokens - time with 1) / N,
-after a warm-up call of the same shapes; between calls the cache is cropped back to the context.
+Llama-3-8B shape, random bf16 weights, greedy, at two points: B=4 x 32K and B=2 x 128K. Each cache
+is filled with random KV as in `decode_step` (no prefill), and the prompt is one token longer than
+what it holds, so `generate` runs only decode steps. Decode ms/step goes through the user's entry
+point, `generate`'s own per-step work included: (time of `generate` with N + 1 new tokens - time
+with 1) / N, after a warm-up call of the same shapes; between calls the cache is cropped back.
 
 Systems, one after another in the same process: stock (`attn_implementation="sdpa"`,
-`DynamicCache`); ours with the default config and an HBM cache of 25% of the dense KV, each
-sparse layer's attention replayed as a captured piece (`layer_graphs=True`, the default); ours
-with `layer_graphs=False` (every kernel launched from Python). Ours loads the blocks of the
-recorded selection trace (real locality; `--locality random` lets the random model select).
+`DynamicCache`; `--static` adds its `StaticCache`, compiled, and best stock is the faster); ours
+with `SparseServeConfig()` and an HBM cache of 25% of the dense KV, launched op by op (the default)
+and with `layer_graphs=True` (each sparse layer's attention replayed as a CUDA graph). Ours runs at
+real locality (blocks loaded follow the recorded selection trace) and with random KV (the random
+model's own selections) in blocks `real_locality` and `random_kv`. Peak HBM is
+`torch.cuda.max_memory_allocated` over each system's timed calls.
+
+`--first-call`: a fresh process runs one real 32K prefill + 64 new tokens through a new
+SparseServeCache twice; the first call's time minus the second's is the first-call overhead
+(kernel loading, pinning, allocator growth). Run twice with one fresh Triton cache directory: the
+first process compiles into it (`first_call_overhead_s_32k_empty_triton_cache`), the second
+finds its kernels on disk, as every process after a user's first does
+(`first_call_overhead_s_32k`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import StaticCache
 
 from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, write_json
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
 from eval.bench.selection_trace import SelectionTrace, TraceReplay
-from sparseserve_hf import SparseServeConfig
+from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 GIB = 1 << 30
+POINTS = {"32k": (4, 32576), "128k": (2, 130944)}  # name -> (batch, context); the tail keeps room
+DRY_POINTS = {"32k": (2, 200), "128k": (1, 400)}
+LOCALITIES = {"real_locality": "real", "random_kv": "random"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=32576)
+    parser.add_argument("--points", default="32k,128k", help=f"comma-separated, of {sorted(POINTS)}")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode steps timed per call")
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the batch's dense KV")
-    parser.add_argument("--locality", choices=("real", "random"), default="real")
+    parser.add_argument("--localities", default="real_locality,random_kv")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--static", action="store_true", help="also stock's StaticCache (compiled)")
+    parser.add_argument("--first-call", action="store_true", help="measure the first call of a new process")
+    parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
 
-def generate_seconds(model, cache, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Wall seconds of one greedy `generate` of exactly `new_tokens`, the cache cropped back after."""
+# ---- timing through generate ---------------------------------------------------------------------
+
+
+def generate_seconds(model, cache, prompt: torch.Tensor, new_tokens: int, crop: bool = True) -> float:
+    """Wall seconds of one greedy `generate` of exactly `new_tokens` (the cache cropped back after:
+    `crop_static` for a StaticCache, which transformers 5.17 cannot crop)."""
     sync(prompt.device)
     start = time.perf_counter()
     with torch.no_grad():
@@ -59,49 +84,80 @@ def generate_seconds(model, cache, prompt: torch.Tensor, new_tokens: int) -> flo
         )  # fmt: skip
     sync(prompt.device)
     seconds = time.perf_counter() - start
-    cache.crop(-new_tokens)  # back to the context: the next call decodes the same positions
+    if crop and isinstance(cache, StaticCache):
+        crop_static(cache, prompt.shape[1] - 1)
+    elif crop:
+        cache.crop(-new_tokens)  # back to the context: the next call decodes the same positions
     return seconds
 
 
-def decode_ms_per_step(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, float]:
-    """Warm-up, then (generate(N + 1) - generate(1)) / N in ms."""
-    generate_seconds(model, cache, prompt, new_tokens + 1)
+def crop_static(cache, length: int) -> None:
+    """Set a StaticCache back to `length` positions: its layers count them in `cumulative_length`
+    (transformers 5.17 and later), later updates overwrite the stale ones, the mask hides them."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
+
+
+def decode_ms_per_step(model, cache, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict[str, Any]:
+    """Warm-up, then (generate(N + 1) - generate(1)) / N in ms, and the peak HBM of the timed calls."""
+    warm_s = generate_seconds(model, cache, prompt, new_tokens + 1)
+    _reset_peak(device)
     one = generate_seconds(model, cache, prompt, 1)
     full = generate_seconds(model, cache, prompt, new_tokens + 1)
-    return {"decode_ms_per_step": (full - one) * 1e3 / new_tokens, "first_step_s": one, "call_s": full}
+    return {
+        "decode_ms_per_step": (full - one) * 1e3 / new_tokens,
+        "warmup_call_s": warm_s,
+        "call_s": full,
+        "peak_gib": _peak_gib(device),
+    }
 
 
-def measure_stock(args, device, dtype, shape: str, prompt: torch.Tensor) -> dict[str, Any]:
-    model = build_model(shape, "sdpa", device, dtype, args.context + args.new_tokens + 64)
-    cache = dense_cache(model, args.batch, args.context)
-    _reset_peak(device)
-    row = {"system": "stock DynamicCache (sdpa)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens)
-    row["peak_gib"] = _peak_gib(device)
+# ---- the systems -----------------------------------------------------------------------------------
+
+
+def measure_stock(args, device, dtype, shape: str, batch: int, context: int, prompt) -> dict[str, Any]:
+    model = build_model(shape, "sdpa", device, dtype, context + args.new_tokens + 64)
+    cache = dense_cache(model, batch, context)
+    row = {"system": "stock DynamicCache (sdpa)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
     del model, cache
     _free(device)
     return row
 
 
-def measure_ours(args, device, dtype, shape: str, prompt: torch.Tensor, layer_graphs: bool) -> dict[str, Any]:
-    model = build_model(shape, "sparseserve", device, dtype, args.context + args.new_tokens + 64)
-    text = model.config
-    dense_kv = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
-    dense_kv *= args.batch * args.context
-    config = SparseServeConfig(
-        hbm_cache_bytes=max(int(dense_kv * args.hbm_cache_fraction), 1 << 20),
-        max_batch=args.batch,
-        layer_graphs=layer_graphs,
-        **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),
-    )
+def measure_static(args, device, dtype, shape: str, batch: int, context: int, prompt) -> dict[str, Any] | None:
+    """Stock's StaticCache filled with random KV, through `generate` (which compiles for it); None if it fails."""
+    try:
+        model = build_model(shape, "sdpa", device, dtype, context + args.new_tokens + 64)
+        text = model.config
+        cache = StaticCache(config=text, max_cache_len=context + args.new_tokens + 8)
+        kv_shape = (batch, text.num_key_value_heads, context, text.head_dim)
+        positions = {"cache_position": torch.arange(context, device=device)}
+        for layer_idx in range(text.num_hidden_layers):
+            keys = torch.randn(kv_shape, dtype=dtype, device=device)
+            cache.update(keys, torch.randn_like(keys), layer_idx, positions)
+        return {"system": "stock StaticCache (compiled)"} | decode_ms_per_step(
+            model, cache, prompt, args.new_tokens, device
+        )
+    except Exception as exc:  # noqa: BLE001  a baseline that cannot run is recorded as missing, with why
+        print(f"stock static failed: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        _free(device)
+
+
+def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: str, layer_graphs: bool) -> dict:
+    model = build_model(shape, "sparseserve", device, dtype, context + args.new_tokens + 64)
+    config = ours_config(model.config, dtype, batch, context, args, layer_graphs)
     start = time.perf_counter()
-    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=args.new_tokens // config.block_size + 4)
+    cache = sparse_cache(model, config, batch, context, spare_blocks=args.new_tokens // config.block_size + 4)
     fill_s = time.perf_counter() - start
-    if args.locality == "real":
+    if locality == "real":
         trace = SelectionTrace.load(args.trace)
+        text = model.config
         cache.store.selection_override = TraceReplay(trace, text.num_hidden_layers, text.num_key_value_heads, device)
-    _reset_peak(device)
-    row = {"system": f"ours, layer_graphs={layer_graphs}"} | decode_ms_per_step(model, cache, prompt, args.new_tokens)
-    row["peak_gib"] = _peak_gib(device)
+    row = {"system": f"ours, layer_graphs={layer_graphs}"} | decode_ms_per_step(
+        model, cache, prompt, args.new_tokens, device
+    )
     stats = cache.stats()
     graphs = cache.store.layer_graphs
     row |= {
@@ -118,25 +174,110 @@ def measure_ours(args, device, dtype, shape: str, prompt: torch.Tensor, layer_gr
     return row
 
 
+def ours_config(text, dtype, batch: int, context: int, args, layer_graphs: bool) -> SparseServeConfig:
+    """`SparseServeConfig()` with an HBM cache of `--hbm-cache-fraction` of the batch's dense KV."""
+    dense_kv = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
+    dense_kv *= batch * context
+    return SparseServeConfig(
+        hbm_cache_bytes=max(int(dense_kv * args.hbm_cache_fraction), 1 << 20),
+        max_batch=batch,
+        layer_graphs=layer_graphs,
+        **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),
+    )
+
+
+def measure_point(args, device, dtype, shape: str, batch: int, context: int) -> dict[str, Any]:
+    vocab = 256 if args.dry_run else 128256
+    prompt = torch.randint(1, vocab, (batch, context + 1), device=device)
+    stock = measure_stock(args, device, dtype, shape, batch, context, prompt)
+    static = measure_static(args, device, dtype, shape, batch, context, prompt) if args.static else None
+    best = min([row for row in (stock, static) if row is not None], key=lambda row: row["decode_ms_per_step"])
+    point = {"batch": batch, "context": context, "stock": stock, "stock_static": static, "stock_best": best}
+    for block in args.localities.split(","):
+        rows = [
+            measure_ours(args, device, dtype, shape, batch, context, prompt, LOCALITIES[block], layer_graphs)
+            for layer_graphs in (False, True)
+        ]
+        for row in rows:
+            row["vs_best_stock"] = row["decode_ms_per_step"] / best["decode_ms_per_step"]
+            row["peak_vs_stock"] = None if stock["peak_gib"] is None else row["peak_gib"] / stock["peak_gib"]
+        point[block] = {"default": rows[0], "layer_graphs": rows[1]}
+    return point
+
+
+# ---- the first call of a new process -------------------------------------------------------------------
+
+
+def first_call_child(args, device, dtype, shape: str) -> dict[str, float]:
+    """In a fresh process: two real prefill + decode calls through new caches; their times."""
+    batch, context = (DRY_POINTS if args.dry_run else POINTS)["32k"]
+    model = build_model(shape, "sparseserve", device, dtype, context + args.new_tokens + 64)
+    config = ours_config(model.config, dtype, batch, context, args, layer_graphs=False)
+    prompt = torch.randint(1, model.config.vocab_size, (batch, context), device=device)
+    calls = []
+    for _ in range(2):
+        cache = SparseServeCache(model.config, config)
+        calls.append(generate_seconds(model, cache, prompt, args.new_tokens, crop=False))
+        del cache
+    return {"first_call_s": calls[0], "warm_call_s": calls[1], "overhead_s": calls[0] - calls[1]}
+
+
+def first_call(args) -> dict[str, Any]:
+    """Two fresh processes over one new Triton cache directory: empty, then filled by the first."""
+    out = {}
+    with tempfile.TemporaryDirectory() as triton_cache:
+        env = os.environ | {"TRITON_CACHE_DIR": triton_cache}
+        for name in ("empty_triton_cache", "warm_triton_cache"):
+            command = [sys.executable, "-m", "eval.bench.dropin", "--first-call-child"]
+            command += ["--new-tokens", str(args.new_tokens)] + (["--dry-run"] if args.dry_run else [])
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=900)
+            out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
     shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
     if args.dry_run:
-        args.batch, args.context, args.new_tokens = 2, 200, 4
-    vocab = 256 if args.dry_run else 128256
-    prompt = torch.randint(1, vocab, (args.batch, args.context + 1), device=device)
-    rows = [measure_stock(args, device, dtype, shape, prompt)]
-    for layer_graphs in (True, False):
-        rows.append(measure_ours(args, device, dtype, shape, prompt, layer_graphs))
-    stock_ms = rows[0]["decode_ms_per_step"]
-    for row in rows:
-        row["vs_stock"] = row["decode_ms_per_step"] / stock_ms
-    result = run_record(device) | {"workload": vars(args), "shape": shape, "dtype": str(dtype), "rows": rows}
-    print_table(rows, ["system", "decode_ms_per_step", "vs_stock", "first_step_s", "peak_gib", "hit_rate", "piece_captures"])
+        args.new_tokens = 4
+    if args.first_call_child:
+        print(json.dumps(first_call_child(args, device, dtype, shape)))
+        return {}
+    points = DRY_POINTS if args.dry_run else POINTS
+    result = run_record(device) | {"workload": vars(args), "shape": shape, "dtype": str(dtype), "points": {}}
+    for name in args.points.split(","):
+        result["points"][name] = measure_point(args, device, dtype, shape, *points[name])
+    result |= headline(result["points"])
+    if args.first_call:
+        calls = result["first_call"] = first_call(args)
+        result["first_call_overhead_s_32k"] = calls["warm_triton_cache"]["overhead_s"]
+        result["first_call_overhead_s_32k_empty_triton_cache"] = calls["empty_triton_cache"]["overhead_s"]
+    for name, point in result["points"].items():
+        rows = [point["stock"]] + [point[b][k] for b in LOCALITIES if b in point for k in ("default", "layer_graphs")]
+        print(f"{name}: B={point['batch']} x {point['context']}")
+        print_table(rows, ["system", "decode_ms_per_step", "vs_best_stock", "peak_gib", "hit_rate", "piece_captures"])
     write_json(args.out, result)
     return result
+
+
+def headline(points: dict[str, Any]) -> dict[str, Any]:
+    """The target keys: stock ms, ours over best stock (real locality, the default config and with
+    `layer_graphs`), peak HBM against stock at 128K."""
+    out: dict[str, Any] = {}
+    for name, point in points.items():
+        real = point.get("real_locality")
+        out[f"stock_{name}_ms"] = point["stock_best"]["decode_ms_per_step"]
+        out[f"stock_{name}_peak_gib"] = point["stock"]["peak_gib"]
+        if real is not None:
+            out[f"decode_vs_stock_{name}"] = real["default"]["vs_best_stock"]
+            out[f"decode_vs_stock_{name}_layer_graphs"] = real["layer_graphs"]["vs_best_stock"]
+            out[f"peak_hbm_vs_stock_{name}"] = real["default"]["peak_vs_stock"]
+    return out
 
 
 def _reset_peak(device: torch.device) -> None:
