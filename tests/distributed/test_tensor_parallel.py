@@ -1,8 +1,10 @@
-"""SparseServeCache under transformers' tensor parallelism (`tp_plan="auto"`), 2 CPU ranks over gloo.
+"""SparseServeCache and the Generator under transformers' tensor parallelism (`tp_plan="auto"`),
+2 CPU ranks over gloo.
 
-Each rank's attention sees half of the KV heads; the cache sizes itself to them at the first
-keys (one HBM partition per local KV head) and selects per local KV head, so nothing about blocks
-crosses ranks. Greedy tokens must equal a single process's with the same cache config.
+Each rank's attention sees half of the KV heads; the cache sizes itself to them (one HBM partition
+per local KV head) and selects per local KV head, so nothing about blocks crosses ranks. The
+Generator's ranks agree on admission's numbers each step (`generation.lockstep`) and so take the
+same steps. Greedy tokens must equal a single process's with the same config, on every rank.
 """
 
 from __future__ import annotations
@@ -45,3 +47,19 @@ def test_tensor_parallel_generate_equals_one_process(tmp_path, kv_heads):
     assert ranks["cache_kv_heads"] == ranks["tail_kv_heads"] == kv_heads // 2 and alone["cache_kv_heads"] == kv_heads
     assert ranks["hbm_partitions"] * 2 == alone["hbm_partitions"]  # one per (sparse layer, local KV head)
     assert ranks["misses"] > 0 and alone["misses"] > 0
+
+
+@pytest.mark.core
+def test_tensor_parallel_generator_equals_one_process(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_model("llama", attn="sdpa", num_heads=8, num_kv_heads=4).save_pretrained(folder)
+    alone = run(
+        [sys.executable, str(WORKER), str(folder), str(tmp_path / "one.json"), "--generator"], tmp_path / "one.json"
+    )
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    command = [*launch, str(WORKER), str(folder), str(tmp_path / "tp.json"), "--tp", "--generator"]
+    ranks = run(command, tmp_path / "tp.json")
+    assert ranks["tokens"] == alone["tokens"] and all(len(t) == 16 for t in ranks["tokens"])
+    assert ranks["cache_kv_heads"] == 2 and alone["cache_kv_heads"] == 4
+    assert ranks["hbm_partitions"] * 2 == alone["hbm_partitions"]
+    assert ranks["misses"] > 0 and ranks["mean_decode_batch"] > 1  # rows really decoded together

@@ -1,9 +1,10 @@
 """One rank of a tensor-parallel run (`torch.distributed.run --nproc-per-node 2`), or the single
-process it is compared with: greedy `generate` through a SparseServeCache on a tiny Llama saved in
-FOLDER, written as JSON to OUT (rank 0 only, under TP).
+process it is compared with, on a tiny Llama saved in FOLDER: greedy `generate` through a
+SparseServeCache, or (`--generator`) a Generator over prompts of several lengths. Written as JSON
+to OUT (rank 0 only, under TP; every rank checks that it produced the same tokens as rank 0).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/tp_worker.py FOLDER OUT --tp
-    python tests/distributed/tp_worker.py FOLDER OUT
+    python tests/distributed/tp_worker.py FOLDER OUT [--generator]
 """
 
 from __future__ import annotations
@@ -16,32 +17,59 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
-from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf import Generator, SamplingParams, SparseServeCache, SparseServeConfig
+
+LENGTHS = (150, 37, 90, 201, 64)
 
 
-def main(folder: str, out: str, tensor_parallel: bool) -> None:
+def main(folder: str, out: str, tensor_parallel: bool, generator: bool) -> None:
     extra = {"tp_plan": "auto"} if tensor_parallel else {}
     model = AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation="sparseserve", dtype=torch.float32, **extra
     )
-    ids = torch.randint(1, 200, (2, 150), generator=torch.Generator().manual_seed(1))
     config = SparseServeConfig(block_size=16, token_budget=48, hbm_cache_bytes=1 << 20)
+    result = run_generator(model, config) if generator else run_generate(model, config)
+    result["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result["tokens"])
+        assert all(tokens == everyone[0] for tokens in everyone), "ranks decoded different tokens"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    if dist.is_initialized():  # every rank done before any tears gloo down (else a rank may abort)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_generate(model, config: SparseServeConfig) -> dict:
+    ids = torch.randint(1, 200, (2, 150), generator=torch.Generator().manual_seed(1))
     cache = SparseServeCache(model.config, config)
     with torch.no_grad():
         tokens = model.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False, pad_token_id=0)
     stats = cache.stats()
-    result = {
+    return {
         "tokens": tokens[:, ids.shape[1] :].tolist(),
         "cache_kv_heads": cache.kv_heads,
         "tail_kv_heads": cache.layers[0].tail.shape[1],
         "hbm_partitions": cache.store.hbm_partitions,
         "misses": stats["misses"],
-        "world": dist.get_world_size() if dist.is_initialized() else 1,
     }
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(out, "w") as handle:
-            json.dump(result, handle)
+
+
+def run_generator(model, config: SparseServeConfig) -> dict:
+    prompts = [torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
+    engine = Generator(model, None, config)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    totals = engine.metrics()["totals"]
+    return {
+        "tokens": [list(out.token_ids) for out in outputs],
+        "cache_kv_heads": engine.batch.kv_heads,
+        "hbm_partitions": engine.store.hbm_partitions,
+        "misses": totals["misses"],
+        "mean_decode_batch": totals["mean_decode_batch"],
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--tp" in sys.argv)
+    main(sys.argv[1], sys.argv[2], "--tp" in sys.argv, "--generator" in sys.argv)

@@ -76,7 +76,8 @@ class SparseServeCache(Cache):
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a model of {len(layer_types)} layers")
         sparse = sparse_layer_indices(self.shape, self.config)
-        partitions = _partition_count(self.shape.num_kv_heads, sparse)
+        self.kv_heads = _stored_heads(self.shape.num_kv_heads, store, sparse)  # a rank's share under TP
+        partitions = _partition_count(self.kv_heads, sparse)
         self._check_sizes(store, partitions)
         self._slot = StoreSlot(self.config, store, partitions)  # refers to no cache (no cycle)
         if store is not None:
@@ -84,7 +85,6 @@ class SparseServeCache(Cache):
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
-        self.kv_heads = self.shape.num_kv_heads  # KV heads this cache stores per layer (a rank's share under TP)
         self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
@@ -96,7 +96,7 @@ class SparseServeCache(Cache):
             raise NotImplementedError(f"layer {layer_idx} has attention type {kind!r}, which is not supported")
         if layer_idx not in sparse:
             return DynamicLayer()
-        first_partition = sparse.index(layer_idx) * self.shape.num_kv_heads  # its KV heads' HBM partitions
+        first_partition = sparse.index(layer_idx) * self.kv_heads  # its KV heads' HBM partitions
         return SparseServeLayer(layer_idx, self.config, self._slot.get, first_partition)
 
     @property
@@ -425,15 +425,25 @@ def sparse_layer_indices(shape: ModelShape, config: SparseServeConfig) -> list[i
     return [i for i, kind in enumerate(shape.layer_types) if kind == "full_attention" and i not in config.dense_layers]
 
 
-def hbm_partitions(model_config: Any, config: SparseServeConfig) -> int:
-    """LRU partitions of the HBM block cache a SparseServeCache builds: one per (sparse layer, KV head)."""
+def hbm_partitions(model_config: Any, config: SparseServeConfig, kv_heads: int | None = None) -> int:
+    """LRU partitions of the HBM block cache a SparseServeCache builds: one per (sparse layer, KV head);
+    `kv_heads`: the KV heads a rank holds under tensor parallelism (None: the model's)."""
     shape = _model_shape(model_config)
-    return _partition_count(shape.num_kv_heads, sparse_layer_indices(shape, config))
+    return _partition_count(kv_heads or shape.num_kv_heads, sparse_layer_indices(shape, config))
 
 
 def _partition_count(kv_heads: int, sparse_layers: list[int]) -> int:
     """One LRU partition per (sparse layer, KV head); at least one."""
     return max(1, len(sparse_layers) * kv_heads)
+
+
+def _stored_heads(model_heads: int, store: TieredBlockStore | None, sparse_layers: list[int]) -> int:
+    """KV heads per layer a cache stores: the model's, or one rank's share of them when it shares a
+    store built for that share (a tensor-parallel Generator: one partition per local KV head)."""
+    if store is None or not sparse_layers or store.hbm_partitions % len(sparse_layers):
+        return model_heads
+    heads = store.hbm_partitions // len(sparse_layers)
+    return heads if _is_rank_share(model_heads, heads) else model_heads
 
 
 def _is_rank_share(model_heads: int, given: int) -> bool:

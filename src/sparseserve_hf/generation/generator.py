@@ -34,6 +34,7 @@ from ..graph import DecodeGraphRunner
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
+from .lockstep import agree_on_candidates, tensor_parallel_size
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
@@ -86,7 +87,8 @@ class Generator(RequestFrontend):
         self.stack = DecoderStack(model)
         self.prefill = SegmentedPrefill.from_config(self.stack, self.config)
         device, dtype = self.stack.device, model.dtype
-        self.sizes = EngineSizes(model.config, self.config, dtype)
+        self.tp_size = tensor_parallel_size(model)  # > 1: one rank of a tensor-parallel engine (see `lockstep`)
+        self.sizes = EngineSizes(model.config, self.config, dtype, self.tp_size)
         ops = get_ops(self.config.backend, device)
         self.store = TieredBlockStore(self.config, ops, self.sizes.head_dim, dtype, device, self.sizes.hbm_partitions)
         self.batch = SparseServeCache(model.config, self.config, store=self.store)  # checks one row fits
@@ -151,7 +153,7 @@ class Generator(RequestFrontend):
         """
         events, self._pending = self._pending, []
         started = self.recorder.now()
-        candidates = self._candidates()
+        candidates = agree_on_candidates(self._candidates(), self.tp_size, self.stack.device)
         plan = schedule(candidates, self._limits())
         sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
         self._stepping = True
@@ -499,7 +501,8 @@ class Generator(RequestFrontend):
     def _working_set_blocks(self, request: Request) -> int:
         """Measured union of the last w steps once the request has decoded, else the budget estimate."""
         if request.decode_steps == 0:
-            return initial_working_set(self.config, self.model.config, len(request.prompt) + len(request.output))
+            tokens = len(request.prompt) + len(request.output)
+            return initial_working_set(self.config, self.model.config, tokens, self.tp_size)
         return request.working_set_blocks
 
     def _record_working_set(self, request: Request) -> None:

@@ -18,17 +18,22 @@ class EngineSizes:
         model_config: the model's PretrainedConfig.
         config: the SparseServeConfig.
         dtype: the KV dtype (the model's).
+        tp_size: tensor-parallel ranks the model's heads are split over (transformers' `tp_plan`):
+            this engine then stores and sizes for its share of the KV heads.
     """
 
-    def __init__(self, model_config: Any, config: SparseServeConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model_config: Any, config: SparseServeConfig, dtype: torch.dtype, tp_size: int = 1) -> None:
         text = model_config.get_text_config()
         self.config = config
         self.num_layers = text.num_hidden_layers
         self.num_heads = text.num_attention_heads
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        model_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        if model_kv_heads % tp_size:
+            raise ValueError(f"{tp_size} tensor-parallel ranks cannot split {model_kv_heads} KV heads evenly")
+        self.num_kv_heads = model_kv_heads // tp_size  # this rank's
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.vocab_size = text.vocab_size
-        self.hbm_partitions = hbm_partitions(model_config, config)
+        self.hbm_partitions = hbm_partitions(model_config, config, self.num_kv_heads)
         self.selected_per_kv_head = selected_blocks_per_kv_head(model_config, config)  # per decode row
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.block_bytes = 2 * config.block_size * self.head_dim * dtype.itemsize
