@@ -16,6 +16,8 @@
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
 #               StaticCache), decode ms/step at B=4 x 32K and B=2 x 128K, real locality and random KV,
 #               launched op by op (the default) and with layer_graphs=True; the first call of a new process
+#   multigpu    data parallel on every visible GPU (the nvidia-h200-x2 kind): one Generator vs a
+#               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -44,6 +46,8 @@ case $part in
     python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -20 ;;
   lookup)
     python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
+  multigpu)
+    python -m eval.bench.multi_gpu --out "$out/multi_gpu.json" 2>&1 | tee "$out/multi_gpu.log" | tail -10 ;;
   dropin)
     python -m eval.bench.dropin --static --first-call --out "$out/dropin.json" 2>&1 | tee "$out/dropin.log" | tail -30 ;;
   profile)
@@ -57,5 +61,5 @@ case $part in
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin, multigpu)" >&2; exit 2 ;;
 esac

@@ -117,3 +117,11 @@ def test_dropin_dry_run_writes_the_target_keys_through_generate(tmp_path):
         assert default["config"]["layer_graphs"] is False and graphs["config"]["layer_graphs"] is True
         for row in (default, graphs):
             assert row["decode_ms_per_step"] > 0 and 0 < row["loaded_fraction"] <= 1
+
+
+def test_multi_gpu_dry_run_serves_each_engines_share(tmp_path):
+    out = tmp_path / "multi_gpu.json"
+    run_module("eval.bench.multi_gpu", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["devices"] == ["cpu", "cpu"] and result["requests_per_engine"] == [2, 2]
+    assert result["dp2_over_dp1"] > 0 and [row["generated_tokens"] for row in result["rows"]] == [12, 24]
