@@ -14,8 +14,9 @@
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
-#               StaticCache), decode ms/step at B=4 x 32K and B=2 x 128K, real locality and random KV,
-#               launched op by op (the default) and with layer_graphs=True; the first call of a new process
+#               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV, launched op by op
+#               (the default) and with layer_graphs=True; the first call of a new process
+#   dropin128k  the same at B=2 x 128K (peak HBM against stock's)
 #   multigpu    data parallel on every visible GPU (the nvidia-h200-x2 kind): one Generator vs a
 #               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
@@ -49,7 +50,11 @@ case $part in
   multigpu)
     python -m eval.bench.multi_gpu --out "$out/multi_gpu.json" 2>&1 | tee "$out/multi_gpu.log" | tail -10 ;;
   dropin)
-    python -m eval.bench.dropin --static --first-call --out "$out/dropin.json" 2>&1 | tee "$out/dropin.log" | tail -30 ;;
+    python -m eval.bench.dropin --points 32k --static --first-call --out "$out/dropin.json" 2>&1 \
+      | tee "$out/dropin.log" | tail -30 ;;
+  dropin128k)
+    python -m eval.bench.dropin --points 128k --static --out "$out/dropin_128k.json" 2>&1 \
+      | tee "$out/dropin_128k.log" | tail -30 ;;
   profile)
     python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
   metadata)
@@ -61,5 +66,5 @@ case $part in
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin, multigpu)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu)" >&2; exit 2 ;;
 esac

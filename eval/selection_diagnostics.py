@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -90,10 +91,23 @@ VARIANTS["mass_s4"] = dict(metadata="cuboid", metadata_sub_blocks=8, selection="
 # 1/64 of the KV for Quest + a quarter of the blocks' 4-bit keys (1/8 of their K and V in bf16) = 3/64.
 # "twostage_q4_half" keeps half of the blocks as candidates (1/64 + 1/32 of the KV read per step).
 # "twostage_hybrid_q4": stage 1 ranks by the default's hybrid metadata instead (its bytes on top).
-TWO_STAGE = {"twostage_q4": 4, "twostage_q4_half": 2, "twostage_hybrid_q4": 4}  # variant -> 1 in this many blocks
+# Within the 1/32 metadata budget (8-bit stage-1 vectors + the candidates' key copies): "_quest_q4_8th"
+# Quest (1/64) + an eighth of the blocks in 4 bits (1/64); "_quest_q2" Quest + a quarter in 2 bits;
+# "_cuboid16_*" the same with two sub-block means (1/64) as stage 1; "_cuboid_q4" one mean (1/128)
+# + 3/16 of the blocks in 4 bits (3/128).
+TWO_STAGE = {  # variant -> (1 in this many blocks are candidates, key bits, stage-1 metadata)
+    "twostage_q4": (4, 4, dict(metadata="quest")),
+    "twostage_q4_half": (2, 4, dict(metadata="quest")),
+    "twostage_hybrid_q4": (4, 4, dict(metadata="hybrid")),
+    "twostage_quest_q4_8th": (8, 4, dict(metadata="quest")),
+    "twostage_quest_q2": (4, 2, dict(metadata="quest")),
+    "twostage_cuboid16_q4_8th": (8, 4, dict(metadata="cuboid", metadata_sub_blocks=2)),
+    "twostage_cuboid16_q2": (4, 2, dict(metadata="cuboid", metadata_sub_blocks=2)),
+    "twostage_cuboid_q4": (16 / 3, 4, dict(metadata="cuboid")),
+}
 ESTIMATES.update(TWO_STAGE)
-for _name in TWO_STAGE:
-    VARIANTS[_name] = dict(metadata="hybrid" if "hybrid" in _name else "quest", selection="kv_head")
+for _name, (_share, _bits, _stage1) in TWO_STAGE.items():
+    VARIANTS[_name] = dict(_stage1, selection="kv_head")
 KEY_BITS = 4
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
@@ -276,7 +290,7 @@ def two_stage_blocks(
     coarse_keys: torch.Tensor,
     num_full: int,
     scaling: float,
-    share: int = 4,
+    share: float = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: each KV head keeps the N / `share` blocks with the best score of its group under
     `config.metadata` (sink and window included); stage 2: each query head's softmax over the
@@ -288,7 +302,7 @@ def two_stage_blocks(
         return _all_blocks(heads, num_full, num_kv_heads)
     bounds = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)[0]  # (Hq, N)
     group = bounds.view(num_kv_heads, heads // num_kv_heads, num_full).amax(1)  # (Hkv, N)
-    count = max(config.selected_full_blocks, -(-num_full // share))
+    count = max(config.selected_full_blocks, math.ceil(num_full / share))
     candidates = torch.where(_forced(config, num_full), float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
     keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
     picked = torch.gather(keys, 1, candidates[..., None, None].expand(-1, -1, size, dim))  # (Hkv, C, S, D)
@@ -391,7 +405,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
     out: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
     for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
-        coarse = {name: quantized_keys(keys) for name in configs if name in TWO_STAGE}
+        coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -403,7 +417,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                     chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
                 elif name in TWO_STAGE:
                     chosen, loaded = two_stage_blocks(
-                        config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name]
+                        config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name][0]
                     )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)
