@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from tiny_models import greedy, random_ids, tiny_model
@@ -62,3 +63,24 @@ def test_a_shared_store_outlives_the_caches_over_it(no_cyclic_gc):
     assert store() is owner.store
     del owner
     assert store() is None
+
+
+@pytest.mark.core
+def test_a_prompt_grows_a_growable_pool_once_and_decodes_as_before():
+    """4 rows x 1000 tokens fill 992 head-blocks over 2 layers: grown block by block, the pool of
+    256 would double twice during the prefill (each a pinned reallocation and a copy); reserved
+    at the first layer it grows once. The tokens are those of a fixed pool."""
+    model = tiny_model("llama")
+    ids = random_ids(4, 1000)
+    growing = SparseServeCache(model.config, SparseServeConfig(block_size=16, token_budget=64))
+    with torch.no_grad():
+        model(ids[:, :1], past_key_values=growing)  # one token: the store exists, nothing reserved
+    store = growing.store
+    grown, capacity = store.hbm.reallocations, store.dram.capacity  # its block map grows with the pool
+    growing.reset()
+    with torch.no_grad():
+        model(ids, past_key_values=growing)
+    assert store.hbm.reallocations == grown + 1 and store.dram.capacity >= 992 > capacity
+    growing.reset()
+    fixed = SparseServeCache(model.config, SparseServeConfig(block_size=16, token_budget=64, dram_bytes=1 << 24))
+    assert torch.equal(greedy(model, ids, fixed, max_new_tokens=6), greedy(model, ids, growing, max_new_tokens=6))

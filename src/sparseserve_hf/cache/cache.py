@@ -158,6 +158,7 @@ class SparseServeCache(Cache):
             self._adopt_rank_heads(key_states)
             self._check_layer_keys(key_states, value_states, layer_idx)
             self._check_new_tokens(key_states)
+            self._reserve_blocks(key_states)
             self._log.begin(self.get_seq_length(), key_states.shape[-2])
         try:
             if layer_idx != 0:
@@ -188,6 +189,18 @@ class SparseServeCache(Cache):
         for index, layer in enumerate(self.layers):
             if isinstance(layer, SparseServeLayer):
                 layer.first_partition = sparse.index(index) * given
+
+    def _reserve_blocks(self, key_states: torch.Tensor) -> None:
+        """Before a prompt's first layer: room in a growable DRAM pool for every block the prompt
+        fills in every sparse layer (an upper bound), so the pool grows (and is pinned) once per
+        prompt instead of doubling layer after layer. Decode steps (one token) reserve nothing."""
+        batch, _, num_new, _ = key_states.shape
+        if num_new <= 1 or self.config.dram_bytes is not None:
+            return
+        sparse = sum(isinstance(layer, SparseServeLayer) for layer in self.layers)
+        if sparse:
+            blocks_per_row = num_new // self.config.block_size + 1
+            self._slot.get(key_states).reserve(batch * blocks_per_row * self.kv_heads * sparse)
 
     def _check_new_tokens(self, key_states: torch.Tensor) -> None:
         """Reject bad input at the first layer, before any layer has changed.

@@ -103,6 +103,16 @@ class DramPool:
             self._free.sort(reverse=True)
         return released
 
+    def reserve(self, count: int) -> bool:
+        """Make room for `count` more blocks in one growth (a growable pool); True when it grew.
+
+        A prompt's blocks arrive layer by layer: grown block by block, the pool would double
+        (pin, copy) several times during one prefill."""
+        if self.fixed or self.capacity - self.num_used >= count:
+            return False
+        self._grow(self.num_used + count)
+        return True
+
     @plain_tensors
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy when the pool is on the host)."""

@@ -139,6 +139,14 @@ class TieredBlockStore:
             self._release_unsaved(ids)
             raise
 
+    def reserve(self, count: int) -> None:
+        """Room for `count` more blocks in DRAM at once (a growable pool; a fixed one is left as it is)."""
+        if self.dram.fixed or self.dram.capacity - self.dram.num_used >= count:
+            return
+        self._drain()  # the pool is reallocated: no save may still be writing the old one
+        if self.dram.reserve(count):
+            self._track_capacity()
+
     def _write(self, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata; returns the ids on the device."""
         self._track_capacity()
