@@ -174,9 +174,11 @@ class GeneratorGroup(RequestFrontend):
         return {"requests": requests, "engines": engine_totals, "totals": totals}
 
     def hbm_bytes_in_use(self) -> int:
+        """Device bytes held for KV on every engine (`Generator.hbm_bytes_in_use`), summed."""
         return sum(engine.hbm_bytes_in_use() for engine in self.engines)
 
     def dram_bytes_in_use(self) -> int:
+        """Host bytes of live KV blocks on every engine, summed."""
         return sum(engine.dram_bytes_in_use() for engine in self.engines)
 
     def close(self) -> None:
