@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -97,6 +98,9 @@ class FakePieceCapture:
 
     def forget_pool(self, layer_idx: int) -> None:
         self.live.pop(layer_idx, None)
+
+    def on_device(self):
+        return contextlib.nullcontext()
 
     def warm_up(self, fn):
         self._before_warm_up = [t.clone() for t in self._tensors().values()]

@@ -52,17 +52,22 @@ class PieceCapture:
     stand a fake in for it on CPU.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
         self.pools: dict[int, Any] = {}
-        self.stream = torch.cuda.Stream()
+        self.stream = torch.cuda.Stream(self.device)
 
     def new_pools(self) -> None:
         """Capture later pieces into fresh pools (a pool whose graphs are all gone is released)."""
         self.pools = {}
 
     def forget_pool(self, layer_idx: int) -> None:
-        """The layer's pieces are all gone: its next capture needs a fresh pool."""
+        """The layer's pieces are all gone (or its capture failed): its next capture needs a fresh pool."""
         self.pools.pop(layer_idx, None)
+
+    def on_device(self):
+        """A context with the pieces' device current: replays launch on its current stream."""
+        return torch.cuda.device(self.device)
 
     def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `fn` for real on the side stream (Triton compiles, the result is this call's)."""
@@ -71,7 +76,8 @@ class PieceCapture:
     def record(self, fn: Callable[[], torch.Tensor], layer_idx: int) -> tuple[Any, torch.Tensor]:
         """Capture `fn`'s kernels without running them; returns the graph and `fn`'s static output."""
         graph = torch.cuda.CUDAGraph()
-        pool = self.pools.setdefault(layer_idx, torch.cuda.graph_pool_handle())
+        with self.on_device():
+            pool = self.pools.setdefault(layer_idx, torch.cuda.graph_pool_handle())
 
         def captured() -> torch.Tensor:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -83,11 +89,16 @@ class PieceCapture:
         return graph, self._on_side_stream(captured)
 
     def _on_side_stream(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return out
+        """`fn()` on the side stream, ordered after and before the device's current stream (also
+        when it raises: what it launched must finish before the caller undoes anything)."""
+        with self.on_device():
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
+            try:
+                with torch.cuda.stream(self.stream):
+                    return fn()
+            finally:
+                main.wait_stream(self.stream)
 
 
 class LayerGraphs:
@@ -101,7 +112,7 @@ class LayerGraphs:
 
     def __init__(self, store: Any, capture: Any | None = None, max_pieces: int = DEFAULT_MAX_PIECES) -> None:
         self.store = store
-        self.capture = capture if capture is not None else PieceCapture()
+        self.capture = capture if capture is not None else PieceCapture(store.device)
         self.max_pieces = max_pieces
         self.num_captures = 0
         self._pieces: OrderedDict[tuple, _Piece] = OrderedDict()
@@ -124,14 +135,14 @@ class LayerGraphs:
             return self._capture(key, layer, query, attend)
         self._pieces.move_to_end(key)
         piece.query.copy_(query)
-        piece.graph.replay()
+        with self.capture.on_device():
+            piece.graph.replay()
         layer.last_pick = piece.pick  # a replay runs no Python: point the layer at what it wrote
         return piece.out
 
     def drop(self) -> None:
-        """Forget every piece (the next calls capture again)."""
-        if self._pieces:
-            self.capture.new_pools()
+        """Forget every piece (the next calls capture again, into fresh pools)."""
+        self.capture.new_pools()
         self._pieces.clear()
 
     def _check_store(self) -> None:
@@ -143,23 +154,40 @@ class LayerGraphs:
     def _capture(
         self, key: tuple, layer: Any, query: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """Run this call for real (its result), then capture it for the next ones."""
+        """Run this call for real (its result), then capture it for the next ones.
+
+        A failure on the way leaves no piece for this key and a fresh pool for the layer (a
+        half-made graph takes its pool with it), so the next call starts over."""
         replaced = self._pieces.pop(key, None)  # alive until the capture: its pool must not be released
         static_query = query.clone()
-        out = self.capture.warm_up(lambda: attend(static_query))
-        self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
-        pick = layer.last_pick
-        graph, static_out = self.capture.record(lambda: attend(static_query), layer.layer_idx)
-        if len(self._pieces) >= self.max_pieces:
+        try:
+            out = self.capture.warm_up(lambda: attend(static_query))
+            self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
+            pick = layer.last_pick
+            graph, static_out = self.capture.record(lambda: attend(static_query), layer.layer_idx)
+        except BaseException:
+            self.capture.forget_pool(layer.layer_idx)
+            self._drop_layer(layer.layer_idx)
+            raise
+        rows = _rows(layer)
+        piece = _Piece(graph, static_query, static_out, layer.last_pick, rows, tuple(layer.last_pick[0].shape))
+        self._drop_layer(layer.layer_idx, keep_rows=rows)  # pieces of the layer's old rows never replay again
+        while len(self._pieces) >= self.max_pieces:
             evicted, _ = self._pieces.popitem(last=False)
             if all(other[0] != evicted[0] for other in self._pieces) and evicted[0] != key[0]:
                 self.capture.forget_pool(evicted[0])  # its last graph goes: PyTorch releases the pool
+        self._pieces[key] = piece
         del replaced
-        selection_shape = tuple(layer.last_pick[0].shape)
-        self._pieces[key] = _Piece(graph, static_query, static_out, layer.last_pick, _rows(layer), selection_shape)
         layer.last_pick = pick  # the warm-up's: the captured tensors hold nothing until a replay
         self.num_captures += 1
         return out
+
+    def _drop_layer(self, layer_idx: int, keep_rows: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Forget the layer's pieces (those over other tensors than `keep_rows`, when given)."""
+        for key in [k for k, p in self._pieces.items() if k[0] == layer_idx]:
+            rows = self._pieces[key].rows
+            if keep_rows is None or any(a is not b for a, b in zip(rows, keep_rows)):
+                del self._pieces[key]
 
 
 def _rows(layer: Any) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,8 @@
 """One rank of a tensor-parallel run (`torch.distributed.run --nproc-per-node 2`), or the single
 process it is compared with, on a tiny Llama saved in FOLDER: greedy `generate` through a
-SparseServeCache, or (`--generator`) a Generator over prompts of several lengths. Written as JSON
-to OUT (rank 0 only, under TP; every rank checks that it produced the same tokens as rank 0).
+SparseServeCache, or (`--generator`) a Generator over prompts of several lengths, greedy and then
+sampled without a seed. Written as JSON to OUT (rank 0 only, under TP; every rank checks that it
+produced the same tokens as every other).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/tp_worker.py FOLDER OUT --tp
     python tests/distributed/tp_worker.py FOLDER OUT [--generator]
@@ -32,7 +33,7 @@ def main(folder: str, out: str, tensor_parallel: bool, generator: bool) -> None:
     result["world"] = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, result["tokens"])
+        dist.all_gather_object(everyone, [result["tokens"], result.get("sampled")])
         assert all(tokens == everyone[0] for tokens in everyone), "ranks decoded different tokens"
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as handle:
@@ -61,9 +62,11 @@ def run_generator(model, config: SparseServeConfig) -> dict:
     prompts = [torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
     engine = Generator(model, None, config)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    sampled = engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=1.0))  # no seed given
     totals = engine.metrics()["totals"]
     return {
         "tokens": [list(out.token_ids) for out in outputs],
+        "sampled": [list(out.token_ids) for out in sampled],
         "cache_kv_heads": engine.batch.kv_heads,
         "hbm_partitions": engine.store.hbm_partitions,
         "misses": totals["misses"],

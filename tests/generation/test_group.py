@@ -100,3 +100,27 @@ def test_a_group_needs_distinct_replicas():
         GeneratorGroup([])
     group = GeneratorGroup.replicate(model, None, small_config(), devices=["cpu", "cpu"])
     assert len(group.engines) == 2 and group.engines[1].model is not model
+
+
+@pytest.mark.core
+def test_an_engine_whose_step_raises_loses_no_other_engines_events():
+    group = two_engines(small_config(hbm_cache_bytes=1 << 20))
+    ids = [group.submit(prompt(40 + n, seed=n), SamplingParams(max_new_tokens=3)) for n in range(2)]
+    assert sorted(group._where[i][0] for i in ids) == [0, 1]
+    step, failed = group.engines[0].step, []
+
+    def raising_once():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("engine 0 broke")
+        return step()
+
+    group.engines[0].step = raising_once
+    with pytest.raises(RuntimeError, match="engine 0 broke"):
+        group.step()
+    finals = {}
+    while group.has_unfinished:
+        for event in group.step():
+            finals.setdefault(event.request_id, []).append(event.token_id)
+    assert all(len([t for t in finals[i] if t is not None]) == 3 for i in ids)  # engine 1's first token kept
+    group.close()

@@ -86,6 +86,7 @@ def test_rows_that_move_are_captured_again(llama):
     want, got = decode(llama, plain, tokens, 5), decode(llama, pieces, tokens, 5)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert graphs.num_captures == before + len(pieces.layers)  # once per layer, then replays
+    assert len(graphs._pieces) == len(pieces.layers)  # the pieces of the old rows are gone
     assert torch.equal(pieces.layers[0].row_lengths().view(-1, 1), last + 5)
 
 
@@ -118,3 +119,28 @@ def test_layer_graphs_is_a_bool_and_off_on_cpu(llama):
     assert SparseServeConfig().layer_graphs is False  # opt-in for now
     cache, _ = batch_cache(llama, static_config(layer_graphs=True), lengths=LENGTHS[:1])
     assert cache.store.layer_graphs is None  # CPU: nothing to capture
+
+
+@pytest.mark.core
+def test_a_failed_capture_leaves_no_piece_and_the_next_step_captures_afresh(llama):
+    """The capture raises once (e.g. out of memory): that forward fails and is undone; the layer's
+    pool is forgotten (a half-made graph takes it with it), and the next steps decode as before."""
+    plain, tokens = batch_cache(llama, static_config())
+    pieces, _ = batch_cache(llama, static_config())
+    capture = with_pieces(pieces)
+    record, calls = capture.record, []
+
+    def failing_once(fn, layer_idx):
+        calls.append(layer_idx)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory while capturing")
+        return record(fn, layer_idx)
+
+    capture.record = failing_once
+    positions = pieces.layers[0].row_lengths().view(-1, 1)
+    with pytest.raises(RuntimeError, match="out of memory while capturing"):
+        eager_step(llama, pieces, tokens, positions)
+    assert not pieces.store.layer_graphs._pieces and pieces.layers[0].row_lengths().view(-1, 1).equal(positions)
+    want, got = decode(llama, plain, tokens, 6), decode(llama, pieces, tokens, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert capture.replays > 0

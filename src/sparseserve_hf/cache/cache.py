@@ -85,7 +85,8 @@ class SparseServeCache(Cache):
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
-        self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
+        if store is not None or not _may_be_sharded(self.shape.num_kv_heads):  # else the first keys tell
+            self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -457,6 +458,13 @@ def _stored_heads(model_heads: int, store: TieredBlockStore | None, sparse_layer
         return model_heads
     heads = store.hbm_partitions // len(sparse_layers)
     return heads if _is_rank_share(model_heads, heads) else model_heads
+
+
+def _may_be_sharded(model_heads: int) -> bool:
+    """True where the first keys may carry one rank's share of the heads (a torch.distributed world
+    of several processes): the HBM cache's fit is then checked once they have arrived."""
+    dist = torch.distributed
+    return model_heads > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _is_rank_share(model_heads: int, given: int) -> bool:

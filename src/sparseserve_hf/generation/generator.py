@@ -22,6 +22,7 @@ batch cache and back (`append_rows` / `pop_rows`), and a finished row's blocks a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import IO, Any
 
 import torch
@@ -34,7 +35,7 @@ from ..graph import DecodeGraphRunner
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
-from .lockstep import agree_on_candidates, tensor_parallel_size
+from .lockstep import agree_on_candidates, shared_seed, tensor_parallel_size
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
@@ -128,6 +129,8 @@ class Generator(RequestFrontend):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         _check_prompt_index(prompt_index)
         ids = self._prompt_ids(prompt, params)
+        if not params.greedy and params.seed is None and self.tp_size > 1:
+            params = dataclasses.replace(params, seed=shared_seed(self.tp_size, self.stack.device))
         request_id, self._next_id = self._next_id, self._next_id + 1
         request = Request(
             request_id,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
 
@@ -120,7 +120,12 @@ class GeneratorGroup(RequestFrontend):
             results = [(i, self._step_engine(i)) for i in busy]
         else:
             futures = [(i, self._threads.submit(self._step_engine, i)) for i in busy]
-            results = [(i, future.result()) for i, future in futures]
+            wait([future for _, future in futures])  # every engine's step is over before anything else
+            failed = [future.exception() for _, future in futures if future.exception() is not None]
+            results = [(i, future.result()) for i, future in futures if future.exception() is None]
+            if failed:  # the other engines' events wait for the next step
+                self._pending = events + [self._to_group(i, e) for i, engine_events in results for e in engine_events]
+                raise failed[0]
         for engine, engine_events in results:
             events += [self._to_group(engine, event) for event in engine_events]
         return events
@@ -166,6 +171,7 @@ class GeneratorGroup(RequestFrontend):
             totals[key] = sum(v * w for v, w in live) / sum(w for _, w in live) if live else None
         totals |= {
             "engines": len(self.engines),
+            "mean_decode_batch": totals["decode_rows"] / totals["iterations"] if totals["iterations"] else 0.0,
             "elapsed_s": elapsed,
             "tokens_per_s": totals["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
             "hit_rate": totals["hits"] / looked_up if looked_up else 0.0,

@@ -3,7 +3,8 @@
 Under transformers' `tp_plan` every rank holds a share of each layer's KV heads and runs its own
 Generator over the same requests (every rank submits them in the same order). The forwards agree
 by construction: each rank ends a layer with the same all-reduced hidden states, so the logits,
-sampled tokens and finish decisions are the same everywhere. What differs per rank is what its
+sampled tokens and finish decisions are the same everywhere (a sampled request without a seed
+gets one from rank 0). What differs per rank is what its
 share of the KV heads selects, so the working sets admission compares: before scheduling, the
 ranks agree on the largest working set of each request (an all-reduce of a few integers), and the
 plan, a pure function of those numbers, comes out the same on every rank. A rank whose cache is
@@ -27,9 +28,32 @@ def tensor_parallel_size(model: torch.nn.Module) -> int:
 
 def agree_on_candidates(candidates: list[Candidate], tp_size: int, device: torch.device) -> list[Candidate]:
     """The candidates with every working set the largest any rank measured (the same list on every
-    rank, in the same order); unchanged without tensor parallelism."""
-    if tp_size <= 1 or not candidates:
+    rank, in the same order); unchanged without tensor parallelism.
+
+    Raises RuntimeError when the ranks hold different numbers of requests: they are out of
+    lockstep (a request submitted on one rank only, a failure on one rank only), and a collective
+    over lists of different lengths would hang instead."""
+    if tp_size <= 1:
+        return candidates
+    count = torch.tensor([len(candidates), -len(candidates)], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    if count.tolist() != [len(candidates), -len(candidates)]:
+        raise RuntimeError(
+            f"tensor-parallel ranks are out of lockstep: this rank holds {len(candidates)} requests, "
+            f"others between {-count[1].item()} and {count[0].item()}; every rank must submit the same requests"
+        )
+    if not candidates:
         return candidates
     sizes = torch.tensor([c.working_set_bytes for c in candidates], dtype=torch.long, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
     return [replace(c, working_set_bytes=int(size)) for c, size in zip(candidates, sizes.tolist())]
+
+
+def shared_seed(tp_size: int, device: torch.device) -> int | None:
+    """A sampling seed drawn on rank 0 and sent to every rank (None without tensor parallelism): a
+    sampled request without a seed of its own must draw the same tokens on every rank."""
+    if tp_size <= 1:
+        return None
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.long).to(device)
+    torch.distributed.broadcast(seed, src=0)
+    return int(seed.item())

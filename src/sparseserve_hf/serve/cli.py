@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     from .engine import EngineThread
     from .metrics import ServerMetrics
 
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices is not None else None
+    if devices is not None and not devices:
+        sys.exit("sparseserve-hf serve: --devices must name at least one device, e.g. cuda:0,cuda:1")
     if devices is not None:
         args.device = devices[0]
     model, tokenizer, name = load(args)
