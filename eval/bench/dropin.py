@@ -175,11 +175,13 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
 
 
 def ours_config(text, dtype, batch: int, context: int, args, layer_graphs: bool) -> SparseServeConfig:
-    """`SparseServeConfig()` with an HBM cache of `--hbm-cache-fraction` of the batch's dense KV."""
-    dense_kv = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
-    dense_kv *= batch * context
+    """`SparseServeConfig()` with an HBM cache of `--hbm-cache-fraction` of the batch's dense KV and
+    a DRAM pool sized for the context and the new tokens (pinned once, before the clock)."""
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
+    dense_kv = per_token * batch * context
     return SparseServeConfig(
         hbm_cache_bytes=max(int(dense_kv * args.hbm_cache_fraction), 1 << 20),
+        dram_bytes=per_token * batch * (context + args.new_tokens + 64 * 2) + (1 << 26),
         max_batch=batch,
         layer_graphs=layer_graphs,
         **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),

@@ -119,3 +119,20 @@ def test_dram_blocks_are_reference_counted():
     assert pool.free(torch.tensor([1, 2])).tolist() == [2]
     assert pool.free(torch.tensor([1])).tolist() == [1]
     assert pool.num_used == 0 and pool.allocate(1).tolist() == [0]
+
+
+def test_a_growing_host_pool_grows_short_of_doubling_where_the_host_has_less(monkeypatch):
+    """A full pool of C blocks would double to 2C; the host holds C + 100: it grows to that, and a
+    growth the host cannot hold at all is still refused by name."""
+    from sparseserve_hf import host_memory
+
+    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    full = pool.capacity
+    pool.allocate(full)
+    usable = lambda blocks: int(blocks * pool.block_bytes / (1 - host_memory.HOST_MEMORY_HEADROOM)) + 1
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: usable(full + 100))
+    assert pool.allocate(1) is not None and pool.capacity == full + 100
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: usable(10))
+    with pytest.raises(ValueError, match="growing DRAM pool"):
+        pool.allocate(200)
+    assert pool.capacity == full + 100  # nothing changed

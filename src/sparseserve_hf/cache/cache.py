@@ -193,15 +193,17 @@ class SparseServeCache(Cache):
 
     def _reserve_blocks(self, key_states: torch.Tensor) -> None:
         """Before a prompt's first layer: room in a growable DRAM pool for every block the prompt
-        fills in every sparse layer (an upper bound), so the pool grows (and is pinned) once per
-        prompt instead of doubling layer after layer. Decode steps (one token) reserve nothing."""
+        fills in every sparse layer (an upper bound) and an eighth more for the decode after it, so
+        the pool grows (and is pinned) once per prompt instead of doubling layer after layer.
+        Decode steps (one token) reserve nothing."""
         batch, _, num_new, _ = key_states.shape
         if num_new <= 1 or self.config.dram_bytes is not None:
             return
         sparse = sum(isinstance(layer, SparseServeLayer) for layer in self.layers)
         if sparse:
             blocks_per_row = num_new // self.config.block_size + 1
-            self._slot.get(key_states).reserve(batch * blocks_per_row * self.kv_heads * sparse)
+            blocks = batch * blocks_per_row * self.kv_heads * sparse
+            self._slot.get(key_states).reserve(blocks + blocks // 8)  # and room for decode to go on
 
     def _check_new_tokens(self, key_states: torch.Tensor) -> None:
         """Reject bad input at the first layer, before any layer has changed.

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..host_memory import check_host_bytes
+from .. import host_memory
+from ..host_memory import HOST_MEMORY_HEADROOM, check_host_bytes
 from .grow import grown
 from .plain import plain_tensors
 
@@ -123,7 +124,8 @@ class DramPool:
         return self.storage[ids.to(self.device)]
 
     def _grow(self, needed: int) -> None:
-        """Reallocate at twice the size (or `needed`) and copy every block over.
+        """Reallocate at twice the size (or `needed`; less than twice where the host's available
+        memory would not hold that, but never less than `needed`) and copy every block over.
 
         Deliberately simple, and costly for a pinned pool: pinning costs about half a second
         per GiB, the old and new pools are both pinned during the copy, and torch's pinned-memory
@@ -137,6 +139,10 @@ class DramPool:
         """
         old = self.capacity
         new = max(2 * old, needed)
+        if self.device.type == "cpu":  # a host pool: short of doubling rather than past the host's memory
+            available = host_memory.available_host_bytes()
+            if available is not None:
+                new = max(needed, min(new, int(available * (1 - HOST_MEMORY_HEADROOM)) // self.block_bytes))
         storage = self._empty(new)
         storage[:old] = self.storage
         refcount = grown(self.refcount, new)
