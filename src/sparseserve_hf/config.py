@@ -132,8 +132,8 @@ class SparseServeConfig:
             one launch per layer instead of ~20, the rest of the model eager. Captured per
             (layer, rows, table width) at the first step of each and again when the layer's
             rows change (a `Generator` whose batch changes every few steps recaptures often:
-            `cuda_graphs=True` suits it better). No effect elsewhere. Off by default until its
-            GPU tests and benchmark have run (README, "Configuration").
+            `cuda_graphs=True` suits it better). No effect elsewhere. A capture that fails
+            switches it off for the store, with a warning.
     """
 
     block_size: int = 32
@@ -159,7 +159,7 @@ class SparseServeConfig:
     transfer: str = "kernel"
     save_path: str = "scatter"
     cuda_graphs: bool = False
-    layer_graphs: bool = False
+    layer_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)

@@ -20,6 +20,7 @@ What a replay skips because no Python runs in it happens eagerly first
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
 DEFAULT_MAX_PIECES = 256  # captured pieces kept (least recently replayed dropped first)
 
 
@@ -115,6 +117,7 @@ class LayerGraphs:
         self.capture = capture if capture is not None else PieceCapture(store.device)
         self.max_pieces = max_pieces
         self.num_captures = 0
+        self.enabled = True  # False once a capture failed: every call then runs eagerly
         self._pieces: OrderedDict[tuple, _Piece] = OrderedDict()
         self._state: tuple | None = None
 
@@ -125,6 +128,8 @@ class LayerGraphs:
         sync. The output of a replay is the piece's static buffer: the layer's next call
         overwrites it, so it is to be consumed before then (the model's output projection does).
         """
+        if not self.enabled:
+            return attend(query)
         key = (layer.layer_idx, tuple(query.shape), query.dtype, layer.block_ids.shape[2])
         piece = self._pieces.get(key)
         if piece is not None:
@@ -156,19 +161,28 @@ class LayerGraphs:
     ) -> torch.Tensor:
         """Run this call for real (its result), then capture it for the next ones.
 
-        A failure on the way leaves no piece for this key and a fresh pool for the layer (a
-        half-made graph takes its pool with it), so the next call starts over."""
+        A capture that fails (out of memory, a kernel that cannot be captured) leaves no piece, a
+        fresh pool for the layer (a half-made graph takes its pool with it) and pieces switched off
+        for this store, with one warning: the call's result is the warm-up's, later calls run
+        eagerly. A warm-up that fails is the step's own failure and propagates."""
         replaced = self._pieces.pop(key, None)  # alive until the capture: its pool must not be released
         static_query = query.clone()
         try:
-            out = self.capture.warm_up(lambda: attend(static_query))
-            self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
-            pick = layer.last_pick
-            graph, static_out = self.capture.record(lambda: attend(static_query), layer.layer_idx)
+            out = self.capture.warm_up(lambda: attend(static_query))  # a failure here is the step's own
         except BaseException:
             self.capture.forget_pool(layer.layer_idx)
-            self._drop_layer(layer.layer_idx)
             raise
+        self._check_store()  # the warm-up may have grown an unlimited cache: older pieces are stale
+        pick = layer.last_pick
+        try:
+            graph, static_out = self.capture.record(lambda: attend(static_query), layer.layer_idx)
+        except Exception as exc:  # noqa: BLE001  the step itself ran (the warm-up): go on without pieces
+            self.capture.forget_pool(layer.layer_idx)
+            self._drop_layer(layer.layer_idx)
+            self.enabled = False
+            logger.warning("layer_graphs: capturing layer %d failed (%s); decoding without them", key[0], exc)
+            layer.last_pick = pick
+            return out
         rows = _rows(layer)
         piece = _Piece(graph, static_query, static_out, layer.last_pick, rows, tuple(layer.last_pick[0].shape))
         self._drop_layer(layer.layer_idx, keep_rows=rows)  # pieces of the layer's old rows never replay again
