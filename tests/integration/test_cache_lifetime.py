@@ -84,3 +84,19 @@ def test_a_prompt_grows_a_growable_pool_once_and_decodes_as_before():
     growing.reset()
     fixed = SparseServeCache(model.config, SparseServeConfig(block_size=16, token_budget=64, dram_bytes=1 << 24))
     assert torch.equal(greedy(model, ids, fixed, max_new_tokens=6), greedy(model, ids, growing, max_new_tokens=6))
+
+
+@pytest.mark.core
+def test_a_pool_grown_by_a_prompt_under_inference_mode_works_outside_it():
+    """`generate` may run under torch.inference_mode (pipelines do): the pool the prompt's
+    reservation grew must be a plain tensor, or the next forward outside it cannot write it."""
+    model = tiny_model("llama")
+    cache = SparseServeCache(model.config, SparseServeConfig(block_size=16, token_budget=64))
+    ids = random_ids(4, 1000)
+    with torch.inference_mode():
+        model(ids[:, :1], past_key_values=cache)
+        cache.reset()
+        model(ids, past_key_values=cache)
+    with torch.no_grad():
+        model(ids[:, :1], past_key_values=cache)
+    assert not cache.store.dram.refcount.is_inference() and not cache.store.dram.storage.is_inference()

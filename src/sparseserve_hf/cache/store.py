@@ -139,6 +139,7 @@ class TieredBlockStore:
             self._release_unsaved(ids)
             raise
 
+    @plain_tensors  # a prompt under torch.inference_mode: the grown pool must stay usable outside it
     def reserve(self, count: int) -> None:
         """Room for `count` more blocks in DRAM at once (a growable pool; a fixed one is left as it is)."""
         if self.dram.fixed or self.dram.capacity - self.dram.num_used >= count:
