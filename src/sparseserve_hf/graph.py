@@ -287,8 +287,7 @@ class DecodeGraphRunner:
     def _graph_state(self) -> tuple:
         """The store's epoch and the address of every store tensor the graphs hold: a change means
         recapturing them all. (The rows' own tensors are put back into place by `_seat`.)"""
-        addresses = tuple(t.data_ptr() for t in self.cache.store.graph_tensors().values())
-        return self.cache.store.epoch, addresses
+        return self.cache.store.graph_state()
 
 
 def check_graph_ready(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> None:

@@ -151,7 +151,7 @@ class LayerGraphs:
         self._pieces.clear()
 
     def _check_store(self) -> None:
-        state = (self.store.epoch, tuple(t.data_ptr() for t in self.store.graph_tensors().values()))
+        state = self.store.graph_state()
         if state != self._state:
             self.drop()
             self._state = state

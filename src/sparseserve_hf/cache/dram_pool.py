@@ -109,10 +109,14 @@ class DramPool:
 
         A prompt's blocks arrive layer by layer: grown block by block, the pool would double
         (pin, copy) several times during one prefill."""
-        if self.fixed or self.capacity - self.num_used >= count:
+        if not self.must_grow_for(count):
             return False
         self._grow(self.num_used + count)
         return True
+
+    def must_grow_for(self, count: int) -> bool:
+        """True when `count` more blocks do not fit and the pool can grow (it is not fixed)."""
+        return not self.fixed and self.capacity - self.num_used < count
 
     @plain_tensors
     def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:

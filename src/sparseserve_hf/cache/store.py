@@ -142,11 +142,11 @@ class TieredBlockStore:
     @plain_tensors  # a prompt under torch.inference_mode: the grown pool must stay usable outside it
     def reserve(self, count: int) -> None:
         """Room for `count` more blocks in DRAM at once (a growable pool; a fixed one is left as it is)."""
-        if self.dram.fixed or self.dram.capacity - self.dram.num_used >= count:
+        if not self.dram.must_grow_for(count):
             return
         self._drain()  # the pool is reallocated: no save may still be writing the old one
-        if self.dram.reserve(count):
-            self._track_capacity()
+        self.dram.reserve(count)
+        self._track_capacity()
 
     def _write(self, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata; returns the ids on the device."""
@@ -218,6 +218,11 @@ class TieredBlockStore:
         and the metadata when the pool grows, the HBM slot pool and tables when an unlimited cache
         grows. A CUDA graph captured at another epoch holds stale addresses and must be recaptured."""
         return self._reallocations + self.hbm.reallocations
+
+    def graph_state(self) -> tuple:
+        """The epoch and the address of every tensor a captured step holds (`graph_tensors`): a
+        graph captured at another state points at stale memory and must be captured again."""
+        return self.epoch, tuple(t.data_ptr() for t in self.graph_tensors().values())
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The store's tensors a captured decode step reads or writes by address."""
