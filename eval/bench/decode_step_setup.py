@@ -60,15 +60,19 @@ def dense_cache(model, batch: int, context: int) -> DynamicCache:
     return cache
 
 
-def sparse_cache(model, config: SparseServeConfig, batch: int, context: int, spare_blocks: int) -> SparseServeCache:
+def sparse_cache(
+    model, config: SparseServeConfig, batch: int, context: int, spare_blocks: int, from_model: bool = False
+) -> SparseServeCache:
     """A SparseServeCache whose rows hold `context` random tokens, full blocks in DRAM.
 
     `spare_blocks`: table width beyond the prompt's blocks, so decode saves never regrow it.
+    `from_model`: built from the model itself, as `SparseServeCache(model, ...)` (its `generate`
+    replays whole decode steps on CUDA), not from its config.
     """
     text, size = model.config, config.block_size
     ops, partitions = get_ops(config.backend, model.device), hbm_partitions(text, config)
     store = TieredBlockStore(config, ops, text.head_dim, model.dtype, model.device, partitions)
-    cache = SparseServeCache(text, config, store=store)
+    cache = SparseServeCache(model if from_model else text, config, store=store)
     num_full = (context - 1) // size  # the tail keeps 1..block_size tokens
     for layer in cache.layers:
         probe = torch.zeros((batch, text.num_key_value_heads, 1, text.head_dim), dtype=model.dtype, device=model.device)

@@ -134,6 +134,13 @@ class SparseServeConfig:
             rows change (a `Generator` whose batch changes every few steps recaptures often:
             `cuda_graphs=True` suits it better). No effect elsewhere. A capture that fails
             switches it off for the store, with a warning.
+        generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) on
+            CUDA with the "triton" or "flash" backend replays each decode step of `model.generate`
+            as one CUDA graph of the whole model (`generate_graphs.GenerateGraphs`: the
+            Generator's captured step), not only its attention: eager, launching HF's own layers
+            from Python bounds a step at a few rows. Needs every layer sparse (no `dense_layers`,
+            no sliding-window layers) and transfer="kernel"; forwards it cannot replay exactly
+            run eagerly as before. No effect on a cache built from a config.
     """
 
     block_size: int = 32
@@ -160,6 +167,7 @@ class SparseServeConfig:
     save_path: str = "scatter"
     cuda_graphs: bool = False
     layer_graphs: bool = True
+    generate_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -233,6 +241,7 @@ class SparseServeConfig:
     def _check_graph_fields(self) -> None:
         _check_bool("cuda_graphs", self.cuda_graphs)
         _check_bool("layer_graphs", self.layer_graphs)
+        _check_bool("generate_graphs", self.generate_graphs)
         if not self.cuda_graphs:
             return
         needs = []  # a captured step holds every pool and table by address: nothing may grow or move

@@ -23,8 +23,9 @@ tokens must equal.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from .cache.layer import SparseServeLayer
 from .compat import cache_kwarg
 from .ops import resolve_backend
 
+logger = logging.getLogger(__name__)
 DEFAULT_TABLE_STEP = 128  # blocks (4K tokens at block_size 32): widths are 128 x (1, 2, 3, 4, 6, 8, ...)
 DEFAULT_MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first): bounds their memory pools
 HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
@@ -141,6 +143,7 @@ class DecodeGraphRunner:
         self.layers: list[SparseServeLayer] = list(cache.layers)
         self.graphs = CudaGraphs() if self.capture else None
         self.num_captures = 0
+        self.capture_error: Exception | None = None  # why capturing was switched off, if it was
         self.logits: torch.Tensor | None = None  # (B, V) of the last step; a replay overwrites it
         self._captured: OrderedDict[tuple[int, int], _Captured] = OrderedDict()  # least recently replayed first
         self._state: tuple | None = None  # what the captured graphs point at (see `_graph_state`)
@@ -160,14 +163,15 @@ class DecodeGraphRunner:
         batch = layer.tail.shape[0]
         if tokens.numel() != batch:
             raise ValueError(f"the cache holds {batch} rows, got tokens of shape {tuple(tokens.shape)}")
+        device = layer.tail.device
         if positions is None:
             positions = layer.row_lengths()
-        self._tail_len: list[int] = layer.tail_len.tolist()
-        self._num_blocks: list[int] = layer.num_blocks.tolist()
-        device = layer.tail.device
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()
-        self._last_position = int(self._positions.max())
+        host = torch.cat((layer.tail_len.long(), layer.num_blocks.long(), self._positions.flatten())).tolist()
+        self._tail_len: list[int] = host[:batch]  # one readback for all three
+        self._num_blocks: list[int] = host[batch : 2 * batch]
+        self._last_position = max(host[2 * batch :])
         # Graphs of an earlier start stay: a replay first copies these rows into the tensors its
         # graph was captured with (`_seat`), so a batch whose rows changed captures nothing new
         # unless its (rows, table width) is new.
@@ -204,6 +208,20 @@ class DecodeGraphRunner:
                 self._tail_len[row], self._num_blocks[row] = 0, self._num_blocks[row] + 1
             if self.cache.store.saver is not None:
                 self.cache.store.saver.wait()  # FlashD2H scatters on CPU threads; the step may read those blocks
+        self._prepare_lookups((len(self._tail_len), width))
+        self._check_state()
+
+    def _prepare_lookups(self, key: tuple[int, int]) -> None:
+        """What each layer's lookup does on the host that a replay of `key`'s graph skips: an unlimited
+        HBM cache grows to hold every live block (which moves it: the state check then recaptures)."""
+        captured = self._captured.get(key)
+        store = self.cache.store
+        if captured is None or not store.hbm.unlimited:
+            return
+        for layer, pick in zip(self.layers, captured.picks):
+            store.prepare_fetch(tuple(pick[0].shape), layer.first_partition)
+
+    def _check_state(self) -> None:
         state = self._graph_state()
         if state != self._state:
             self._drop_graphs()
@@ -249,10 +267,20 @@ class DecodeGraphRunner:
         return captured.logits
 
     def _capture(self, key: tuple[int, int]) -> torch.Tensor:
-        """Run this step for real (the warm-up capture needs), then capture it for the next ones."""
+        """Run this step for real (the warm-up capture needs), then capture it for the next ones.
+
+        A capture that fails (out of memory, a kernel that cannot be captured) keeps the warm-up's
+        result and switches capturing off, with one warning: later steps run the static step
+        eagerly (`capture_error` says why). A warm-up that fails is the step's own failure."""
         logits = self.graphs.warm_up(self._static_step)
+        self._check_state()  # the warm-up may have grown an unlimited cache: older graphs are stale
         step_picks = [layer.last_pick for layer in self.layers]  # this step's selections (the warm-up ran it)
-        graph, static_logits = self.graphs.record(self._static_step)
+        positions = [layer.num_positions for layer in self.layers]
+        try:
+            graph, static_logits = self.graphs.record(self._static_step)
+        except Exception as exc:  # noqa: BLE001  the step itself ran (the warm-up): go on without graphs
+            self._give_up_capturing(exc, positions, step_picks)
+            return logits
         for layer in self.layers:
             layer.num_positions -= 1  # the capture ran the Python (`update` counted) but no kernel
         picks, rows = [layer.last_pick for layer in self.layers], [layer.graph_tensors() for layer in self.layers]
@@ -262,6 +290,15 @@ class DecodeGraphRunner:
         self._set_picks(step_picks)  # the captured ones hold nothing yet
         self.num_captures += 1
         return logits
+
+    def _give_up_capturing(self, exc: Exception, positions: list[int], picks: list[Any]) -> None:
+        """After a failed capture: the layers as the warm-up left them, no graphs, eager steps from now on."""
+        for layer, count, pick in zip(self.layers, positions, picks):
+            layer.num_positions, layer.staged, layer.last_pick = count, None, pick
+            layer.caller_owns_tails = False
+        self._drop_graphs()
+        self.capture, self.graphs, self.capture_error = False, None, exc
+        logger.warning("DecodeGraphRunner: capturing a decode step failed (%s); decoding without CUDA graphs", exc)
 
     def _seat(self, captured: _Captured) -> None:
         """Put the current rows into the tensors `captured` reads and writes (copies where they differ).
@@ -292,30 +329,42 @@ class DecodeGraphRunner:
 
 def check_graph_ready(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> None:
     """Raise ValueError / NotImplementedError naming what keeps `model` + `cache` from a static decode step."""
-    replace(cache.config, cuda_graphs=True)  # the config's own graph-mode checks (fixed pools, transfer)
+    obstacle = graph_obstacle(model, cache, capture)
+    if obstacle is not None:
+        raise obstacle
+
+
+def graph_obstacle(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> Exception | None:
+    """What keeps `model` + `cache` from a static decode step (captured when `capture`), as the
+    exception to raise, or None when nothing does. Pools may grow: the runner recaptures then."""
     if getattr(model.config, "_attn_implementation", None) != "sparseserve":
-        raise ValueError("DecodeGraphRunner needs a model loaded with attn_implementation='sparseserve'")
+        return ValueError("DecodeGraphRunner needs a model loaded with attn_implementation='sparseserve'")
     if not all(isinstance(layer, SparseServeLayer) for layer in cache.layers):
-        raise NotImplementedError(
+        return NotImplementedError(
             "graph mode needs every layer to be a SparseServeLayer: dense_layers and sliding-window layers "
             "grow their KV with torch.cat every step, which a captured step cannot follow"
         )
     syncing = sorted(_rope_types(cache.model_config) & set(HOST_SYNCING_ROPE))
     if syncing:
-        raise NotImplementedError(
+        return NotImplementedError(
             f"graph mode cannot capture rope_type {syncing}: it reads max(position_ids) on the host every step"
         )
     if not capture:
-        return
+        return None
+    if cache.config.transfer != "kernel":
+        return ValueError(
+            "CUDA-graph capture needs transfer='kernel': transfer='copy' reads block ids back to the host"
+        )
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise ValueError(f"CUDA-graph capture needs a model on a CUDA device, not {device}; use capture=False")
+        return ValueError(f"CUDA-graph capture needs a model on a CUDA device, not {device}; use capture=False")
     backend = resolve_backend(cache.config.backend, device)
     if backend not in ("triton", "flash"):
-        raise ValueError(
+        return ValueError(
             f"CUDA-graph capture needs backend 'triton' or 'flash' on CUDA, not {backend!r}: the torch "
             "reference's block copy filters entries with a boolean mask (a host sync)"
         )
+    return None
 
 
 def _rope_types(text_config: Any) -> set[str]:

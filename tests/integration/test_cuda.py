@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,3 +67,28 @@ def test_cuda_generate_replaying_layer_pieces_equals_launching_them(dtype):
     assert len(caches[0].layers) <= graphs.num_captures <= 3 * len(caches[0].layers)  # per table width
     stats = [cache.stats() for cache in caches]
     assert stats[0]["misses"] == stats[1]["misses"] > 0 and stats[0]["hits"] == stats[1]["hits"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pools", ["fixed", "growing"])
+def test_cuda_generate_replaying_whole_steps_equals_the_eager_path(dtype, pools):
+    """A cache built from the model (`generate_graphs`, the default) replays each decode step of the
+    whole model as one CUDA graph: the tokens of the eager path (with and without layer pieces),
+    left padding, block fills, evictions, a growing table; with the default pools too (DRAM sized
+    by the prompt, an unlimited HBM cache grown before replays)."""
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2).to("cuda", dtype)
+    rows = [random_ids(1, n, seed=n)[0] for n in (250, 231, 244)]
+    ids, mask = left_pad(rows)
+    ids, mask = ids.cuda(), mask.cuda()
+    sizes = dict(hbm_cache_bytes=1 << 20, dram_bytes=64 << 20) if pools == "fixed" else {}
+    config = SparseServeConfig(block_size=16, token_budget=64, **sizes)
+    routed = SparseServeCache(model, config)
+    assert routed.generate_graphs is not None
+    got = greedy(model, ids, routed, max_new_tokens=40, attention_mask=mask)
+    for layer_graphs in (True, False):
+        plain = SparseServeCache(model.config, replace(config, layer_graphs=layer_graphs))
+        assert torch.equal(got, greedy(model, ids, plain, max_new_tokens=40, attention_mask=mask)), layer_graphs
+    route = routed.generate_graphs
+    assert route.steps == 39 and route.runner.capture and route.runner.capture_error is None
+    assert 1 <= route.runner.num_captures <= 4
+    assert routed.stats()["misses"] > 0

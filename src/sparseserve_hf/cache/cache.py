@@ -33,9 +33,11 @@ class SparseServeCache(Cache):
 
     Args:
         model_config: the model's `PretrainedConfig` (a multimodal config's text config is used),
-            or the `PreTrainedModel` itself (its `.config` is taken). The cache then refuses, at
-            layer 0 of a forward and before anything changes, a model of another shape (layer
-            count, KV heads, head_dim, layer types, max_position_embeddings).
+            or the `PreTrainedModel` itself (its `.config` is taken; on CUDA its decode steps
+            then replay as CUDA graphs of the whole model, see `generate_graphs` in the
+            config). The cache refuses, at layer 0 of a forward and before anything changes, a
+            model of another shape (layer count, KV heads, head_dim, layer types,
+            max_position_embeddings).
         config: the SparseServeConfig (defaults when None).
         store: a `TieredBlockStore` to share with other caches (the batching Generator gives every
             request's cache the engine's one store, so `hbm_cache_bytes` bounds the whole engine);
@@ -87,6 +89,11 @@ class SparseServeCache(Cache):
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
         if store is not None or not _may_be_sharded(self.shape.num_kv_heads):  # else the first keys tell
             self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
+        self.generate_graphs = None  # the route of `model.generate`'s decode steps (`generate_graphs`)
+        if isinstance(model_config, torch.nn.Module) and self.config.generate_graphs:
+            from ..generate_graphs import route_generate  # the layer above the cache: it drives the model
+
+            route_generate(model_config, self)
 
     # ---- construction ----------------------------------------------------------------------
 
