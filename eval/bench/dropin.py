@@ -31,6 +31,7 @@ finds its kernels on disk, as every process after a user's first does
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -306,6 +307,7 @@ def _peak_gib(device: torch.device) -> float | None:
 
 
 def _free(device: torch.device) -> None:
+    gc.collect()  # whatever a system left in reference cycles goes before the next one is measured
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

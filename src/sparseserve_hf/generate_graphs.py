@@ -19,6 +19,7 @@ forward, `crop`, beam reordering) is followed.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Any
 
@@ -45,8 +46,9 @@ class GenerateGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, cache: SparseServeCache, *, capture: bool = True) -> None:
-        self.model, self.cache = model, cache
-        self.runner = DecodeGraphRunner(model, cache, capture=capture)
+        self.model = model
+        self.cache = weakref.proxy(cache)  # the cache holds this route: a strong reference back would be a cycle
+        self.runner = DecodeGraphRunner(model, self.cache, capture=capture)
         self.steps = 0  # decode forwards this route ran
         self._running = False  # inside `forward`: the runner's own call of the model is not routed again
 
@@ -86,7 +88,8 @@ class GenerateGraphs:
         finally:
             self._running = False
         self.steps += 1
-        return CausalLMOutputWithPast(logits=self.runner.logits[:, None].clone(), past_key_values=self.cache)
+        cache = next(kwargs[name] for name in CACHE_KWARGS if name in kwargs)
+        return CausalLMOutputWithPast(logits=self.runner.logits[:, None].clone(), past_key_values=cache)
 
 
 def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: bool | None = None) -> bool:
@@ -105,18 +108,32 @@ def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: boo
 
 
 def _install_forward(model: torch.nn.Module) -> None:
-    """Wrap the instance's `forward` once: forwards carrying a routed cache go to its route."""
+    """Wrap the instance's `forward` once: forwards carrying a routed cache go to its route.
+
+    The wrapper holds the model weakly (the class's own `forward` is called with it): a model
+    referring to itself through its `forward` would outlive `del model` until a garbage
+    collection, GiBs of weights with it. It shows the signature of the forward it wraps
+    (`generate` inspects it to prepare inputs)."""
     if getattr(model.forward, ROUTED_MARK, False):
         return
-    own, this = model.forward, weakref.ref(model)  # a weak `this`: the closure adds no second cycle
+    own, this = model.forward, weakref.ref(model)
+    if getattr(own, "__self__", None) is model:  # the class's method: keep its function, not the bound method
+        func = own.__func__
 
-    @functools.wraps(own)  # keeps the signature: generate inspects it to prepare inputs
+        def call_own(*args, **kwargs):
+            return func(this(), *args, **kwargs)
+    else:  # an instance attribute set by someone else (e.g. accelerate's hooks) already holds the model
+        func = call_own = own
+
     def forward(*args, **kwargs):
         cache = next((kwargs[name] for name in CACHE_KWARGS if name in kwargs), None)
         route = getattr(cache, "generate_graphs", None)
         if route is not None and route.model is this() and route.takes(args, kwargs):
             return route.forward(kwargs)
-        return own(*args, **kwargs)
+        return call_own(*args, **kwargs)
 
+    functools.update_wrapper(forward, func)
+    del forward.__wrapped__  # `__signature__` instead: the bound signature, holding nothing
+    forward.__signature__ = inspect.signature(own)
     setattr(forward, ROUTED_MARK, True)
     model.forward = forward

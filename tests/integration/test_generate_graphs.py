@@ -10,8 +10,10 @@ the route with real CUDA graphs.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -190,3 +192,17 @@ def test_a_failed_capture_keeps_the_step_and_falls_back_to_the_eager_path(model,
     assert torch.equal(got, want)
     assert "capturing a decode step failed" in caplog.text and isinstance(runner.capture_error, RuntimeError)
     assert cache.generate_graphs.steps == 1 and not cache.generate_graphs.enabled  # one warm-up, then eager
+
+
+def test_a_routed_model_and_its_cache_are_freed_by_del_without_a_garbage_collection():
+    """No reference cycle: their GiBs of weights and pools go when the user lets go of them."""
+    model = tiny_model("llama")
+    cache = routed(model, static_config(), replay=False)  # (the CPU stand-in for graphs refers to its runner)
+    generate(model, cache, new=3)
+    alive = [weakref.ref(model), weakref.ref(cache)]
+    gc.disable()
+    try:
+        del model, cache
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()
