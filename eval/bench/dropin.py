@@ -310,6 +310,9 @@ def _free(device: torch.device) -> None:
     gc.collect()  # whatever a system left in reference cycles goes before the next one is measured
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:  # PyTorch keeps freed pinned blocks (rounded up to a power of two)
+            empty_host_cache()
 
 
 if __name__ == "__main__":
