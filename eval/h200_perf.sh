@@ -14,8 +14,8 @@
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
-#               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV, launched op by op
-#               (the default) and with layer_graphs=True; the first call of a new process
+#               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV: whole_step (a cache
+#               built from the model), layer_graphs (from its config), launched; the first call of a new process
 #   dropin128k  the same at B=2 x 128K (peak HBM against stock's)
 #   multigpu    data parallel on every visible GPU (the nvidia-h200-x2 kind): one Generator vs a
 #               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
@@ -32,7 +32,7 @@ mkdir -p "$out"
 case $part in
   tests)
     python -m pytest -q -p no:cacheprovider tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
-      tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
+      tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py tests/integration/test_generate_graphs.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   kernels)
     python -m eval.bench.transfer --out "$out/transfer.json" 2>&1 | tee "$out/transfer.log" | tail -40
     python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -40
@@ -53,7 +53,7 @@ case $part in
     python -m eval.bench.dropin --points 32k --static --first-call --out "$out/dropin.json" 2>&1 \
       | tee "$out/dropin.log" | tail -30 ;;
   dropin128k)
-    python -m eval.bench.dropin --points 128k --static --out "$out/dropin_128k.json" 2>&1 \
+    python -m eval.bench.dropin --points 128k --localities real_locality --out "$out/dropin_128k.json" 2>&1 \
       | tee "$out/dropin_128k.log" | tail -30 ;;
   profile)
     python -m eval.bench.profile_step --out "$out/profile_step.md" 2>&1 | tee "$out/profile_step.log" | tail -30 ;;
