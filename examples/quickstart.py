@@ -47,7 +47,7 @@ def main() -> None:
     messages = [{"role": "user", "content": QUESTION}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=16 * 2**20)
-    cache = SparseServeCache(model.config, config)
+    cache = SparseServeCache(model, config)  # from the model: on CUDA, decode steps replay as CUDA graphs
     # transformers 5.24 renamed `past_key_values` to `cache`; cache_kwarg picks the one this version takes.
     inputs[cache_kwarg(model)] = cache  # i.e. model.generate(..., past_key_values=cache)
 
