@@ -92,3 +92,16 @@ def test_cuda_generate_replaying_whole_steps_equals_the_eager_path(dtype, pools)
     assert route.steps == 39 and route.runner.capture and route.runner.capture_error is None
     assert 1 <= route.runner.num_captures <= 4
     assert routed.stats()["misses"] > 0
+
+
+def test_cuda_pinned_empty_is_page_locked_and_copies_both_ways():
+    from sparseserve_hf.pinned import pinned_empty
+
+    host = pinned_empty((1000, 2, 32, 64), torch.bfloat16)
+    assert host.is_pinned()
+    host.copy_(torch.randn(host.shape).to(torch.bfloat16))
+    device = host.to("cuda", non_blocking=True)
+    back = pinned_empty(host.shape, host.dtype)
+    back.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, host)

@@ -9,6 +9,7 @@ import torch
 
 from .. import host_memory
 from ..host_memory import HOST_MEMORY_HEADROOM, check_host_bytes
+from ..pinned import pinned_empty
 from .grow import grown
 from .plain import plain_tensors
 
@@ -162,4 +163,6 @@ class DramPool:
                 check_host_bytes(nbytes, f"dram_bytes={self.capacity_bytes}", "lower dram_bytes")
             else:
                 check_host_bytes(nbytes, "the growing DRAM pool (dram_bytes=None)", "shorten the context")
-        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, device=self.device, pin_memory=self.pin)
+        if self.pin:  # exactly its size: PyTorch's pinned allocator would round it up to a power of two
+            return pinned_empty((capacity, *self.block_shape), self.dtype)
+        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, device=self.device)

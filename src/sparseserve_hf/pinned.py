@@ -1,0 +1,61 @@
+"""Page-locked host tensors of exactly the size asked for.
+
+`torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every
+allocation up to a power of two and keeps freed blocks for reuse: a 34 GB DRAM pool (two 128K-token
+rows of an 8B model) pins 64 GiB of host memory and takes twice as long to pin. Here ordinary host
+memory is allocated and page-locked in place (`cudaHostRegister`), and unlocked just before it is
+freed, when the last tensor viewing it is gone. The GPU reads it as any pinned memory: copies run
+asynchronously and kernels address it directly (UVA).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Protocol
+
+import numpy as np
+import torch
+
+PAGE_BYTES = 4096
+
+
+class Registrar(Protocol):
+    """Page-locks and unlocks host address ranges (the CUDA runtime; a stand-in in CPU tests)."""
+
+    def register(self, address: int, nbytes: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+class CudaRegistrar:
+    """`cudaHostRegister` / `cudaHostUnregister` through PyTorch's CUDA runtime bindings."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Page-lock `nbytes` at `address`; raises RuntimeError naming the CUDA error."""
+        status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
+
+    def unregister(self, address: int) -> None:
+        """Unlock the range registered at `address` (errors ignored: it runs as memory is freed)."""
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, registrar: Registrar | None = None) -> torch.Tensor:
+    """An uninitialized, page-locked host tensor of `shape` and `dtype`, holding exactly its bytes
+    (rounded up to a page). `registrar`: None = the CUDA runtime.
+
+    The memory belongs to a numpy array that the tensor keeps alive; the array's finalizer unlocks
+    the range before numpy frees it, so the lock lives exactly as long as some view of the memory.
+    """
+    registrar = registrar if registrar is not None else CudaRegistrar()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    locked = max(-(-nbytes // PAGE_BYTES) * PAGE_BYTES, PAGE_BYTES)
+    raw = np.empty(locked + PAGE_BYTES, dtype=np.uint8)  # one spare page to start on a page boundary
+    start = -raw.ctypes.data % PAGE_BYTES
+    owner = raw[start : start + locked]  # a view: `raw` stays alive through it
+    address = owner.ctypes.data
+    registrar.register(address, locked)
+    weakref.finalize(owner, registrar.unregister, address)
+    return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)
