@@ -76,3 +76,17 @@ def test_a_pinned_dram_pool_locks_exactly_its_blocks_and_unlocks_what_growth_rep
     assert pool.storage.data_ptr() in registrar.locked
     del pool
     assert registrar.locked == {}
+
+
+def test_a_pool_falls_back_to_pytorchs_pinned_allocator_when_registering_fails(monkeypatch, caplog):
+    monkeypatch.setattr(pinned, "CudaRegistrar", lambda: Registrar(fail=True))
+    pinned_by_torch = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        pinned_by_torch.append(pin_memory)
+        return real_empty(*args, **kwargs)  # CPU-only torch cannot pin: record the request instead
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pool = DramPool((2, 16, 8), torch.float32, 1 << 16, pin=True)
+    assert pool.capacity == (1 << 16) // (2 * 16 * 8 * 4) and pinned_by_torch[-1] is True

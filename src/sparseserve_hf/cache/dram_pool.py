@@ -5,6 +5,9 @@ With `offload=False` (the no-offload ablation) the same pool lives in device mem
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from .. import host_memory
@@ -13,6 +16,7 @@ from ..pinned import pinned_empty
 from .grow import grown
 from .plain import plain_tensors
 
+logger = logging.getLogger(__name__)
 INITIAL_BLOCKS = 256
 
 
@@ -163,6 +167,16 @@ class DramPool:
                 check_host_bytes(nbytes, f"dram_bytes={self.capacity_bytes}", "lower dram_bytes")
             else:
                 check_host_bytes(nbytes, "the growing DRAM pool (dram_bytes=None)", "shorten the context")
+        shape = (capacity, *self.block_shape)
         if self.pin:  # exactly its size: PyTorch's pinned allocator would round it up to a power of two
-            return pinned_empty((capacity, *self.block_shape), self.dtype)
-        return torch.empty((capacity, *self.block_shape), dtype=self.dtype, device=self.device)
+            try:
+                return pinned_empty(shape, self.dtype)
+            except (RuntimeError, AttributeError) as exc:  # a runtime that cannot register host memory
+                _warn_pinning_fallback(f"{type(exc).__name__}: {exc}")
+                return torch.empty(shape, dtype=self.dtype, pin_memory=True)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+
+@functools.cache
+def _warn_pinning_fallback(reason: str) -> None:
+    logger.warning("pinning host memory in place failed (%s); using PyTorch's pinned allocator", reason)
