@@ -118,14 +118,15 @@ class SparseServeConfig:
             GPU-direct UVA scatter launch, close to bulk D2H bandwidth) or "flash_d2h" (the paper's
             FlashD2H: one contiguous D2H copy into pinned staging, CPU threads scatter it; slower,
             as the CPU scatter bounds it).
-        cuda_graphs: decode steps replay a captured CUDA graph (`graph.DecodeGraphRunner`; on
-            CUDA with the "triton" or "flash" backend) instead of launching ~100 kernels per
-            layer from Python. A captured step holds every pool by address, so it needs a fixed
-            `dram_bytes`, a fixed `hbm_cache_bytes` with offload, `transfer="kernel"` and no
+        cuda_graphs: the `Generator`'s decode steps replay a captured CUDA graph
+            (`graph.DecodeGraphRunner`; on CUDA with the "triton" or "flash" backend) instead of
+            launching ~100 kernels per layer from Python. It needs `transfer="kernel"` and no
             `dense_layers` (the backend is checked at capture, where the device is known: the
-            torch reference's block copy syncs). The `Generator` captures once per batch size
-            and table width and copies changed rows into the captured tensors; on CPU it runs
-            the same static step eagerly.
+            torch reference's block copy syncs). It captures once per batch size and table width
+            and copies changed rows into the captured tensors; a captured step holds every pool
+            by address, so a pool that grows (`dram_bytes` or `hbm_cache_bytes` None) is captured
+            again after it moved: fixed sizes capture once. On CPU it runs the same static step
+            eagerly.
         layer_graphs: eager decode steps (`model.generate`, the `Generator` without
             `cuda_graphs`) on CUDA with the "triton" or "flash" backend and transfer="kernel"
             replay each sparse layer's decode attention as a CUDA graph (`layer_graphs.LayerGraphs`):
@@ -244,11 +245,7 @@ class SparseServeConfig:
         _check_bool("generate_graphs", self.generate_graphs)
         if not self.cuda_graphs:
             return
-        needs = []  # a captured step holds every pool and table by address: nothing may grow or move
-        if self.dram_bytes is None:
-            needs.append("a fixed dram_bytes (a growing pool moves)")
-        if self.offload and self.hbm_cache_bytes is None:
-            needs.append("a fixed hbm_cache_bytes with offload=True (an unlimited cache grows)")
+        needs = []  # pools may grow (captured again when they move); these a captured step cannot follow
         if self.transfer != "kernel":
             needs.append("transfer='kernel' (transfer='copy' reads ids back to the host)")
         if self.dense_layers:

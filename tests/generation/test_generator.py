@@ -195,8 +195,9 @@ GRAPH_CONFIG = dict(
 
 
 @pytest.mark.core
+@pytest.mark.parametrize("pools", ["fixed", "growing"])
 @pytest.mark.parametrize("stand_in_graphs", [False, True], ids=["static-step", "fake-graphs"])
-def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs):
+def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools):
     """cuda_graphs=True: rows join, sit out and leave (a restart each time), tokens and admission must not move.
 
     On CPU the runner runs the captured step eagerly; with the stand-in it captures and replays,
@@ -206,8 +207,9 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
 
     prompts = [prompt(n, seed=n) for n in LENGTHS]
     params = SamplingParams(max_new_tokens=24)
-    eager = Generator(llama, None, small_config(**GRAPH_CONFIG))
-    graphed = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))
+    config = GRAPH_CONFIG | ({"dram_bytes": None} if pools == "growing" else {})  # the pool grows during the run
+    eager = Generator(llama, None, small_config(**config))
+    graphed = Generator(llama, None, small_config(**config, cuda_graphs=True))
     runner, starts = graphed._runner, []
     if stand_in_graphs:
         runner.capture, runner.graphs = True, FakeGraphs(runner)
@@ -219,9 +221,12 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
     assert mine["totals"]["sat_out"] == theirs["totals"]["sat_out"] > 0  # admission saw the same working sets
     sizes = [r["working_set_blocks"] for r in mine["requests"].values()]
     assert sizes == [r["working_set_blocks"] for r in theirs["requests"].values()]
-    if stand_in_graphs:
+    if pools == "growing":
+        assert graphed.store.epoch > 0  # the DRAM pool grew (and moved) during the run
+    if stand_in_graphs and pools == "fixed":
         # one capture per (rows, table width) ever seen, however often the batch changed
         assert mine["totals"]["graph_captures"] == len(runner._captured) and 2 <= len(runner._captured) < len(starts)
+    if stand_in_graphs:
         assert mine["totals"]["hits"] + mine["totals"]["misses"] > 0
 
 
