@@ -8,7 +8,9 @@
 #   tests       every GPU-marked kernel / cache / graph test (flash-attn-4 tests skip without fa4)
 #   kernels     transfer (T1, T2 with the save-grid sweep), decode attention (T3; fa4 column if installed), score launch sweep
 #   step        one decode step, Llama-3-8B shape, B=16, 32K (T8): eager and CUDA graph vs dense
-#   generator   Generator (eager and CUDA graphs) vs stock generate, 16 requests of 16K tokens
+#   generator   the Generator (cuda_graphs=True) vs stock generate: 16 x 16K x 1024 new in closed loop, and the
+#               TTFT of one 32K prompt on an idle Generator (T10, T11)
+#   capacity    the same under a 40 GiB cap: 16 x 32K x 1024 new, stock at the largest batch that fits
 #   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented (T6)
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
@@ -40,7 +42,11 @@ case $part in
   step)
     python -m eval.bench.decode_step --graph --out "$out/decode_step.json" 2>&1 | tee "$out/decode_step.log" | tail -40 ;;
   generator)
-    python -m eval.bench.generator_vs_generate --cuda-graphs --out "$out/generator_vs_generate.json" 2>&1 | tee "$out/generator.log" | tail -30 ;;
+    python -m eval.bench.generator_vs_generate --points closed_loop,prefill --out "$out/generator_vs_generate.json" 2>&1 \
+      | tee "$out/generator.log" | tail -30 ;;
+  capacity)
+    python -m eval.bench.generator_vs_generate --points capacity --localities real_locality \
+      --out "$out/generator_vs_generate.json" 2>&1 | tee "$out/capacity.log" | tail -30 ;;
   scoring)
     python -m pytest -q -p no:cacheprovider tests/ops -k "score" 2>&1 | tee "$out/gpu_pytest_score.log" | tail -5
     python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30
@@ -66,5 +72,5 @@ case $part in
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu)" >&2; exit 2 ;;
 esac

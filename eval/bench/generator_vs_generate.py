@@ -1,141 +1,313 @@
-"""Generator tokens/s vs stock `model.generate` on the same requests (GPU benchmark; not a test).
+"""The `Generator` against stock `model.generate`: closed loop, under an HBM cap, and prefill (GPU benchmark).
 
-Default workload (issue 4): Llama-3-8B shape with random bf16 weights built on the GPU, 16 requests
-of 16K random tokens, 128 new tokens each (EOS ignored, so both produce every token).
-  - stock: `model.generate` with SDPA attention and a DynamicCache, all 16 prompts as one static
-    batch (no padding: equal lengths), greedy;
-  - generator: `Generator` over the "sparseserve" attention (token_budget 2048, HBM block cache of
-    `--hbm-cache-gib`, admission on), same prompts, greedy;
-  - generator_graphs (with `--cuda-graphs`): the same with `cuda_graphs=True` (decode steps replayed).
-Each first serves a short warm-up (WARMUP_TOKENS of the first prompt, 8 new tokens) outside the clock.
-Tokens/s counts generated tokens over wall time from the first submit (or generate call) to the
-last token, prefill included. Prints a table; writes JSON with the device, the command and both
-numbers.
+    python -m eval.bench.generator_vs_generate --points closed_loop --out eval/results/generator_vs_generate.json
+    python -m eval.bench.generator_vs_generate --points capacity --localities real_locality --out ...
+    python -m eval.bench.generator_vs_generate --points prefill --out ...
+    python -m eval.bench.generator_vs_generate --dry-run                      # tiny shapes on CPU
 
-    python -m eval.bench.generator_vs_generate --out eval/results/generator_vs_generate.json
-    python -m eval.bench.generator_vs_generate --shape tiny --requests 4 --prompt-tokens 256 --new-tokens 8  # CPU smoke
+Llama-3-8B shape, random bf16 weights, seeded random-token prompts, the same requests for every
+system, EOS ignored (every system generates every token), greedy. Points:
+- closed_loop: 16 requests x 16K tokens x 1024 new. Stock: `generate` over all of them as one
+  batch (DynamicCache, sdpa). Ours: the requests submitted at once to a `Generator`.
+- capacity: 16 x 32K x 1024 new with every process's CUDA allocations capped (40 GiB): stock
+  runs the largest batch that fits (tried from 16 down; `capacity_stock_batch`) over the requests
+  in turn, its times summed; ours serves all 16 with the DRAM pool in host memory and an HBM
+  block cache of what the cap leaves after the weights and a headroom.
+- prefill: one 32K prompt. Stock: `generate(max_new_tokens=1)`; ours: submit to an idle
+  `Generator` until its first token (its TTFT).
+Every system first runs one full call of the point's shapes (16 new tokens, or 1 for prefill)
+outside the clock. Ours is `SparseServeConfig(cuda_graphs=True)` with an HBM cache of
+`--hbm-cache-fraction` of the dense KV (closed loop, prefill), at real locality (the recorded
+selection trace drives the loads, `TraceReplay`) and with random KV, blocks `real_locality` and
+`random_kv`. Tokens/s counts generated tokens over the wall time of the call, prefill included.
+`--out` merges the points run into an existing JSON (each point fits one 10-minute GPU call).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import platform
-import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
-from eval.bench.decode_step_setup import SHAPES, build_model
+from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, write_json
+from eval.bench.decode_step_setup import build_model
+from eval.bench.selection_trace import SelectionTrace, TraceReplay
 from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
-WARMUP_TOKENS = 4096  # past the token budget: the warm-up runs selection and block transfers too
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
+GIB = 1 << 30
+POINTS = {  # name -> (requests, prompt tokens, new tokens)
+    "closed_loop": (16, 16384, 1024),
+    "capacity": (16, 32768, 1024),
+    "prefill": (1, 32768, 1),
+}
+DRY_POINTS = {"closed_loop": (3, 160, 6), "capacity": (3, 160, 6), "prefill": (1, 200, 1)}
+WARM_NEW_TOKENS = 16
+LOCALITIES = ("real_locality", "random_kv")
+STOCK_BATCHES = (16, 12, 8, 6, 4, 3, 2, 1)  # tried under the cap, largest first
 
 
-def run_stock(model, prompts: torch.Tensor, new_tokens: int) -> dict:
-    """One static batch through stock generate."""
-    with torch.no_grad():
-        model.generate(prompts[:1, :WARMUP_TOKENS], max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    _sync()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--points", default="closed_loop,capacity,prefill", help=f"comma-separated, of {sorted(POINTS)}"
+    )
+    parser.add_argument("--localities", default="real_locality,random_kv")
+    parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the requests' dense KV")
+    parser.add_argument("--cap-gib", type=float, default=40.0, help="capacity: CUDA allocations of every system")
+    parser.add_argument("--headroom-gib", type=float, default=8.0, help="capacity: of the cap, left to activations")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--out", default=None, help="JSON path; points already in it are kept")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
+    return parser.parse_args(argv)
+
+
+# ---- stock --------------------------------------------------------------------------------------------
+
+
+def stock_generate_s(model, prompts: torch.Tensor, new_tokens: int) -> float:
+    """Wall seconds of one greedy `generate` of exactly `new_tokens` over `prompts` (B, T)."""
+    sync(prompts.device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    _sync()
-    seconds = time.perf_counter() - start
-    generated = (out.shape[1] - prompts.shape[1]) * out.shape[0]
-    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds}
+        model.generate(
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )  # fmt: skip
+    sync(prompts.device)
+    return time.perf_counter() - start
 
 
-def run_generator(model, prompts: torch.Tensor, new_tokens: int, config: SparseServeConfig) -> dict:
-    """The same prompts through the Generator."""
+def measure_stock(model, prompts: torch.Tensor, new_tokens: int, batch: int) -> dict[str, Any]:
+    """Warm-up call of (batch, T) shapes, then the requests in batches of `batch`, times summed."""
+    stock_generate_s(model, prompts[:batch], min(new_tokens, WARM_NEW_TOKENS))
+    _reset_peak(prompts.device)
+    seconds = sum(stock_generate_s(model, prompts[i : i + batch], new_tokens) for i in range(0, len(prompts), batch))
+    generated = prompts.shape[0] * new_tokens
+    return {
+        "batch": batch,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "peak_gib": _peak_gib(prompts.device),
+    }
+
+
+def largest_stock_batch(model, prompts: torch.Tensor) -> tuple[int | None, list[dict[str, Any]]]:
+    """The largest batch (of STOCK_BATCHES) whose warm-up call runs under the cap, and what was tried."""
+    tried = []
+    for batch in [b for b in STOCK_BATCHES if b <= len(prompts)]:
+        try:
+            stock_generate_s(model, prompts[:batch], WARM_NEW_TOKENS)
+        except torch.OutOfMemoryError:
+            tried.append({"batch": batch, "runs": False})
+            _free(prompts.device)
+            continue
+        tried.append({"batch": batch, "runs": True})
+        return batch, tried
+    return None, tried
+
+
+# ---- ours ---------------------------------------------------------------------------------------------
+
+
+def measure_generator(
+    model, config: SparseServeConfig, prompts: torch.Tensor, new_tokens: int, trace: str | None
+) -> dict:
+    """A warm-up call of the same shapes, then the requests submitted at once; the timed call's numbers.
+
+    `trace`: the selection trace whose loads the blocks follow (real locality); None = random KV."""
     gen = Generator(model, None, config)
-    gen.generate([prompts[0, :WARMUP_TOKENS].tolist()], SamplingParams(max_new_tokens=8, ignore_eos=True))
-    warmup = gen.metrics()["totals"]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    _sync()
+    if trace is not None:
+        text = model.config
+        replay = TraceReplay(SelectionTrace.load(trace), text.num_hidden_layers, text.num_key_value_heads, model.device)
+        gen.store.selection_override = replay
+    rows = [row.tolist() for row in prompts]
+    gen.generate(rows, SamplingParams(max_new_tokens=min(new_tokens, WARM_NEW_TOKENS), ignore_eos=True))
+    warm = gen.metrics()["totals"]
+    warm_ids = set(gen.metrics()["requests"])
+    _reset_peak(prompts.device)
+    sync(prompts.device)
     start = time.perf_counter()
-    outs = gen.generate([row.tolist() for row in prompts], params)
-    _sync()
+    outs = gen.generate(rows, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    sync(prompts.device)
     seconds = time.perf_counter() - start
     metrics = gen.metrics()
-    engine = engine_totals_since(metrics["totals"], warmup)  # the timed run alone
-    generated = sum(len(o.token_ids) for o in outs)
-    ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid > 0]  # id 0: the warm-up
-    keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "hbm_peak_bytes", "cuda_peak_bytes")
-    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
-            "mean_ttft_s": sum(ttft) / len(ttft),
-            "graph_captures": engine["graph_captures"] if config.cuda_graphs else None,
-            } | {k: engine.get(k) for k in keep}  # fmt: skip
+    engine = engine_totals_since(metrics["totals"], warm)
+    ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid not in warm_ids]
+    generated = sum(len(out.token_ids) for out in outs)
+    keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "graph_captures", "hbm_peak_bytes")
+    row = {"seconds": seconds, "tokens_per_s": generated / seconds, "generated_tokens": generated,
+           "mean_ttft_s": sum(ttft) / len(ttft), "peak_gib": _peak_gib(prompts.device),
+           "config": asdict(config)} | {key: engine.get(key) for key in keep}  # fmt: skip
+    del gen
+    _free(prompts.device)
+    return row
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak() -> int | None:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Parse arguments, run both systems, print the table and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=16384)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--token-budget", type=int, default=2048)
-    parser.add_argument("--hbm-cache-gib", type=float, default=40.0)
-    parser.add_argument("--dram-gib", type=float, default=40.0, help="host pool, allocated (pinned) once")
-    parser.add_argument("--max-inject-tokens", type=int, default=2048 * 32, help="token-layers of prefill per step")
-    parser.add_argument("--skip-stock", action="store_true")
-    parser.add_argument("--cuda-graphs", action="store_true", help="also run the Generator with cuda_graphs=True")
-    parser.add_argument("--out", type=Path, default=Path("eval/results/generator_vs_generate.json"))
-    args = parser.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    max_positions = args.prompt_tokens + args.new_tokens + 1
-    vocab = SHAPES[args.shape]["vocab_size"]
-    prompts = torch.randint(1, vocab, (args.requests, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
-    results: dict = {}
-    if not args.skip_stock:
-        stock = build_model(args.shape, "sdpa", device, dtype, max_positions)
-        results["stock_generate"] = run_stock(stock, prompts.to(device), args.new_tokens) | {"peak_bytes": _peak()}
-        del stock
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    model = build_model(args.shape, "sparseserve", device, dtype, max_positions)
-    config = SparseServeConfig(
-        token_budget=args.token_budget,
-        hbm_cache_bytes=int(args.hbm_cache_gib * 2**30),
-        dram_bytes=int(args.dram_gib * 2**30),
-        max_batch=args.requests,
-        max_inject_tokens=args.max_inject_tokens,
+def ours_config(model, requests: int, context: int, args, hbm_cache_bytes: int | None = None) -> SparseServeConfig:
+    """`SparseServeConfig(cuda_graphs=True)`; the HBM cache `--hbm-cache-fraction` of the requests'
+    dense KV unless given; the DRAM pool sized for every request's tokens (pinned once, before the clock)."""
+    text = model.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
+    dense_kv = per_token * requests * context
+    return SparseServeConfig(
+        cuda_graphs=True,
+        hbm_cache_bytes=hbm_cache_bytes or max(int(dense_kv * args.hbm_cache_fraction), 1 << 20),
+        dram_bytes=per_token * requests * (context + 2048) + (1 << 26),
+        max_batch=requests,
+        **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),
     )
-    results["generator"] = run_generator(model, prompts, args.new_tokens, config) | {"peak_bytes": _peak()}
-    if args.cuda_graphs:
-        graphs = replace(config, cuda_graphs=True)
-        results["generator_graphs"] = run_generator(model, prompts, args.new_tokens, graphs) | {"peak_bytes": _peak()}
-    report = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "command": " ".join([sys.executable, "-m", "eval.bench.generator_vs_generate", *(argv or sys.argv[1:])]),
-        "workload": vars(args) | {"out": str(args.out), "dtype": str(dtype)},
-        "torch": torch.__version__,
-        "results": results,
-    }
-    print(f"{'system':<16} {'seconds':>9} {'tokens':>8} {'tokens/s':>10} {'peak GB':>8}")
-    for name, r in results.items():
-        peak = f"{r['peak_bytes'] / 1e9:.1f}" if r.get("peak_bytes") else "-"
-        print(f"{name:<16} {r['seconds']:>9.2f} {r['generated_tokens']:>8} {r['tokens_per_s']:>10.1f} {peak:>8}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
-    return report
+
+
+# ---- the points -----------------------------------------------------------------------------------------
+
+
+def closed_loop(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
+    prompts = _prompts(shape, requests, context, device)
+    stock_model = build_model(shape, "sdpa", device, dtype, context + new_tokens + 64)
+    point: dict[str, Any] = {"stock": measure_stock(stock_model, prompts, new_tokens, requests)}
+    del stock_model
+    _free(device)
+    model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
+    config = ours_config(model, requests, context, args)
+    for block in _localities(args):
+        point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
+        point[block]["over_stock"] = point[block]["tokens_per_s"] / point["stock"]["tokens_per_s"]
+    return point
+
+
+def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
+    """Both systems under `--cap-gib` (each its own model; the cap holds for the whole process)."""
+    cap = int(args.cap_gib * GIB)
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+        )
+    prompts = _prompts(shape, requests, context, device)
+    stock_model = build_model(shape, "sdpa", device, dtype, context + new_tokens + 64)
+    batch, tried = largest_stock_batch(stock_model, prompts)
+    point: dict[str, Any] = {"cap_bytes": cap, "stock_batches_tried": tried}
+    point["stock"] = None if batch is None else measure_stock(stock_model, prompts, new_tokens, batch)
+    del stock_model
+    _free(device)
+    model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    room = cap - weights - int(args.headroom_gib * GIB)
+    config = ours_config(model, requests, context, args, hbm_cache_bytes=max(room, 1 << 20))
+    for block in _localities(args):
+        point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
+        if point["stock"] is not None:
+            point[block]["over_stock"] = point[block]["tokens_per_s"] / point["stock"]["tokens_per_s"]
+    return point
+
+
+def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
+    """TTFT of one prompt: stock's `generate(max_new_tokens=1)` against an idle, warmed Generator's."""
+    prompts = _prompts(shape, 1, context, device)
+    stock_model = build_model(shape, "sdpa", device, dtype, context + 64)
+    stock_generate_s(stock_model, prompts, 1)  # the warm-up call
+    point: dict[str, Any] = {"stock": {"seconds": stock_generate_s(stock_model, prompts, 1)}}
+    del stock_model
+    _free(device)
+    model = build_model(shape, "sparseserve", device, dtype, context + 64)
+    config = ours_config(model, 1, context, args)
+    for block in _localities(args):
+        row = measure_generator(model, config, prompts, 1, _trace(args, block))
+        point[block] = row | {"over_stock": row["mean_ttft_s"] / point["stock"]["seconds"]}
+    return point
+
+
+MEASURES = {"closed_loop": closed_loop, "capacity": capacity, "prefill": prefill}
+
+
+def headline(points: dict[str, Any]) -> dict[str, Any]:
+    """The target keys, at real locality (random KV beside it in the blocks)."""
+    out: dict[str, Any] = {}
+    loop, cap, pre = points.get("closed_loop"), points.get("capacity"), points.get("prefill")
+    if loop is not None:
+        out["stock_s"] = loop["stock"]["seconds"]
+        out["generator_over_stock"] = loop.get("real_locality", {}).get("over_stock")
+    if cap is not None:
+        out["capacity_stock_batch"] = None if cap["stock"] is None else cap["stock"]["batch"]
+        out["capacity_generator_over_stock"] = cap.get("real_locality", {}).get("over_stock")
+    if pre is not None:
+        out["prefill_stock_s"] = pre["stock"]["seconds"]
+        out["prefill_ours_s"] = pre.get("real_locality", {}).get("mean_ttft_s")
+        out["prefill_over_stock"] = pre.get("real_locality", {}).get("over_stock")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)
+    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    sizes = DRY_POINTS if args.dry_run else POINTS
+    if args.dry_run:  # a cap of the tiny model's scale (on CPU it only sizes our HBM cache)
+        args.cap_gib, args.headroom_gib = 1 / 16, 1 / 64
+    result = _existing(args.out)
+    result |= run_record(device) | {"shape": shape, "dtype": str(dtype)}
+    result.setdefault("points", {})
+    for name in args.points.split(","):
+        if name not in MEASURES:
+            raise SystemExit(f"unknown point {name!r}; of {sorted(MEASURES)}")
+        point = MEASURES[name](args, device, dtype, shape, *sizes[name])
+        result["points"][name] = point | {
+            "workload": dict(zip(("requests", "prompt_tokens", "new_tokens"), sizes[name]))
+        }
+        result["points"][name]["command_args"] = vars(args)
+        rows = [{"system": f"{name}: {key}"} | value for key, value in point.items() if isinstance(value, dict)]
+        print_table(rows, ["system", "seconds", "tokens_per_s", "mean_ttft_s", "over_stock", "hit_rate", "peak_gib"])
+    result |= headline(result["points"])
+    write_json(args.out, result)
+    return result
+
+
+def _trace(args, block: str) -> str | None:
+    return args.trace if block == "real_locality" else None
+
+
+def _existing(path: str | None) -> dict[str, Any]:
+    """The JSON of earlier points at `path` (they are kept), else an empty result."""
+    if path and Path(path).exists():
+        earlier = json.loads(Path(path).read_text())
+        if "points" in earlier:  # a result of this script, not of another layout
+            return earlier
+    return {}
+
+
+def _localities(args) -> list[str]:
+    blocks = args.localities.split(",")
+    bad = [b for b in blocks if b not in LOCALITIES]
+    if bad:
+        raise SystemExit(f"unknown localities {bad}; of {sorted(LOCALITIES)}")
+    return blocks
+
+
+def _prompts(shape: str, requests: int, context: int, device: torch.device) -> torch.Tensor:
+    vocab = 256 if shape == "tiny" else 128256
+    return torch.randint(1, vocab, (requests, context), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kernel_support import DEVICE
 
@@ -77,19 +76,24 @@ def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
     assert chunked - segmented == layer_kv
 
 
-def test_generator_vs_generate_smoke_runs_stock_eager_and_graphed_generators(tmp_path):
+def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges_runs(tmp_path):
     out = tmp_path / "gvg.json"
-    run_module(
-        "eval.bench.generator_vs_generate", "--shape", "tiny", "--requests", "3", "--prompt-tokens", "200",
-        "--new-tokens", "6", "--hbm-cache-gib", "0.05", "--dram-gib", "0.1", "--cuda-graphs", "--out", str(out),
-    )  # fmt: skip
-    results = json.loads(out.read_text())["results"]
-    assert {r["generated_tokens"] for r in results.values()} == {18}  # the warm-ups are not counted
-    captures = results["generator_graphs"]["graph_captures"]
-    assert captures >= 1 if torch.cuda.is_available() else captures == 0  # CPU: the static step, eagerly
-    assert results["generator"]["graph_captures"] is None
-    kinds = results["generator"]["iterations_by_kind"]
-    assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
+    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "closed_loop,prefill", "--out", str(out))
+    first = json.loads(out.read_text())
+    for key in ("stock_s", "generator_over_stock", "prefill_stock_s", "prefill_ours_s", "prefill_over_stock"):
+        assert first[key] > 0, key
+    loop = first["points"]["closed_loop"]
+    for block in ("real_locality", "random_kv"):
+        row = loop[block]
+        assert row["generated_tokens"] == 3 * 6 and row["config"]["cuda_graphs"] is True  # warm-ups not counted
+        kinds = row["iterations_by_kind"]
+        assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
+    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "capacity", "--localities", "random_kv",
+               "--out", str(out))  # fmt: skip
+    merged = json.loads(out.read_text())
+    assert set(merged["points"]) == {"closed_loop", "prefill", "capacity"} and merged["stock_s"] == first["stock_s"]
+    assert merged["capacity_stock_batch"] == 3 and merged["capacity_generator_over_stock"] is None  # real not run
+    assert merged["points"]["capacity"]["random_kv"]["over_stock"] > 0
 
 
 def test_lookup_cost_times_every_resolver_at_a_tiny_size():
