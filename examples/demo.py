@@ -84,7 +84,7 @@ def main() -> None:
     print(f"[4/4] sparse: SparseServeCache, token budget {TOKEN_BUDGET} (prefill, then decode) ...", flush=True)
     per_token = kv_bytes_per_token(sparse_model.config, sparse_model.dtype)
     config = SparseServeConfig(token_budget=TOKEN_BUDGET, hbm_cache_bytes=HBM_CACHE_TOKENS * per_token)
-    cache = SparseServeCache(sparse_model.config, config)
+    cache = SparseServeCache(sparse_model, config)  # from the model: on CUDA, decode steps replay as CUDA graphs
     sparse_text, sparse_seconds = answer(sparse_model, tokenizer, sample, cache=cache)
 
     print("\nResults")
