@@ -7,6 +7,7 @@ kernels under TRITON_INTERPRET=1 without a GPU) so the scripts are tested on CPU
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -138,3 +139,25 @@ def _triton_version() -> str | None:
         return triton.__version__
     except ImportError:
         return None
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak of device allocations (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """The peak of device allocations since `reset_peak`, in GiB (None off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) / (1 << 30) if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    """Hand back what the last system left: reference cycles, cached device blocks, cached pinned
+    host blocks (PyTorch keeps freed pinned blocks, rounded up to a power of two)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()

@@ -34,7 +34,6 @@ eager path (`graph_equality`; its context puts a tail-block save inside the step
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 from dataclasses import replace
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 
 from eval.bench.common import (
+    free_memory,
     graph_ms,
     pick_device,
     prepare_triton,
@@ -136,7 +136,7 @@ def measure_dense(args, device, dtype, shape: str) -> float:
     _, tokens = run_steps(model, cache, tokens, 4)
     ms, _ = run_steps(model, cache, tokens, args.dense_steps)
     del model, cache
-    _free(device)
+    free_memory(device)
     return ms
 
 
@@ -149,7 +149,7 @@ def measure_static(args, device, dtype, shape: str) -> float | None:
         print(f"static stock step failed: {type(exc).__name__}: {exc}")
         return None
     finally:
-        _free(device)
+        free_memory(device)
 
 
 def _static_ms(args, device, dtype, shape: str) -> float:
@@ -203,7 +203,7 @@ def measure_sparse(args, device, dtype, shape: str, config: SparseServeConfig) -
         out[locality], tokens = measure_locality(args, model, cache, tokens, replay)
         out[locality]["loads"] = store.load_summary()  # its last measured steps' reads (measure_locality resets)
     del model, cache, store
-    _free(device)
+    free_memory(device)
     return out
 
 
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = replace(config, **config_overrides(args.overrides))
     _check_ram(config.dram_bytes)
     bw = bandwidths(device)
-    _free(device)
+    free_memory(device)
     dense = None if args.skip_dense else measure_dense(args, device, dtype, shape)
     static = None if args.skip_dense or args.skip_static else measure_static(args, device, dtype, shape)
     stock = [ms for ms in (dense, static) if ms is not None]
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sparse = measure_sparse(args, device, dtype, shape, config)
     blocks = {name: ratios(sparse[name], bw, stock_best, args.graph) for name in localities(args)}
     equality = graph_equality(args, device, dtype, shape, config) if args.graph else None
-    _free(device)
+    free_memory(device)
     result = {
         **run_record(device),
         "stock_dynamic_ms": dense,
@@ -505,14 +505,6 @@ def _check_ram(pool_bytes: int) -> None:
         raise SystemExit(
             f"the DRAM pool would be {pool_bytes / GIB:.0f} GiB of {ram / GIB:.0f} GiB RAM: lower --context/--batch"
         )
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        if hasattr(torch._C, "_host_emptyCache"):  # hand cached pinned host blocks back before the 64 GiB pool
-            torch._C._host_emptyCache()
 
 
 if __name__ == "__main__":

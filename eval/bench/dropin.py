@@ -31,7 +31,6 @@ finds its kernels on disk, as every process after a user's first does
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -45,7 +44,17 @@ from typing import Any
 import torch
 from transformers import StaticCache
 
-from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, write_json
+from eval.bench.common import (
+    free_memory,
+    peak_gib,
+    pick_device,
+    prepare_triton,
+    print_table,
+    reset_peak,
+    run_record,
+    sync,
+    write_json,
+)
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
 from eval.bench.selection_trace import SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeCache, SparseServeConfig
@@ -104,14 +113,14 @@ def crop_static(cache, length: int) -> None:
 def decode_ms_per_step(model, cache, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict[str, Any]:
     """Warm-up, then (generate(N + 1) - generate(1)) / N in ms, and the peak HBM of the timed calls."""
     warm_s = generate_seconds(model, cache, prompt, new_tokens + 1)
-    _reset_peak(device)
+    reset_peak(device)
     one = generate_seconds(model, cache, prompt, 1)
     full = generate_seconds(model, cache, prompt, new_tokens + 1)
     return {
         "decode_ms_per_step": (full - one) * 1e3 / new_tokens,
         "warmup_call_s": warm_s,
         "call_s": full,
-        "peak_gib": _peak_gib(device),
+        "peak_gib": peak_gib(device),
     }
 
 
@@ -123,7 +132,7 @@ def measure_stock(args, device, dtype, shape: str, batch: int, context: int, pro
     cache = dense_cache(model, batch, context)
     row = {"system": "stock DynamicCache (sdpa)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
     del model, cache
-    _free(device)
+    free_memory(device)
     return row
 
 
@@ -145,7 +154,7 @@ def measure_static(args, device, dtype, shape: str, batch: int, context: int, pr
         print(f"stock static failed: {type(exc).__name__}: {exc}")
         return None
     finally:
-        _free(device)
+        free_memory(device)
 
 
 SYSTEMS = {
@@ -182,7 +191,7 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
         "config": asdict(config),
     }
     del model, cache, graphs, route  # the pools go now, not when this function returns
-    _free(device)
+    free_memory(device)
     print(f"{row['system']} ({locality}): {row['decode_ms_per_step']:.2f} ms/step", flush=True)
     return row
 
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prepare_triton(device)
     shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
     if args.dry_run:
-        args.new_tokens = 4
+        args.new_tokens = 8  # enough decode steps that (N + 1) - 1 stays well above timing noise
     if args.first_call_child:
         print(json.dumps(first_call_child(args, device, dtype, shape)))
         return {}
@@ -296,24 +305,6 @@ def headline(points: dict[str, Any]) -> dict[str, Any]:
             out[f"decode_vs_stock_{name}_launched"] = real["launched"]["vs_best_stock"]
             out[f"peak_hbm_vs_stock_{name}"] = real["whole_step"]["peak_vs_stock"]
     return out
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()  # whatever a system left in reference cycles goes before the next one is measured
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-        if empty_host_cache is not None:  # PyTorch keeps freed pinned blocks (rounded up to a power of two)
-            empty_host_cache()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ selection trace drives the loads, `TraceReplay`) and with random KV, blocks `rea
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from dataclasses import asdict
@@ -35,7 +34,17 @@ from typing import Any
 
 import torch
 
-from eval.bench.common import pick_device, prepare_triton, print_table, run_record, sync, write_json
+from eval.bench.common import (
+    free_memory,
+    peak_gib,
+    pick_device,
+    prepare_triton,
+    print_table,
+    reset_peak,
+    run_record,
+    sync,
+    write_json,
+)
 from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import SelectionTrace, TraceReplay
 from eval.serving.ours import engine_totals_since
@@ -87,14 +96,14 @@ def stock_generate_s(model, prompts: torch.Tensor, new_tokens: int) -> float:
 def measure_stock(model, prompts: torch.Tensor, new_tokens: int, batch: int) -> dict[str, Any]:
     """Warm-up call of (batch, T) shapes, then the requests in batches of `batch`, times summed."""
     stock_generate_s(model, prompts[:batch], min(new_tokens, WARM_NEW_TOKENS))
-    _reset_peak(prompts.device)
+    reset_peak(prompts.device)
     seconds = sum(stock_generate_s(model, prompts[i : i + batch], new_tokens) for i in range(0, len(prompts), batch))
     generated = prompts.shape[0] * new_tokens
     return {
         "batch": batch,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
-        "peak_gib": _peak_gib(prompts.device),
+        "peak_gib": peak_gib(prompts.device),
     }
 
 
@@ -106,7 +115,7 @@ def largest_stock_batch(model, prompts: torch.Tensor) -> tuple[int | None, list[
             stock_generate_s(model, prompts[:batch], WARM_NEW_TOKENS)
         except torch.OutOfMemoryError:
             tried.append({"batch": batch, "runs": False})
-            _free(prompts.device)
+            free_memory(prompts.device)
             continue
         tried.append({"batch": batch, "runs": True})
         return batch, tried
@@ -131,7 +140,7 @@ def measure_generator(
     gen.generate(rows, SamplingParams(max_new_tokens=min(new_tokens, WARM_NEW_TOKENS), ignore_eos=True))
     warm = gen.metrics()["totals"]
     warm_ids = set(gen.metrics()["requests"])
-    _reset_peak(prompts.device)
+    reset_peak(prompts.device)
     sync(prompts.device)
     start = time.perf_counter()
     outs = gen.generate(rows, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
@@ -143,10 +152,10 @@ def measure_generator(
     generated = sum(len(out.token_ids) for out in outs)
     keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "graph_captures", "hbm_peak_bytes")
     row = {"seconds": seconds, "tokens_per_s": generated / seconds, "generated_tokens": generated,
-           "mean_ttft_s": sum(ttft) / len(ttft), "peak_gib": _peak_gib(prompts.device),
+           "mean_ttft_s": sum(ttft) / len(ttft), "peak_gib": peak_gib(prompts.device),
            "config": asdict(config)} | {key: engine.get(key) for key in keep}  # fmt: skip
     del gen
-    _free(prompts.device)
+    free_memory(prompts.device)
     return row
 
 
@@ -173,7 +182,7 @@ def closed_loop(args, device, dtype, shape, requests: int, context: int, new_tok
     stock_model = build_model(shape, "sdpa", device, dtype, context + new_tokens + 64)
     point: dict[str, Any] = {"stock": measure_stock(stock_model, prompts, new_tokens, requests)}
     del stock_model
-    _free(device)
+    free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
     config = ours_config(model, requests, context, args)
     for block in _localities(args):
@@ -195,7 +204,7 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
     point: dict[str, Any] = {"cap_bytes": cap, "stock_batches_tried": tried}
     point["stock"] = None if batch is None else measure_stock(stock_model, prompts, new_tokens, batch)
     del stock_model
-    _free(device)
+    free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     room = cap - weights - int(args.headroom_gib * GIB)
@@ -214,7 +223,7 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     stock_generate_s(stock_model, prompts, 1)  # the warm-up call
     point: dict[str, Any] = {"stock": {"seconds": stock_generate_s(stock_model, prompts, 1)}}
     del stock_model
-    _free(device)
+    free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + 64)
     config = ours_config(model, 1, context, args)
     for block in _localities(args):
@@ -293,21 +302,6 @@ def _localities(args) -> list[str]:
 def _prompts(shape: str, requests: int, context: int, device: torch.device) -> torch.Tensor:
     vocab = 256 if shape == "tiny" else 128256
     return torch.randint(1, vocab, (requests, context), generator=torch.Generator().manual_seed(1)).to(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
