@@ -32,6 +32,7 @@ import torch
 
 from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
+from .cache.plain import plain_tensors
 from .compat import cache_kwarg
 from .ops import resolve_backend
 
@@ -150,6 +151,7 @@ class DecodeGraphRunner:
         self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
         self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
+    @plain_tensors  # a caller under inference_mode must not leave inference tensors in the captured inputs
     def start(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Begin decoding: `tokens` (B, 1) are the next inputs, at `positions` (B, 1).
 
@@ -176,6 +178,7 @@ class DecodeGraphRunner:
         # graph was captured with (`_seat`), so a batch whose rows changed captures nothing new
         # unless its (rows, table width) is new.
 
+    @plain_tensors  # no autograd; under inference_mode, tensors it creates stay usable outside it
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per row; returns the (B, 1) greedy picks (a static buffer: clone to keep).
 
@@ -183,12 +186,11 @@ class DecodeGraphRunner:
         """
         if self._ids is None:
             raise RuntimeError("call DecodeGraphRunner.start(tokens) before step()")
-        with torch.no_grad():  # not inference_mode: tables it reallocates must stay usable outside it
-            self._pre_step()
-            if tokens is not None:
-                self._ids.copy_(tokens.reshape(self._ids.shape), non_blocking=True)
-            self.logits = self._replay() if self.capture else self._static_step()
-            self._post_step()
+        self._pre_step()
+        if tokens is not None:
+            self._ids.copy_(tokens.reshape(self._ids.shape), non_blocking=True)
+        self.logits = self._replay() if self.capture else self._static_step()
+        self._post_step()
         return self._ids
 
     # ---- the three parts of a step ----------------------------------------------------------------

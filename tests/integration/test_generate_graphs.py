@@ -133,6 +133,17 @@ def test_a_second_prompt_and_beam_search_are_followed(model):
     assert cache.generate_graphs.steps == 11
 
 
+def test_a_route_used_inside_inference_mode_keeps_working_outside_it(model):
+    config = static_config()
+    want = generate(model, SparseServeCache(model.config, config))
+    cache = routed(model, config, replay=True)
+    with torch.inference_mode():
+        assert torch.equal(generate(model, cache), want)
+    cache.reset()
+    assert torch.equal(generate(model, cache), want)  # the captured inputs are no inference tensors
+    assert cache.generate_graphs.steps == 2 * (NEW - 1)
+
+
 def test_forwards_the_route_leaves_to_the_model(model):
     cache = routed(model, static_config(), replay=False)
     route = cache.generate_graphs
