@@ -21,6 +21,8 @@
 #   dropin128k  the same at B=2 x 128K (peak HBM against stock's)
 #   multigpu    data parallel on every visible GPU (the nvidia-h200-x2 kind): one Generator vs a
 #               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
+#   tp          tensor parallel (nvidia-h200-x2): a Generator decode step at B=16 x 32K, TP=1 then TP=2
+#               under torchrun (tp2_step_over_tp1, and its tokens against TP=1's)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -55,6 +57,9 @@ case $part in
     python eval/bench/lookup_cost.py 2>&1 | tee "$out/lookup_cost.txt" | tail -10 ;;
   multigpu)
     python -m eval.bench.multi_gpu --out "$out/multi_gpu.json" 2>&1 | tee "$out/multi_gpu.log" | tail -10 ;;
+  tp)
+    python -m eval.bench.tp_step --out "$out/tp_step.json" 2>&1 | tee "$out/tp_step.log" | tail -5
+    torchrun --nproc-per-node 2 -m eval.bench.tp_step --out "$out/tp_step.json" 2>&1 | tee -a "$out/tp_step.log" | tail -5 ;;
   dropin)
     python -m eval.bench.dropin --points 32k --static --first-call --out "$out/dropin.json" 2>&1 \
       | tee "$out/dropin.log" | tail -30 ;;
@@ -72,5 +77,5 @@ case $part in
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac

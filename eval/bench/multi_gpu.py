@@ -9,8 +9,8 @@ t=0; one engine serves that load, the group N times it (N = devices). Every engi
 warm-up first. Tokens/s = generated tokens over the wall time from the first submit to the last
 token, prefill included; `dp{N}_over_dp1` is the group's over the single engine's (ideal: N).
 Config: `SparseServeConfig` with CUDA graphs, `--hbm-cache-gib` of block cache and `--dram-gib` of
-pinned DRAM per engine, max batch = requests. Tensor parallel is measured separately (its decode
-step needs `torchrun`; not in this script yet).
+pinned DRAM per engine, max batch = requests. Tensor parallel has its own script
+(`eval.bench.tp_step`, under `torchrun`).
 """
 
 from __future__ import annotations

@@ -117,12 +117,20 @@ class TraceReplay:
     to the rows' current ends, a few small kernels instead of the ~30 of the mapping. So the
     middle positions stay where the first call put them as the rows grow (as a real model's
     selected blocks do) and the rows must stay the same rows: a benchmark's fixed batch.
+    `first_head`: the model's index of the first KV head the cache holds (a tensor-parallel rank's
+    share starts past 0), so that every rank replays what one process would for those heads.
     """
 
     def __init__(
-        self, trace: SelectionTrace, num_layers: int, num_kv_heads: int, device: torch.device, keep: bool = False
+        self,
+        trace: SelectionTrace,
+        num_layers: int,
+        num_kv_heads: int,
+        device: torch.device,
+        keep: bool = False,
+        first_head: int = 0,
     ) -> None:
-        self.trace, self.num_kv_heads = trace, num_kv_heads
+        self.trace, self.num_kv_heads, self.first_head = trace, num_kv_heads, first_head
         loaded = torch.from_numpy(trace.loaded)  # (P, T, L, H, N)
         width = max(int(loaded.sum(-1).max()), 1)
         position = torch.arange(loaded.shape[-1])
@@ -164,7 +172,7 @@ class TraceReplay:
         call = torch.arange(steps, device=num_blocks.device)
         step = (call[None, :] + ROW_STEP_OFFSET * (rows // prompts)[:, None]) % steps  # (B, T)
         prompt = (rows % prompts)[:, None]  # (B, 1)
-        head = torch.arange(self.num_kv_heads, device=num_blocks.device) % heads
+        head = (self.first_head + torch.arange(self.num_kv_heads, device=num_blocks.device)) % heads
         anchor = num_blocks.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
         per_layer = []
         for layer in range(layers):

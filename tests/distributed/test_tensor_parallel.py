@@ -28,8 +28,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(command: list[str], out: Path) -> dict:
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+def run(command: list[str], out: Path, cwd: Path | None = None) -> dict:
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -63,3 +63,17 @@ def test_tensor_parallel_generator_equals_one_process(tmp_path):
     assert ranks["cache_kv_heads"] == 2 and alone["cache_kv_heads"] == 4
     assert ranks["hbm_partitions"] * 2 == alone["hbm_partitions"]
     assert ranks["misses"] > 0 and ranks["mean_decode_batch"] > 1  # rows really decoded together
+
+
+def test_tp_step_benchmark_dry_run_compares_two_ranks_with_one(tmp_path):
+    """eval.bench.tp_step at TP=1 then TP=2 (gloo) into one JSON: the step ratio, and equal tokens with
+    the loads following the selection trace by each rank's own KV heads."""
+    out, models = tmp_path / "tp.json", tmp_path / "models"
+    repo = Path(__file__).resolve().parents[2]
+    common = ["-m", "eval.bench.tp_step", "--dry-run", "--model-dir", str(models), "--out", str(out)]
+    run([sys.executable, *common], out, cwd=repo)  # `-m eval...` from the repository root
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    result = run([*launch, *common], out, cwd=repo)
+    assert result["tp1"]["kv_heads_per_rank"] == 2 and result["tp2"]["kv_heads_per_rank"] == 1
+    assert result["tp2_step_over_tp1"] > 0 and result["tp2_tokens_equal_tp1"] is True
+    assert all(len(tokens) == 6 for tokens in result["tp2"]["tokens"]) and result["tp2"]["decode_iterations"] == 4
