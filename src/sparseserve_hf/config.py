@@ -120,9 +120,13 @@ class SparseServeConfig:
             as the CPU scatter bounds it).
         cuda_graphs: the `Generator`'s decode steps replay a captured CUDA graph
             (`graph.DecodeGraphRunner`; on CUDA with the "triton" or "flash" backend) instead of
-            launching ~100 kernels per layer from Python. It needs `transfer="kernel"` and no
+            launching ~100 kernels per layer from Python. True needs `transfer="kernel"` and no
             `dense_layers` (the backend is checked at capture, where the device is known: the
-            torch reference's block copy syncs). It captures once per batch size and table width
+            torch reference's block copy syncs). None (the default) turns it on wherever the
+            step can be captured (a CUDA model, the "triton" or "flash" backend,
+            transfer="kernel", every layer sparse, one process: not tensor parallel) and off
+            elsewhere; False is the eager step with each layer's attention replayed
+            (`layer_graphs`). It captures once per batch size and table width
             and copies changed rows into the captured tensors; a captured step holds every pool
             by address, so a pool that grows (`dram_bytes` or `hbm_cache_bytes` None) is captured
             again after it moved: fixed sizes capture once. On CPU it runs the same static step
@@ -166,7 +170,7 @@ class SparseServeConfig:
     offload: bool = True
     transfer: str = "kernel"
     save_path: str = "scatter"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     layer_graphs: bool = True
     generate_graphs: bool = True
 
@@ -240,10 +244,11 @@ class SparseServeConfig:
             )
 
     def _check_graph_fields(self) -> None:
-        _check_bool("cuda_graphs", self.cuda_graphs)
+        if self.cuda_graphs is not None:
+            _check_bool("cuda_graphs", self.cuda_graphs)
         _check_bool("layer_graphs", self.layer_graphs)
         _check_bool("generate_graphs", self.generate_graphs)
-        if not self.cuda_graphs:
+        if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return
         needs = []  # pools may grow (captured again when they move); these a captured step cannot follow
         if self.transfer != "kernel":

@@ -112,7 +112,8 @@ class DecodeGraphRunner:
         model: a causal LM loaded with attn_implementation="sparseserve".
         cache: the SparseServeCache holding the rows (prefilled, every layer a SparseServeLayer).
         capture: True replays CUDA graphs (a CUDA model, backend "triton" or "flash"); False runs
-            the static step eagerly; None follows `cache.config.cuda_graphs`.
+            the static step eagerly; None follows `cache.config.cuda_graphs` (for None there:
+            wherever a capture can run).
         table_step: block-table widths are this many blocks times 1, 2, 3, 4, 6, 8, ... (`table_width`).
             Unused entries add scoring and top-k work; crossing a width reallocates the tables and
             recaptures.
@@ -134,7 +135,10 @@ class DecodeGraphRunner:
         table_step: int = DEFAULT_TABLE_STEP,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
-        self.capture = cache.config.cuda_graphs if capture is None else capture
+        if capture is None:
+            wanted = cache.config.cuda_graphs
+            capture = wanted if wanted is not None else graph_obstacle(model, cache, capture=True) is None
+        self.capture = capture
         check_graph_ready(model, cache, self.capture)
         for name, value in (("table_step", table_step), ("max_graphs", max_graphs)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -31,7 +31,7 @@ from ..cache import SparseServeCache
 from ..cache.plain import plain_tensors
 from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
-from ..graph import DecodeGraphRunner
+from ..graph import DecodeGraphRunner, graph_obstacle
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
@@ -102,7 +102,7 @@ class Generator(RequestFrontend):
         self._next_id = 0
         self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
         self._runner, self._graph_rows = None, None  # cuda_graphs: the decode runner and the rows it started on
-        if self.config.cuda_graphs:  # on CPU the runner runs the static step eagerly (a graph's reference)
+        if self._decodes_through_graphs(model):  # on CPU the runner runs the static step eagerly (a graph's reference)
             self._runner = DecodeGraphRunner(model, self.batch, capture=device.type == "cuda")
 
     # ---- engine-level API ------------------------------------------------------------------
@@ -339,13 +339,19 @@ class Generator(RequestFrontend):
         device = self.stack.device
         tokens = torch.tensor([[r.output[-1]] for r in rows], device=device)  # (B, 1)
         positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
-        forward = self._graph_step if self.config.cuda_graphs else self._eager_step
+        forward = self._graph_step if self._runner is not None else self._eager_step
         logits = forward(tokens, positions)  # (B, V)
         steps = torch.tensor([r.decode_steps + 1 for r in rows])  # this step included
         working_sets = self.tracker.observe(self.batch, steps)  # (B,) on the device
         chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
         tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()
         return tokens, blocks
+
+    def _decodes_through_graphs(self, model: torch.nn.Module) -> bool:
+        """`cuda_graphs`, or for None whether a captured step can serve this engine (see the config)."""
+        if self.config.cuda_graphs is not None:
+            return self.config.cuda_graphs
+        return self.tp_size == 1 and graph_obstacle(model, self.batch, capture=True) is None
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) next-token logits of the batch rows, one eager forward."""
