@@ -14,7 +14,7 @@ import torch
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
 from eval.serving.setup import ALLOCATOR, SYSTEMS, HbmCap, build, dense_iteration_s
-from eval.serving.trace import Trace, build_trace, essay_token_ids
+from eval.serving.trace import PRESETS, Trace, build_trace, essay_token_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,9 +22,14 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     trace = sub.add_parser("trace", help="build the seeded trace from real text (CPU)")
     trace.add_argument("--requests", type=int, default=40)
-    trace.add_argument("--prompt-range", type=int, nargs=2, default=[8192, 65536])
+    trace.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named workload (trace.PRESETS)")
+    trace.add_argument("--prompt-range", type=int, nargs=2, default=None, help="default 8192 65536")
     trace.add_argument(
-        "--output-range", type=int, nargs=2, default=[32, 128], help="output tokens (short: a point fits one GPU call)"
+        "--output-range",
+        type=int,
+        nargs=2,
+        default=None,
+        help="output tokens; default 32 128 (a point fits one GPU call)",
     )
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--out", type=Path, required=True)
@@ -43,11 +48,14 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--out", type=Path, required=True, help="folder for the run's JSON")
     run = sub.choices["run"]
     run.add_argument("--system", choices=sorted(SYSTEMS), required=True)
-    run.add_argument("--rate", type=float, nargs="+", required=True, help="requests per second (several: in turn)")
+    run.add_argument(
+        "--rate", type=float, nargs="+", required=True, help="requests per second (several: in turn; inf: saturated)"
+    )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
     rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
     rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
     rep.add_argument("--out", type=Path, default=Path("eval/results"))
+    rep.add_argument("--name", default=None, help="the trace's block in serving.json (e.g. paper, decode_heavy)")
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     {"trace": make_trace, "calibrate": calibrate, "run": run_point, "report": make_report}[args.command](args)
@@ -55,11 +63,20 @@ def main(argv: list[str] | None = None) -> None:
 
 def make_trace(args) -> None:
     ids, source = essay_token_ids()
-    trace = build_trace(ids, num_requests=args.requests, prompt_range=tuple(args.prompt_range),
-                        output_range=tuple(args.output_range), seed=args.seed, source=source)  # fmt: skip
+    shape = trace_shape(args.preset, args.prompt_range, args.output_range)
+    trace = build_trace(ids, num_requests=args.requests, seed=args.seed, source=source, name=args.preset or "", **shape)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     trace.save(args.out)
     print(json.dumps(trace.summary(), indent=2))
+
+
+def trace_shape(preset: str | None, prompt_range: list[int] | None, output_range: list[int] | None) -> dict:
+    """`build_trace`'s length arguments: a preset's, or the ranges given (a preset takes none)."""
+    if preset is not None:
+        if prompt_range is not None or output_range is not None:
+            raise SystemExit(f"--preset {preset} sets the lengths itself: leave out --prompt-range / --output-range")
+        return dict(PRESETS[preset])
+    return {"prompt_range": tuple(prompt_range or (8192, 65536)), "output_range": tuple(output_range or (32, 128))}
 
 
 def _loaded(args) -> Trace:
@@ -96,7 +113,7 @@ def run_point(args) -> None:
 
 
 def make_report(args) -> None:
-    report_mod.write_report(args.runs, args.out, args.command_line)
+    report_mod.write_report(args.runs, args.out, args.command_line, name=args.name)
 
 
 def _record(args, trace: Trace, cap: HbmCap) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,64 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float 
 
 
 def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str, Any]:
-    """Per-system summaries with the SLO verdict, goodputs, r*, the ratios at r* and 1.5 r*, the ladder."""
+    """Per-system summaries with the SLO verdict, goodputs, r*, the ratios at r* and 1.5 r*, the ladder;
+    saturated runs (rate inf) in their own block, and the goodput pair."""
     table = {
         system: {rate: summarize([RequestRecord.from_dict(r) for r in run["records"]], dense) for rate, run in by_rate.items()}
         for system, by_rate in runs.items()
     }  # fmt: skip
+    saturated = {s: by_rate.pop(math.inf) for s, by_rate in table.items() if math.inf in by_rate}
+    table = {s: by_rate for s, by_rate in table.items() if by_rate}
+    head = saturated_ratios(saturated)
     good = {s: goodput({rate: bool(v.get("meets_slo")) for rate, v in by_rate.items()}) for s, by_rate in table.items()}
+    result = _analyse_rates(table, good, runs, dense) | head
+    if "ours" in table:
+        result |= goodput_pair(table, good)
+    return result
+
+
+def saturated_ratios(saturated: dict[str, dict]) -> dict[str, Any]:
+    """Every request at time zero: ours against the stock system with the most tokens/s."""
+    out: dict[str, Any] = {"saturated": saturated}
+    stock = [s for s in STOCK if s in saturated]
+    if "ours" not in saturated or not stock:
+        return out
+    best = max(stock, key=lambda s: saturated[s].get("throughput_tokens_per_s") or 0.0)
+    ours, theirs = saturated["ours"], saturated[best]
+    return out | {
+        "saturated_best_stock": best,
+        "saturated_throughput_ratio": _ratio(
+            ours.get("throughput_tokens_per_s"), theirs.get("throughput_tokens_per_s")
+        ),
+        "saturated_ttft_ratio": _ratio(theirs.get("mean_ttft_s"), ours.get("mean_ttft_s")),
+    }
+
+
+def goodput_pair(table: dict[str, dict[float, dict]], good: dict[str, float]) -> dict[str, Any]:
+    """Ours at its goodput against the highest rate of at most a third of it where every stock
+    system that ran there missed the SLO: the lower bound of the goodput ratio, and p50 TBT there."""
+    rate = good["ours"]
+    stock = [s for s in STOCK if s in table]
+    missed = [
+        r for r in {r for s in stock for r in table[s]}
+        if r <= rate / 3 * (1 + 1e-9) and all(not table[s][r].get("meets_slo") for s in stock if r in table[s])
+    ]  # fmt: skip
+    out: dict[str, Any] = {"goodput_rate_ours": rate, "goodput_rate_stock_missed": max(missed) if missed else None}
+    if rate > 0 and missed:
+        low = max(missed)
+        tbt = min((table[s][low]["p50_tbt_s"] for s in stock if low in table[s] and table[s][low].get("p50_tbt_s")),
+                  default=None)  # fmt: skip
+        out |= {
+            "goodput_ratio_lower_bound": rate / low,
+            "goodput_tbt_p50_ratio": _ratio(_at(table["ours"], rate, "p50_tbt_s"), tbt),
+        }
+    return out
+
+
+def _analyse_rates(
+    table: dict[str, dict[float, dict]], good: dict[str, float], runs: dict[str, dict[float, dict]], dense: float | None
+) -> dict[str, Any]:
+    """The Poisson-rate part of `analyse` (rate inf set aside)."""
     stock = [s for s in STOCK if s in table]
     result: dict[str, Any] = {"dense_iteration_s": dense, "goodput": good, "systems": _json_rates(table)}
     if not stock or "ours" not in table or dense is None:
@@ -58,7 +111,9 @@ def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str
     ladder_rate = _ladder_rate([table[s] for s in rungs], judged)
     result["ladder"] = {s: _ladder_row(table[s], good[s], ladder_rate) for s in rungs}
     result["engine"] = {
-        s: {f"{rate:g}": run.get("engine", {}) for rate, run in sorted(runs[s].items())} for s in LADDER if s in runs
+        s: {f"{rate:g}": run.get("engine", {}) for rate, run in sorted(runs[s].items()) if rate != math.inf}
+        for s in LADDER
+        if s in runs
     }
     return result
 
@@ -104,15 +159,35 @@ def _json_rates(table: dict[str, dict[float, dict]]) -> dict[str, dict[str, dict
     return {s: {f"{rate:g}": v for rate, v in sorted(by_rate.items())} for s, by_rate in table.items()}
 
 
-def write_report(folders: list[Path], out: Path, command: str) -> dict[str, Any]:
+def write_report(folders: list[Path], out: Path, command: str, name: str | None = None) -> dict[str, Any]:
+    """serving.json, .md and .png in `out`; with `name`, the runs are one trace's block of
+    serving.json (other blocks kept) and the files are serving_NAME.md / .png."""
     runs, dense, commands = load_runs(folders)
     result = analyse(runs, dense) | {"command": command, "runs": commands}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "serving.md").write_text(markdown(result))
-    plot(result, out / "serving.png")
+    stem = "serving" if name is None else f"serving_{name}"
+    (out / f"{stem}.md").write_text(markdown(result))
+    plot(result, out / f"{stem}.png")
     print(markdown(result))
-    return result
+    if name is None:
+        (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+        return result
+    path = out / "serving.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged[name] = named_block(result)
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged[name]
+
+
+def named_block(result: dict[str, Any]) -> dict[str, Any]:
+    """A trace's block under the second edition's keys: the goodput pair's p50 TBT ratio is
+    `tbt_p50_ratio`; the ratios at the rate r* judged are under `at_judged`."""
+    block = dict(result)
+    judged = {key: block.pop(key) for key in ("rate", "throughput_ratio_vs_best_stock", "ttft_ratio_vs_best_stock",
+                                              "tbt_p50_ratio") if key in block}  # fmt: skip
+    block["at_judged"] = judged
+    block["tbt_p50_ratio"] = block.pop("goodput_tbt_p50_ratio", None)
+    return block
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -128,6 +203,18 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     lines += ["| system | goodput (req/s) |", "|---|---|"] + [f"| {s} | {g:g} |" for s, g in result["goodput"].items()]
+    if result.get("saturated"):
+        lines += ["", "Saturated (every request at time zero):", "",
+                  "| system | tokens/s | mean TTFT s | p50 TBT s |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {s} | {_fmt(v.get('throughput_tokens_per_s'))} | {_fmt(v.get('mean_ttft_s'))} | "
+                  f"{_fmt(v.get('p50_tbt_s'))} |" for s, v in result["saturated"].items()]  # fmt: skip
+        if "saturated_throughput_ratio" in result:
+            lines += ["", (f"saturated vs {result['saturated_best_stock']}: tokens/s "
+                      f"{_fmt(result['saturated_throughput_ratio'])}x, mean TTFT {_fmt(result['saturated_ttft_ratio'])}x")]  # fmt: skip
+    if result.get("goodput_rate_stock_missed") is not None:
+        lines += ["", (f"goodput pair: ours meets the SLO at {result['goodput_rate_ours']:g} req/s, stock misses it at "
+                  f"{result['goodput_rate_stock_missed']:g} (ratio >= {_fmt(result.get('goodput_ratio_lower_bound'))}, "
+                  f"p50 TBT ours/stock {_fmt(result.get('goodput_tbt_p50_ratio'))})")]  # fmt: skip
     if "r_star" in result:
         lines += ["", f"r* = {result['r_star']:g} req/s (best stock: {result['best_stock']})", ""]
         if "r_star_note" in result:

@@ -106,3 +106,67 @@ def test_the_ladder_is_compared_at_a_rate_every_rung_ran_and_commands_are_listed
         data = {"system": "ours", "rate": rate, "command": "run --rate 0.1 0.225", **_run(quick)}
         (tmp_path / f"run_ours_{rate:g}.json").write_text(json.dumps(data))
     assert load_runs([tmp_path])[2] == ["run --rate 0.1 0.225"]
+
+
+def test_presets_draw_the_papers_and_the_decode_heavy_lengths():
+    from eval.serving.trace import PRESETS, longbench_output_mix
+
+    assert longbench_output_mix() == ((64, 3150), (128, 800), (512, 800))  # 4,750 LongBench records
+    paper = build_trace(TEXT, num_requests=40, seed=0, name="paper", **PRESETS["paper"])
+    assert {r.output_tokens for r in paper.requests} == {64, 128, 512} and paper.summary()["name"] == "paper"
+    assert all(8192 <= len(r.prompt) <= 65536 for r in paper.requests)
+    heavy = build_trace(TEXT, num_requests=40, seed=0, **PRESETS["decode_heavy"])
+    assert all(16384 <= len(r.prompt) <= 32768 and 512 <= r.output_tokens <= 2048 for r in heavy.requests)
+    assert paper == build_trace(TEXT, num_requests=40, seed=0, name="paper", **PRESETS["paper"])
+    with pytest.raises(ValueError, match="output_choices"):
+        build_trace(TEXT, num_requests=2, output_choices=((64, 0),))
+
+
+def test_a_saturated_run_has_every_request_at_time_zero_and_its_own_ratios():
+    from eval.serving.report import analyse
+
+    trace = build_trace(TEXT, num_requests=5, prompt_range=(50, 60), output_range=(2, 3))
+    assert trace.arrivals(float("inf")) == [0.0] * 5
+    slow = [record(0, 0.0, 5.0, [6.0, 7.0]), record(1, 0.0, 0.2, [1.0, 2.0])]  # 4 tokens in 7 s, mean TTFT 3.5
+    quick = [record(0, 0.0, 0.1, [0.5, 0.6]), record(1, 0.0, 0.1, [0.5, 0.7])]  # 4 tokens in 0.7 s, TTFT 0.5
+    inf = float("inf")
+    runs = {
+        "stock_generate": {inf: _run(slow), 0.1: _run(slow)},
+        "stock_offload": {inf: _run(slow[:1])},
+        "ours": {inf: _run(quick), 0.1: _run(quick), 0.3: _run(quick), 0.4: _run(slow)},
+    }
+    result = analyse(runs, dense=0.01)
+    assert (
+        set(result["saturated"]) == {"stock_generate", "stock_offload", "ours"}
+        and "inf" not in result["systems"]["ours"]
+    )
+    assert result["saturated_best_stock"] == "stock_generate"
+    assert result["saturated_throughput_ratio"] == pytest.approx((4 / 0.7) / (4 / 7.0))
+    assert result["saturated_ttft_ratio"] == pytest.approx(3.5 / 0.5)
+    # goodput pair: ours meets at 0.3 (misses at 0.4); stock missed at 0.1 <= 0.3 / 3
+    assert result["goodput_rate_ours"] == 0.3 and result["goodput_rate_stock_missed"] == 0.1
+    assert result["goodput_ratio_lower_bound"] == pytest.approx(3.0)
+    assert result["goodput_tbt_p50_ratio"] == pytest.approx(0.1 / 1.0)  # p50 by nearest rank: TBTs 0.1, 0.2 vs 1.0, 1.0
+
+
+def test_a_named_report_is_one_traces_block_of_serving_json(tmp_path):
+    import json
+
+    from eval.serving.report import write_report
+
+    quick, slow = [record(0, 0.0, 0.1, [0.3, 0.35])], [record(0, 0.0, 5.0, [6.0, 6.1])]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for system, rate, records in (("ours", 0.3, quick), ("stock_generate", 0.1, slow), ("ours", float("inf"), quick)):
+        data = {"system": system, "rate": rate, "command": f"run {system}", **_run(records)}
+        (runs / f"run_{system}_{rate:g}.json").write_text(json.dumps(data))
+    (runs / "calibration.json").write_text(json.dumps({"dense_iteration_s": 0.01, "command": "calibrate"}))
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "serving.json").write_text(json.dumps({"paper": {"kept": True}}))
+    block = write_report([runs], out, "report", name="decode_heavy")
+    merged = json.loads((out / "serving.json").read_text())
+    assert merged["paper"] == {"kept": True} and merged["decode_heavy"] == block
+    assert block["goodput_rate_ours"] == 0.3 and block["goodput_rate_stock_missed"] == 0.1
+    assert block["tbt_p50_ratio"] == pytest.approx(0.05 / 0.1) and "rate" in block["at_judged"]
+    assert (out / "serving_decode_heavy.md").is_file() and (out / "serving_decode_heavy.png").is_file()
