@@ -9,7 +9,7 @@ run in parts passes several folders) and writes `accuracy.md`, `accuracy.json` a
 `accuracy.json["ratio_to_dense_8k"]` maps each budget of the default configuration ("512") to the
 mean sparse score over the RULER-style tasks at 8K divided by the mean dense score over the same
 tasks; tasks where dense scores below `MIN_DENSE_SCORE` are reported but left out (a ratio to a
-score near zero measures noise). Target T7 (DESIGN.md section 4): >= 0.99 at 1/16 of the context
+score near zero measures noise). The accuracy target: >= 0.99 at 1/16 of the context
 (512 at 8K) and >= 0.97 at 1/32 (256).
 """
 
@@ -111,7 +111,7 @@ def ruler_report(rows: list[dict]) -> dict:
 
 
 def t7_verdict(ratios: dict[str, float], length: int) -> dict[str, dict]:
-    """For each T7 fraction (1/16, 1/32) of `length`: the budget, its ratio and whether it meets the target."""
+    """For each target fraction (1/16, 1/32) of `length`: the budget, its ratio and whether it meets the target."""
     verdict = {}
     for divisor, target in T7_TARGETS.items():
         budget = str(length // divisor)
@@ -174,7 +174,7 @@ def markdown(report: dict, command: str) -> str:
 
 
 def _loaded_t7_lines(blocks: dict[str, dict]) -> list[str]:
-    """T7 at 8K judged at the loaded fraction, one row per method family that reports loads."""
+    """The 8K accuracy judged at the loaded fraction, one row per method family that reports loads."""
     if not blocks:
         return []
     lines = [("**T7 at 8K by loaded tokens** (the family's method loading the most at or below the fraction; "

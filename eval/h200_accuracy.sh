@@ -7,7 +7,7 @@
 # data packages and no `datasets`):
 #   python -m eval.ruler --tasks all --lengths 8192 --samples 50 --dump-only --dump-samples ruler_8192.jsonl
 #   python -m eval.ruler --tasks all --lengths 4096 --samples 50 --dump-only --dump-samples ruler_4096.jsonl
-#   cp ../shared/data/longbench/multi_news.jsonl .
+#   cp LONGBENCH_DIR/multi_news.jsonl .   # the LongBench v1 JSONL of the task
 # Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
 #   8k_budgets   8K, the four tasks dense solves (>= 20%): quest and cuboid metadata at 128 and 512
 #   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens;

@@ -12,7 +12,7 @@
 # background until GET /health answers 200; http_load (WARMUP requests first, not measured); SIGTERM,
 # the server must exit 0; then the same trace, warm-up and options in-process (after the server, so
 # the two never share the GPU); the comparison. The server needs fastapi, uvicorn and pydantic: on
-# the GPU machine, run this after `source /tmp/gpu-site/env.sh` (../shared/tools/gpu-bundle.sh).
+# the GPU machine, run this after `source /tmp/gpu-site/env.sh` (a bundle of the default model and wheels built on a machine with the registry).
 # Knobs (environment): SHAPE DEVICE DTYPE REQUESTS PROMPT_TOKENS OUTPUT_TOKENS RATE WARMUP MAX_POSITIONS
 # HBM_CAP_GIB HEADROOM_GIB DRAM_GIB MAX_BATCH MODEL_DIR STARTUP_S TAG PYTHON. Carry .gpu_commit so the
 # JSON records the local HEAD.

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU fast path's checks and benchmarks (issue 3), in parts that each fit one 10-minute GPU call.
+# The GPU fast path's checks and benchmarks, in parts that each fit one 10-minute GPU call.
 #
 #   bash eval/h200_perf.sh PART OUT_DIR
 #
 # Run from a snapshot of the repo root with PYTHONPATH=src:. (and, for the flash-attn-4 parts,
-# after `source /tmp/gpu-site/env.sh` from ../shared/tools/gpu-bundle.sh fa4). Parts:
+# with flash-attn-4 installed and on PYTHONPATH). Parts:
 #   tests       every GPU-marked kernel / cache / graph test (flash-attn-4 tests skip without fa4)
-#   kernels     transfer (T1, T2 with the save-grid sweep), decode attention (T3; fa4 column if installed), score launch sweep
-#   step        one decode step, Llama-3-8B shape, B=16, 32K (T8): eager and CUDA graph vs dense
+#   kernels     transfer (with the save-grid sweep), decode attention (fa4 column if installed), score launch sweep
+#   step        one decode step, Llama-3-8B shape, B=16, 32K: eager and CUDA graph vs dense
 #   generator   the Generator (cuda_graphs=True) vs stock generate: 16 x 16K x 1024 new in closed loop, and the
-#               TTFT of one 32K prompt on an idle Generator (T10, T11)
+#               TTFT of one 32K prompt on an idle Generator
 #   capacity    the same under a 40 GiB cap: 16 x 32K x 1024 new, stock at the largest batch that fits
-#   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented (T6)
+#   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving sweep (issue 6) in parts that each fit one 10-minute GPU call; merge them with `report`.
+# The serving sweep in parts that each fit one 10-minute GPU call; merge them with `report`.
 #
 #   python -m eval.serving trace --out .gpu/serving_trace.pt         # once, on the CPU machine (real text + tokenizer)
 #   bash eval/h200_serving.sh calibrate OUT TRACE                     # the dense decode iteration (SLO unit)

@@ -9,7 +9,7 @@ metrics of `eval/longbench_metrics.py` (scores 0-100).
 Data: `--data-dir DIR` reads `DIR/<task>.jsonl` (LongBench's own JSONL; no `datasets` needed), else
 `datasets.load_dataset("THUDM/LongBench", task, split="test")` (needs the Hub).
 
-    python -m eval.longbench --tasks multi_news,multifieldqa_zh --data-dir ../shared/data/longbench \\
+    python -m eval.longbench --tasks multi_news,multifieldqa_zh --data-dir DIR \\
         --budgets 512,1024,2048 --max-samples 50 --max-length 7500 --out eval/results/longbench_smollm2
 
 Outputs (see eval/common.py): samples.jsonl, summary.json, results.md, score_vs_budget.png.

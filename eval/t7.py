@@ -1,6 +1,6 @@
-"""T7 judged at what a budget loads: the ratio to dense at <= 1/16 and <= 1/32 of the context *loaded*.
+"""Accuracy judged at what a budget loads: the ratio to dense at <= 1/16 and <= 1/32 of the context *loaded*.
 
-DESIGN.md's T7 counts a budget's cost as the tokens a KV head loads per decode step (its loaded
+A budget's cost is the tokens a KV head loads per decode step (its loaded
 blocks + the tail), not the nominal `token_budget`. Every sparse row of `eval.ruler` carries the
 batch's `loaded_fraction` and `metadata_fraction` (`eval.common.answer_batch`). For one method family
 at one length this picks, per target fraction, the family's method with the largest mean loaded
@@ -23,7 +23,7 @@ TARGETS = {"1_16": 0.99, "1_32": 0.97}
 def t7_at_loaded(
     rows: list[dict], length: int, family: str, min_dense: float, resamples: int = 1000, seed: int = 0
 ) -> dict | None:
-    """The T7 block of `family` at `length` tokens, or None when no row of it carries loads.
+    """The loaded-fraction verdicts of `family` at `length` tokens, or None when no row of it carries loads.
 
     Keys: ratio_at_1_16 / _1_32 (None where no method loads that little), loaded_fraction_1_16 /
     _1_32 (the chosen method's mean), method_at_1_16 / _1_32, ci90_1_16 / _1_32 ([low, high]),

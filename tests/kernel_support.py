@@ -10,7 +10,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# The interpreter mis-handles bf16 tensors (DESIGN.md section 3): bf16 runs on the GPU only.
+# The interpreter mis-handles bf16 tensors (triton's interpreter on CPU): bf16 runs on the GPU only.
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if ON_GPU else [])
 
 

@@ -1,1 +1,1 @@
-"""GPU micro-benchmarks of the kernels (issue 3): each script is one command, prints a table and writes JSON."""
+"""GPU benchmarks of the kernels, the decode step and the entry points: each script is one command, prints a table and writes JSON."""

@@ -1,4 +1,4 @@
-"""Decode attention benchmark (target T3): the sparse kernel and select + attend against dense SDPA.
+"""Decode attention benchmark: the sparse kernel and select + attend against dense SDPA.
 
     python -m eval.bench.decode_attention --out eval/results/decode_attention.json   # ~2-3 min on the H200
 
@@ -16,7 +16,7 @@ Columns: `dense_ms` SDPA; `sparse_ms` the Triton kernel alone over resident bloc
 `select_ms` Quest scoring of every block straight from the metadata pool + top-k (sink and
 window forced; one `hybrid` row at the headline point scores with the default metadata instead:
 Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `select_attend_ms`
-both (the block-table lookup and misses are T8's business); `kernel_gb_per_s` bytes the kernel
+both (the block-table lookup and misses are the decode step's business (`decode_step`)); `kernel_gb_per_s` bytes the kernel
 reads (K/V of the attended blocks and tails) per second; `union` rows time the "group_union" worst
 case (each KV head loads G x 63 distinct blocks) and select through the decode step's own path
 (`attention.pick_blocks`: per-head top-k and the GQA union). The hybrid `union` row is

@@ -379,7 +379,7 @@ def step_bytes(model, cache) -> dict[str, int]:
 
 
 def floor_ms(sparse: dict[str, Any], bw: dict[str, float]) -> float:
-    """T8's floor: HBM bytes over the copy bandwidth plus missed-block bytes over PCIe."""
+    """The step's floor: HBM bytes over the copy bandwidth plus missed-block bytes over PCIe."""
     hbm = sparse["weight_bytes"] + sparse["selected_kv_bytes"] + sparse["metadata_bytes"]
     return hbm / (bw["hbm_copy_gb_per_s"] * 1e6) + sparse["miss_bytes_per_step"] / (bw["pcie_h2d_gb_per_s"] * 1e6)
 

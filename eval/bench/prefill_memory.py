@@ -1,4 +1,4 @@
-"""Peak HBM of prefilling one long prompt (target T6): dense full-model vs chunked vs layer-segmented.
+"""Peak HBM of prefilling one long prompt : dense full-model vs chunked vs layer-segmented.
 
     python -m eval.bench.prefill_memory --out eval/results/prefill_memory.json   # H200, ~2 min
     python -m eval.bench.prefill_memory --dry-run                                # CPU smoke (no peaks)
@@ -9,7 +9,7 @@ from the weights alone on the device and records `torch.cuda.max_memory_allocate
   - chunked / layer_segmented: the `Generator` prefilling the prompt with that `prefill_mode`
     (KV saved to the pinned DRAM pool as each block fills / each layer ends), its HBM block cache
     sized to what that prefill holds on the device (every layer's KV of the prompt / one layer's).
-T6's bound, from the same run: weights + one layer's KV of the prompt + the measured peak of one
+The bound, from the same run: weights + one layer's KV of the prompt + the measured peak of one
 decoder-layer forward over the prompt (its activations above its input), + 10%.
 """
 

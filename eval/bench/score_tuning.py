@@ -1,4 +1,4 @@
-"""Launch sweep of the block-scoring kernel (`ops.triton_score.score_parts`) on the T3 shape.
+"""Launch sweep of the block-scoring kernel (`ops.triton_score.score_parts`) on the decode attention benchmark's shape.
 
     python -m eval.bench.score_tuning --out eval/results/score_tuning.json   # ~30 s on the H200
 

@@ -1,11 +1,11 @@
-"""Transfer benchmark (targets T1, T2): FlashH2D, UVA scatter and FlashD2H against bulk PCIe copies.
+"""Transfer benchmark: FlashH2D, UVA scatter and FlashD2H against bulk PCIe copies.
 
     python -m eval.bench.transfer --out eval/results/transfer.json      # ~1 min on the H200
 
 Random head-blocks of 4/16/64 KiB (bf16, D=128: 8/32/128 tokens) move between a pinned host pool
 and HBM, >= 256 MiB per launch. Baselines in the same run: one bulk pinned 1 GiB copy each way
 and a `copy_` per block. The save paths are also timed while bf16 matmuls run on the main
-stream, to see how much compute a save steals (T2's prefill measure, Fig. 14b of the paper).
+stream, to see how much compute a save steals (the prefill measure of Fig. 14b of the paper).
 Top-level `h2d_over_bulk` / `d2h_over_bulk` are at 16 KiB; d2h is the store's default save path
 (`ops.scatter_blocks`, the UVA scatter with its default grid cap); `flash_d2h_over_bulk` is beside it.
 """

@@ -1,4 +1,4 @@
-"""Merge run JSONs into eval/results/serving.{json,md,png}: goodput, r*, the ratios T5 asks for, the ladder."""
+"""Merge run JSONs into eval/results/serving.{json,md,png}: goodput, r*, the ratios against best stock, the ladder."""
 
 from __future__ import annotations
 
@@ -119,19 +119,19 @@ def _analyse_rates(
 
 
 def _ladder_rate(tables: list[dict[float, dict]], judged: float) -> float:
-    """The rate the rungs are compared at: T5's, or else the highest rate every rung ran."""
+    """The rate the rungs are compared at: r*'s (judged), or else the highest rate every rung ran."""
     shared = set.intersection(*(set(t) for t in tables)) if tables else set()
     return judged if judged in shared or not shared else max(shared)
 
 
 def _ladder_row(table: dict[float, dict], good: float, rate: float) -> dict[str, float | None]:
-    """One rung: its goodput and, at the rate T5 is judged at, its throughput and latencies."""
+    """One rung: its goodput and, at the judged rate, its throughput and latencies."""
     keys = ("throughput_tokens_per_s", "mean_ttft_s", "p50_tbt_s", "mean_queueing_s")
     return {"goodput": good, "rate": rate} | {key: _at(table, rate, key) for key in keys}
 
 
 def _ratios(ours: dict[float, dict], stock: dict[float, dict], rate: float) -> dict[str, float | None]:
-    """T5's ratios at one rate (None where either side has no run at that rate)."""
+    """The throughput, TTFT and TBT ratios at one rate (None where either side has no run at that rate)."""
 
     def at(table: dict[float, dict], key: str) -> float | None:
         return _at(table, rate, key)

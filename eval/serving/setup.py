@@ -32,7 +32,7 @@ LADDER: dict[str, dict[str, Any]] = {
     "ours_fast_transfer": dict(offload=True, transfer="kernel", admission=False, prefill_mode="chunked"),  # + FlashH2D
     "ours_admission": dict(offload=True, transfer="kernel", admission=True, prefill_mode="chunked"),  # + working set
     "ours_layered": dict(offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented"),  # + layered
-    "ours": dict(  # + decode steps replayed as CUDA graphs (not in the paper's ladder; T5's 10x needs them)
+    "ours": dict(  # + decode steps replayed as CUDA graphs (not in the paper's ladder)
         offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented", cuda_graphs=True
     ),
 }

@@ -23,9 +23,13 @@ PAGE_BYTES = 4096
 class Registrar(Protocol):
     """Page-locks and unlocks host address ranges (the CUDA runtime; a stand-in in CPU tests)."""
 
-    def register(self, address: int, nbytes: int) -> None: ...
+    def register(self, address: int, nbytes: int) -> None:
+        """Page-lock `nbytes` at `address`, or raise."""
+        ...
 
-    def unregister(self, address: int) -> None: ...
+    def unregister(self, address: int) -> None:
+        """Unlock the range registered at `address`."""
+        ...
 
 
 class CudaRegistrar:

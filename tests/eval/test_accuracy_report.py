@@ -1,4 +1,4 @@
-"""eval.accuracy_report: ratios over the tasks dense solves, T7 verdicts, merged partial runs, files."""
+"""eval.accuracy_report: ratios over the tasks dense solves, loaded-fraction verdicts, merged partial runs, files."""
 
 from __future__ import annotations
 

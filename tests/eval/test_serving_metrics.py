@@ -95,7 +95,7 @@ def test_the_ladder_is_compared_at_a_rate_every_rung_ran_and_commands_are_listed
     quick = [record(0, 0.0, 0.1, [0.3, 0.35])]
     runs = {
         "stock_generate": {0.1: _run(quick)},
-        "ours_sparse": {0.225: _run(quick)},  # the rungs ran at 0.225 only, T5 is judged at 0.1
+        "ours_sparse": {0.225: _run(quick)},  # the rungs ran at 0.225 only, r* is judged at 0.1
         "ours": {0.1: _run(quick), 0.225: _run(quick)},
     }
     result = analyse(runs, dense=0.01)

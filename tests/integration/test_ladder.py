@@ -1,4 +1,4 @@
-"""The exactness ladder (DESIGN.md section 6) on tiny random models of every supported architecture."""
+"""The exactness ladder (budget covering the sequence = dense, unlimited HBM cache = DynamicCache, ...) on tiny random models of every supported architecture."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefill in pieces (generation/prefill.py, DESIGN.md section 1 technique 3) equals `model(ids)`.
+"""Prefill in pieces (generation/prefill.py: layer-segmented, chunked) equals `model(ids)`.
 
 Every mode, segment size and chunking, with DynamicCache, StaticCache and SparseServeCache (budget
 >= length, so sparse == dense), on tiny fp32 models: the last-position logits match the one-call forward

@@ -6,8 +6,8 @@ of Paul Graham essays, needles at depths 0.2 / 0.5 / 0.8, greedy decoding:
   - sparse, default config (token_budget=2048): stock `model.generate(past_key_values=SparseServeCache)`
     end to end, prefill included. Asserted: it answers every needle dense answers.
   - sparse at budgets 512 and 1024: reported only (printed, and written to
-    outputs/real_model_needles.json). A plain Quest selector is expected to miss there (DESIGN.md
-    sections 3 and 4, T7). To keep the file at a few CPU minutes these runs reuse the dense
+    outputs/real_model_needles.json). A plain Quest selector is expected to miss there (the
+    selection measurements in docs/performance.md). To keep the file at a few CPU minutes these runs reuse the dense
     prefill: its KV (all prompt tokens but the last) is written into a fresh SparseServeCache, and
     generate then runs only the last prompt token and the decode steps.
 

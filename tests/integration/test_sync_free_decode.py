@@ -1,4 +1,4 @@
-"""A steady decode step through a SparseServeCache does no host sync (issue 3 item 4).
+"""A steady decode step through a SparseServeCache does no host sync.
 
 Steady: no row's tail block fills in this step (that step saves the full block to DRAM, host
 work once per block_size tokens of a row) and the rows did not change since the last step.

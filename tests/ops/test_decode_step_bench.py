@@ -1,4 +1,4 @@
-"""eval/bench/decode_step.py runs end to end at tiny shapes (--dry-run, with --graph) on CPU and writes T8's keys."""
+"""eval/bench/decode_step.py runs end to end at tiny shapes (--dry-run, with --graph) on CPU and writes the target keys."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exactness ladder (DESIGN.md section 6) with backend="triton".
+"""The exactness ladder with backend="triton".
 
 On CPU it runs under Triton's interpreter with fp32 (tests/ops/conftest.py sets TRITON_INTERPRET);
 on the GPU the kernels are compiled and bf16 is checked against SDPA in bf16 too.
