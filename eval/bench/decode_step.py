@@ -37,7 +37,6 @@ import argparse
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from eval.bench.common import (
 )
 from eval.bench.decode_step_setup import SHAPES, RegionTimer, build_model, dense_cache, instrument, sparse_cache
 from eval.bench.selection_trace import (
+    RECORDED_TRACE,
     UNION_WINDOW,
     SelectionTrace,
     TraceReplay,
@@ -70,7 +70,6 @@ from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
 
 GIB = 1 << 30
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 GRAPH_WARMUP = 3  # graph steps before timing; the first one captures
 EQUALITY_LAYERS = 4
 
@@ -83,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hbm-cache-gib", type=float, default=None, help="fixed HBM cache size (else the fraction)")
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the batch's dense KV")
     parser.add_argument("--locality", choices=("random", "real", "both"), default="both")
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="selection trace for --locality real|both")
+    parser.add_argument("--trace", default=str(RECORDED_TRACE), help="selection trace for --locality real|both")
     parser.add_argument("--skip-static", action="store_true", help="skip stock's StaticCache + compiled step")
     parser.add_argument("--warmup", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)

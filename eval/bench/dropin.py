@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,10 +55,9 @@ from eval.bench.common import (
     write_json,
 )
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
-from eval.bench.selection_trace import SelectionTrace, TraceReplay
+from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 GIB = 1 << 30
 POINTS = {"32k": (4, 32576), "128k": (2, 130944)}  # name -> (batch, context); the tail keeps room
 DRY_POINTS = {"32k": (2, 200), "128k": (1, 400)}
@@ -72,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="decode steps timed per call")
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the batch's dense KV")
     parser.add_argument("--localities", default="real_locality,random_kv")
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--static", action="store_true", help="also stock's StaticCache (compiled)")
     parser.add_argument("--first-call", action="store_true", help="measure the first call of a new process")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)

@@ -46,11 +46,10 @@ from eval.bench.common import (
     write_json,
 )
 from eval.bench.decode_step_setup import build_model
-from eval.bench.selection_trace import SelectionTrace, TraceReplay
+from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 GIB = 1 << 30
 POINTS = {  # name -> (requests, prompt tokens, new tokens)
     "closed_loop": (16, 16384, 1024),
@@ -72,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25, help="HBM cache / the requests' dense KV")
     parser.add_argument("--cap-gib", type=float, default=40.0, help="capacity: CUDA allocations of every system")
     parser.add_argument("--headroom-gib", type=float, default=8.0, help="capacity: of the cap, left to activations")
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None, help="JSON path; points already in it are kept")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)

@@ -20,11 +20,9 @@ import torch
 
 from eval.bench.common import pick_device, prepare_triton, run_record, sync
 from eval.bench.decode_step_setup import build_model, sparse_cache
-from eval.bench.selection_trace import SelectionTrace, TraceReplay
+from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
-
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--context", type=int, default=32576)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
+    parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+RECORDED_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"  # the committed trace
 ROW_STEP_OFFSET = 17  # recorded steps between rows that replay the same prompt
 UNION_WINDOW = 12
 

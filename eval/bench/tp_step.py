@@ -31,10 +31,8 @@ from transformers import AutoModelForCausalLM
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
 from eval.bench.common import run_record, write_json
 from eval.bench.decode_step_setup import build_model
-from eval.bench.selection_trace import SelectionTrace, TraceReplay
+from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
-
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "results" / "selection_trace.npz"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-steps", type=int, default=8, help="decode iterations run first (captures)")
     parser.add_argument("--hbm-cache-fraction", type=float, default=0.25)
     parser.add_argument("--model-dir", default="/tmp/sparseserve_tp_model", help="the random-weight checkpoint")
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="'' = random KV (the model's own selections)")
+    parser.add_argument("--trace", default=str(RECORDED_TRACE), help="'' = random KV (the model's own selections)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on CPU (gloo under torchrun)")
     return parser.parse_args(argv)
