@@ -10,8 +10,8 @@ The route is a wrapper around the model instance's `forward` (installed once per
 keeps the signature, so `generate` prepares the same inputs). A forward takes the route only
 when it is a plain decode step the static step computes exactly: one new real token per row of
 a prefilled cache, explicit `position_ids`, no gradients, nothing asked for but the last
-logits. Anything else (the prefill, a new prompt, hidden states, a padded new token) runs the
-model's own forward, untouched. Every routed step re-reads the rows' lengths (one small host
+logits. Anything else (the prefill, a new prompt, hidden states, a padded new token, a position
+past `max_position_embeddings`) runs the model's own forward, untouched. Every routed step re-reads the rows' lengths (one small host
 readback, where `generate` syncs anyway), so whatever changed the rows in between (an eager
 forward, `crop`, beam reordering) is followed.
 """
@@ -77,7 +77,13 @@ class GenerateGraphs:
         if not isinstance(layer, SparseServeLayer) or not layer.is_initialized or layer.tail.shape[0] != ids.shape[0]:
             return False
         mask = kwargs.get("attention_mask")
-        return mask is None or (mask.dim() == 2 and bool(mask[:, -1].all()))  # reads one column back
+        if mask is not None and mask.dim() != 2:
+            return False
+        checks = [] if mask is None else [mask[:, -1].bool().all()]  # every new token real
+        limit = getattr(self.cache.model_config, "max_position_embeddings", None)
+        if limit is not None:  # past it the model's own forward decides (the cache warns once and goes on)
+            checks.append(positions.max() < limit)
+        return not checks or bool(torch.stack(checks).all())  # one small readback
 
     def forward(self, kwargs: dict[str, Any]) -> CausalLMOutputWithPast:
         """The decode step of `kwargs` (accepted by `takes`) through the runner: (B, 1, V) logits."""

@@ -144,6 +144,18 @@ def test_a_route_used_inside_inference_mode_keeps_working_outside_it(model):
     assert cache.generate_graphs.steps == 2 * (NEW - 1)
 
 
+def test_positions_past_the_models_limit_go_the_eager_way(caplog):
+    """Decode past `max_position_embeddings` runs on, as the eager path does (with its warning): the
+    route hands those steps to the model's own forward."""
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 175  # rows of 141-150 tokens, 40 new: the last steps are past it
+    config = static_config()
+    want = generate(model, SparseServeCache(model.config, config))
+    cache = routed(model, config, replay=True)
+    assert torch.equal(generate(model, cache), want)
+    assert 0 < cache.generate_graphs.steps < NEW - 1
+
+
 def test_forwards_the_route_leaves_to_the_model(model):
     cache = routed(model, static_config(), replay=False)
     route = cache.generate_graphs
