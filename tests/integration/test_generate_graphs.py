@@ -41,14 +41,10 @@ def prompts(length: int = 150) -> tuple[torch.Tensor, torch.Tensor]:
 
 def generate(model, cache: SparseServeCache, new: int = NEW, **kwargs) -> torch.Tensor:
     ids, mask = prompts()
+    kwargs = {"do_sample": False} | kwargs
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            do_sample=False,
-            **{cache_kwarg(model): cache},
-            **kwargs,
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, **{cache_kwarg(model): cache}, **kwargs
         )
     return out[:, ids.shape[1] :]
 
@@ -113,6 +109,16 @@ def test_growing_pools_and_an_unlimited_hbm_cache(model, replay):
     if replay:
         assert cache.generate_graphs.runner.num_captures >= 2  # captured again over the grown pool
     cache.store.free(fill.spare)
+
+
+def test_sampling_draws_what_the_eager_path_draws(model):
+    """The route returns the logits; generate's own sampler draws from them with the same generator."""
+    config = static_config()
+    draws = []
+    for cache in (SparseServeCache(model.config, config), routed(model, config, replay=True)):
+        torch.manual_seed(7)
+        draws.append(generate(model, cache, new=24, do_sample=True, temperature=1.0, top_k=0))
+    assert torch.equal(draws[0], draws[1]) and len(set(draws[0].flatten().tolist())) > 3
 
 
 def test_a_second_prompt_and_beam_search_are_followed(model):
