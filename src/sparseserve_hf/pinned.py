@@ -1,4 +1,4 @@
-"""Page-locked host tensors of exactly the size asked for.
+"""Page-locked host tensors of exactly the size asked for, zero-filled.
 
 `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every
 allocation up to a power of two and keeps freed blocks for reuse: a 34 GB DRAM pool (two 128K-token
@@ -47,11 +47,13 @@ class CudaRegistrar:
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, registrar: Registrar | None = None) -> torch.Tensor:
-    """An uninitialized, page-locked host tensor of `shape` and `dtype`, holding exactly its bytes
+    """A zero-filled, page-locked host tensor of `shape` and `dtype`, holding exactly its bytes
     (rounded up to a page). `registrar`: None = the CUDA runtime.
 
-    The memory belongs to a numpy array that the tensor keeps alive; the array's finalizer unlocks
-    the range before numpy frees it, so the lock lives exactly as long as some view of the memory.
+    The pages are faulted in by zero-filling them on PyTorch's intra-op threads before the range is
+    locked, so that the locking call does not fault them one by one on one thread. The memory
+    belongs to a numpy array that the tensor keeps alive; the array's finalizer unlocks the range
+    before numpy frees it, so the lock lives exactly as long as some view of the memory.
     """
     registrar = registrar if registrar is not None else CudaRegistrar()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -60,6 +62,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, registrar: Registra
     start = -raw.ctypes.data % PAGE_BYTES
     owner = raw[start : start + locked]  # a view: `raw` stays alive through it
     address = owner.ctypes.data
+    torch.from_numpy(owner).zero_()  # every page faulted in, in parallel
     registrar.register(address, locked)
     weakref.finalize(owner, registrar.unregister, address)
     return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)

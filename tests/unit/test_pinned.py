@@ -36,7 +36,7 @@ def test_the_tensor_locks_its_own_pages_until_its_last_view_is_gone():
     tensor = pinned_empty((3, 2, 32, 64), torch.bfloat16, registrar)
     assert tensor.shape == (3, 2, 32, 64) and tensor.dtype == torch.bfloat16 and not tensor.is_cuda
     assert list(registrar.locked.items()) == [(tensor.data_ptr(), 3 * 2 * 32 * 64 * 2)]  # a page multiple here
-    assert tensor.data_ptr() % PAGE_BYTES == 0
+    assert tensor.data_ptr() % PAGE_BYTES == 0 and not tensor.any()  # zero-filled (its pages faulted in)
     tensor.copy_(torch.arange(tensor.numel()).view(tensor.shape))
     view = tensor[1:]
     del tensor
