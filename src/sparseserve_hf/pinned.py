@@ -38,8 +38,9 @@ class CudaRegistrar:
     def register(self, address: int, nbytes: int) -> None:
         """Page-lock `nbytes` at `address`; raises RuntimeError naming the CUDA error."""
         status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        if int(status) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
+        code = int(getattr(status, "value", status))  # a cudaError enum: 0 is cudaSuccess
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
 
     def unregister(self, address: int) -> None:
         """Unlock the range registered at `address` (errors ignored: it runs as memory is freed)."""

@@ -171,7 +171,7 @@ class DramPool:
         if self.pin:  # exactly its size: PyTorch's pinned allocator would round it up to a power of two
             try:
                 return pinned_empty(shape, self.dtype)
-            except (RuntimeError, AttributeError) as exc:  # a runtime that cannot register host memory
+            except (RuntimeError, AttributeError, TypeError) as exc:  # a runtime that cannot register host memory
                 _warn_pinning_fallback(f"{type(exc).__name__}: {exc}")
                 return torch.empty(shape, dtype=self.dtype, pin_memory=True)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
