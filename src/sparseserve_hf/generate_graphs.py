@@ -11,9 +11,9 @@ keeps the signature, so `generate` prepares the same inputs). A forward takes th
 when it is a plain decode step the static step computes exactly: one new real token per row of
 a prefilled cache, explicit `position_ids`, no gradients, nothing asked for but the last
 logits. Anything else (the prefill, a new prompt, hidden states, a padded new token, a position
-past `max_position_embeddings`) runs the model's own forward, untouched. Every routed step re-reads the rows' lengths (one small host
-readback, where `generate` syncs anyway), so whatever changed the rows in between (an eager
-forward, `crop`, beam reordering) is followed.
+past `max_position_embeddings`) runs the model's own forward, untouched. Every routed step
+re-reads the rows' lengths (one small host readback, where `generate` syncs anyway), so whatever
+changed the rows in between (an eager forward, `crop`, beam reordering) is followed.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: boo
         capture = graph_obstacle(model, cache, capture=True) is None
         if not capture:
             return False
-    if graph_obstacle(model, cache, capture) is not None:
+    elif graph_obstacle(model, cache, capture) is not None:
         return False
     cache.generate_graphs = GenerateGraphs(model, cache, capture=capture)
     _install_forward(model)
