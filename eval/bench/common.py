@@ -161,3 +161,17 @@ def free_memory(device: torch.device) -> None:
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None:
             empty_host_cache()
+
+
+def timed_generate(model, prompts: torch.Tensor, new_tokens: int, cache: Any = None) -> float:
+    """Wall seconds of one greedy `generate` of exactly `new_tokens` over `prompts` (B, T), into
+    `cache` when given (else the model's default cache)."""
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    sync(prompts.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs
+        )
+    sync(prompts.device)
+    return time.perf_counter() - start

@@ -51,7 +51,7 @@ from eval.bench.common import (
     print_table,
     reset_peak,
     run_record,
-    sync,
+    timed_generate,
     write_json,
 )
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
@@ -85,15 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def generate_seconds(model, cache, prompt: torch.Tensor, new_tokens: int, crop: bool = True) -> float:
     """Wall seconds of one greedy `generate` of exactly `new_tokens` (the cache cropped back after:
     `crop_static` for a StaticCache, which transformers 5.17 cannot crop)."""
-    sync(prompt.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    sync(prompt.device)
-    seconds = time.perf_counter() - start
+    seconds = timed_generate(model, prompt, new_tokens, cache)
     if crop and isinstance(cache, StaticCache):
         crop_static(cache, prompt.shape[1] - 1)
     elif crop:

@@ -43,6 +43,7 @@ from eval.bench.common import (
     reset_peak,
     run_record,
     sync,
+    timed_generate,
     write_json,
 )
 from eval.bench.decode_step_setup import build_model
@@ -80,23 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- stock --------------------------------------------------------------------------------------------
 
 
-def stock_generate_s(model, prompts: torch.Tensor, new_tokens: int) -> float:
-    """Wall seconds of one greedy `generate` of exactly `new_tokens` over `prompts` (B, T)."""
-    sync(prompts.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )  # fmt: skip
-    sync(prompts.device)
-    return time.perf_counter() - start
-
-
 def measure_stock(model, prompts: torch.Tensor, new_tokens: int, batch: int) -> dict[str, Any]:
     """Warm-up call of (batch, T) shapes, then the requests in batches of `batch`, times summed."""
-    stock_generate_s(model, prompts[:batch], min(new_tokens, WARM_NEW_TOKENS))
+    timed_generate(model, prompts[:batch], min(new_tokens, WARM_NEW_TOKENS))
     reset_peak(prompts.device)
-    seconds = sum(stock_generate_s(model, prompts[i : i + batch], new_tokens) for i in range(0, len(prompts), batch))
+    seconds = sum(timed_generate(model, prompts[i : i + batch], new_tokens) for i in range(0, len(prompts), batch))
     generated = prompts.shape[0] * new_tokens
     return {
         "batch": batch,
@@ -111,7 +100,7 @@ def largest_stock_batch(model, prompts: torch.Tensor) -> tuple[int | None, list[
     tried = []
     for batch in [b for b in STOCK_BATCHES if b <= len(prompts)]:
         try:
-            stock_generate_s(model, prompts[:batch], WARM_NEW_TOKENS)
+            timed_generate(model, prompts[:batch], WARM_NEW_TOKENS)
         except torch.OutOfMemoryError:
             tried.append({"batch": batch, "runs": False})
             free_memory(prompts.device)
@@ -219,8 +208,8 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     """TTFT of one prompt: stock's `generate(max_new_tokens=1)` against an idle, warmed Generator's."""
     prompts = _prompts(shape, 1, context, device)
     stock_model = build_model(shape, "sdpa", device, dtype, context + 64)
-    stock_generate_s(stock_model, prompts, 1)  # the warm-up call
-    point: dict[str, Any] = {"stock": {"seconds": stock_generate_s(stock_model, prompts, 1)}}
+    timed_generate(stock_model, prompts, 1)  # the warm-up call
+    point: dict[str, Any] = {"stock": {"seconds": timed_generate(stock_model, prompts, 1)}}
     del stock_model
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + 64)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
-from eval.bench.common import run_record, write_json
+from eval.bench.common import run_record, sync, write_json
 from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
@@ -100,13 +100,13 @@ def measure(model, args) -> dict[str, Any]:
         if gen.metrics()["totals"]["iterations_by_kind"]["decode"]["count"] > 0:
             decoding += 1
     before = gen.metrics()["totals"]["iterations_by_kind"]["decode"]
-    _sync()
+    sync(gen.store.device)
     start = time.perf_counter()
     for _ in range(args.steps):
         for event in gen.step():
             if event.token_id is not None:
                 tokens[event.request_id].append(event.token_id)
-    _sync()
+    sync(gen.store.device)
     wall = time.perf_counter() - start
     after = gen.metrics()["totals"]
     decode = after["iterations_by_kind"]["decode"]
@@ -157,11 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dist.barrier()
         dist.destroy_process_group()
     return result
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

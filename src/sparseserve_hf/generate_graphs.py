@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
-from .graph import DecodeGraphRunner, graph_obstacle
+from .graph import DecodeGraphRunner, can_capture, graph_obstacle
 
 CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.24 names of the cache argument
 ROUTED_KWARGS = frozenset(("input_ids", "position_ids", "attention_mask", "logits_to_keep", "use_cache", "return_dict"))
@@ -103,7 +103,7 @@ def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: boo
     whether they are. `capture`: None = wherever a CUDA graph can capture them (a CUDA model, the
     "triton" or "flash" backend); False = the static step eagerly (tests, the CPU reference)."""
     if capture is None:
-        capture = graph_obstacle(model, cache, capture=True) is None
+        capture = can_capture(model, cache)
         if not capture:
             return False
     elif graph_obstacle(model, cache, capture) is not None:

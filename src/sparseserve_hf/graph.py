@@ -137,7 +137,7 @@ class DecodeGraphRunner:
     ) -> None:
         if capture is None:
             wanted = cache.config.cuda_graphs
-            capture = wanted if wanted is not None else graph_obstacle(model, cache, capture=True) is None
+            capture = wanted if wanted is not None else can_capture(model, cache)
         self.capture = capture
         check_graph_ready(model, cache, self.capture)
         for name, value in (("table_step", table_step), ("max_graphs", max_graphs)):
@@ -151,7 +151,7 @@ class DecodeGraphRunner:
         self.capture_error: Exception | None = None  # why capturing was switched off, if it was
         self.logits: torch.Tensor | None = None  # (B, V) of the last step; a replay overwrites it
         self._captured: OrderedDict[tuple[int, int], _Captured] = OrderedDict()  # least recently replayed first
-        self._state: tuple | None = None  # what the captured graphs point at (see `_graph_state`)
+        self._state: tuple | None = None  # what the captured graphs point at (`TieredBlockStore.graph_state`)
         self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
         self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
@@ -228,7 +228,7 @@ class DecodeGraphRunner:
             store.prepare_fetch(tuple(pick[0].shape), layer.first_partition)
 
     def _check_state(self) -> None:
-        state = self._graph_state()
+        state = self.cache.store.graph_state()  # the rows' own tensors `_seat` puts back in place
         if state != self._state:
             self._drop_graphs()
             self._state = state
@@ -301,7 +301,6 @@ class DecodeGraphRunner:
         """After a failed capture: the layers as the warm-up left them, no graphs, eager steps from now on."""
         for layer, count, pick in zip(self.layers, positions, picks):
             layer.num_positions, layer.staged, layer.last_pick = count, None, pick
-            layer.caller_owns_tails = False
         self._drop_graphs()
         self.capture, self.graphs, self.capture_error = False, None, exc
         logger.warning("DecodeGraphRunner: capturing a decode step failed (%s); decoding without CUDA graphs", exc)
@@ -327,17 +326,17 @@ class DecodeGraphRunner:
         for layer, pick in zip(self.layers, picks):
             layer.last_pick = pick
 
-    def _graph_state(self) -> tuple:
-        """The store's epoch and the address of every store tensor the graphs hold: a change means
-        recapturing them all. (The rows' own tensors are put back into place by `_seat`.)"""
-        return self.cache.store.graph_state()
-
 
 def check_graph_ready(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> None:
     """Raise ValueError / NotImplementedError naming what keeps `model` + `cache` from a static decode step."""
     obstacle = graph_obstacle(model, cache, capture)
     if obstacle is not None:
         raise obstacle
+
+
+def can_capture(model: torch.nn.Module, cache: SparseServeCache) -> bool:
+    """True when a CUDA graph can capture the decode step of `model` over `cache`."""
+    return graph_obstacle(model, cache, capture=True) is None
 
 
 def graph_obstacle(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> Exception | None:

@@ -283,11 +283,10 @@ def test_graph_runner_refuses_a_bad_max_graphs(llama):
 def test_cuda_graphs_none_decodes_through_graphs_only_where_a_capture_can_run(llama, monkeypatch):
     """The default (None): eager on CPU; through the captured step where `graph_obstacle` finds nothing
     in the way (as on CUDA), but not under tensor parallelism; True and False as given."""
-    from sparseserve_hf.generation import generator as generator_module
 
     assert Generator(llama, None, small_config(**GRAPH_CONFIG))._runner is None  # CPU: a capture cannot run
     assert Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))._runner is not None
-    monkeypatch.setattr(generator_module, "graph_obstacle", lambda model, cache, capture: None)
+    monkeypatch.setattr("sparseserve_hf.graph.graph_obstacle", lambda model, cache, capture: None)
     assert Generator(llama, None, small_config(**GRAPH_CONFIG))._runner is not None
     assert Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=False))._runner is None
     gen = Generator(llama, None, small_config(**GRAPH_CONFIG))

@@ -31,7 +31,7 @@ from ..cache import SparseServeCache
 from ..cache.plain import plain_tensors
 from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
-from ..graph import DecodeGraphRunner, graph_obstacle
+from ..graph import DecodeGraphRunner, can_capture
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
@@ -351,7 +351,7 @@ class Generator(RequestFrontend):
         """`cuda_graphs`, or for None whether a captured step can serve this engine (see the config)."""
         if self.config.cuda_graphs is not None:
             return self.config.cuda_graphs
-        return self.tp_size == 1 and graph_obstacle(model, self.batch, capture=True) is None
+        return self.tp_size == 1 and can_capture(model, self.batch)
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) next-token logits of the batch rows, one eager forward."""
