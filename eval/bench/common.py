@@ -175,3 +175,8 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, cache: Any = N
         )
     sync(prompts.device)
     return time.perf_counter() - start
+
+
+def model_shape(dry_run: bool) -> tuple[str, torch.dtype]:
+    """The benchmarked model: the Llama-3-8B shape in bf16, or the tiny one in fp32 for a dry run."""
+    return ("tiny", torch.float32) if dry_run else ("llama3-8b", torch.bfloat16)

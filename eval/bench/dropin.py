@@ -45,6 +45,7 @@ from transformers import StaticCache
 
 from eval.bench.common import (
     free_memory,
+    model_shape,
     peak_gib,
     pick_device,
     prepare_triton,
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    shape, dtype = model_shape(args.dry_run)
     if args.dry_run:
         args.new_tokens = 8  # enough decode steps that (N + 1) - 1 stays well above timing noise
     if args.first_call_child:

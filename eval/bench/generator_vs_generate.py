@@ -36,6 +36,7 @@ import torch
 
 from eval.bench.common import (
     free_memory,
+    model_shape,
     peak_gib,
     pick_device,
     prepare_triton,
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    shape, dtype = model_shape(args.dry_run)
     sizes = DRY_POINTS if args.dry_run else POINTS
     if args.dry_run:  # a cap of the tiny model's scale (on CPU it only sizes our HBM cache)
         args.cap_gib, args.headroom_gib = 1 / 16, 1 / 64

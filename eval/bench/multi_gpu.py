@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from eval.bench.common import pick_device, prepare_triton, print_table, run_record, write_json
+from eval.bench.common import model_shape, pick_device, prepare_triton, print_table, run_record, write_json
 from eval.bench.decode_step_setup import build_model
 from sparseserve_hf import Generator, GeneratorGroup, SamplingParams, SparseServeConfig
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.devices = args.devices or "cpu,cpu"
         args.requests, args.prompt_tokens, args.new_tokens = 2, 200, 6
     devices = args.devices.split(",") if args.devices else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    shape, dtype = model_shape(args.dry_run)
     config = SparseServeConfig(
         hbm_cache_bytes=int(args.hbm_cache_gib * GIB) if not args.dry_run else 1 << 22,
         dram_bytes=int(args.dram_gib * GIB) if not args.dry_run else 1 << 26,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from eval.bench.common import pick_device, print_table, run_record, write_json
+from eval.bench.common import model_shape, pick_device, print_table, run_record, write_json
 from eval.bench.decode_step_setup import build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
@@ -97,7 +97,7 @@ def layer_forward_extra(model, ids: torch.Tensor, device: torch.device) -> int |
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    shape, dtype = model_shape(args.dry_run)
     if args.dry_run:
         args.context, args.chunk = 300, 64
     ids = torch.randint(1, 200, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)

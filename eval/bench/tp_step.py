@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import sparseserve_hf  # noqa: F401  (registers attn_implementation="sparseserve")
-from eval.bench.common import run_record, sync, write_json
+from eval.bench.common import model_shape, run_record, sync, write_json
 from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    shape, dtype = model_shape(args.dry_run)
     folder = saved_model(args, shape, dtype, rank)
     extra = {"tp_plan": "auto"} if distributed else {}
     device_map = {} if distributed or not torch.cuda.is_available() else {"device_map": "cuda"}
