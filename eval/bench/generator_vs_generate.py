@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["points"][name]["command_args"] = vars(args)
         rows = [{"system": f"{name}: {key}"} | value for key, value in point.items() if isinstance(value, dict)]
         print_table(rows, ["system", "seconds", "tokens_per_s", "mean_ttft_s", "over_stock", "hit_rate", "peak_gib"])
-    result |= headline(result["points"])
-    write_json(args.out, result)
+        result |= headline(result["points"])
+        write_json(args.out, result)  # after every point: a call cut short keeps the points it finished
     return result
 
 
