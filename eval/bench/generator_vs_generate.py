@@ -88,6 +88,7 @@ def measure_stock(model, prompts: torch.Tensor, new_tokens: int, batch: int) -> 
     reset_peak(prompts.device)
     seconds = sum(timed_generate(model, prompts[i : i + batch], new_tokens) for i in range(0, len(prompts), batch))
     generated = prompts.shape[0] * new_tokens
+    print(f"  stock (batch {batch}): {seconds:.2f} s", flush=True)
     return {
         "batch": batch,
         "seconds": seconds,
@@ -126,7 +127,7 @@ def measure_generator(
         replay = TraceReplay(SelectionTrace.load(trace), text.num_hidden_layers, text.num_key_value_heads, model.device)
         gen.store.selection_override = replay
     rows = [row.tolist() for row in prompts]
-    gen.generate(rows, SamplingParams(max_new_tokens=min(new_tokens, WARM_NEW_TOKENS), ignore_eos=True))
+    warm_outs = gen.generate(rows, SamplingParams(max_new_tokens=min(new_tokens, WARM_NEW_TOKENS), ignore_eos=True))
     warm = gen.metrics()["totals"]
     warm_ids = set(gen.metrics()["requests"])
     reset_peak(prompts.device)
@@ -137,12 +138,17 @@ def measure_generator(
     seconds = time.perf_counter() - start
     metrics = gen.metrics()
     engine = engine_totals_since(metrics["totals"], warm)
-    ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid not in warm_ids]
+    ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid not in warm_ids and r["ttft_s"] is not None]
     generated = sum(len(out.token_ids) for out in outs)
+    errors = sorted({out.error for out in outs if out.finish_reason == "error"})
     keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "graph_captures", "hbm_peak_bytes")
     row = {"seconds": seconds, "tokens_per_s": generated / seconds, "generated_tokens": generated,
-           "mean_ttft_s": sum(ttft) / len(ttft), "peak_gib": peak_gib(prompts.device),
+           "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None, "peak_gib": peak_gib(prompts.device),
+           "failed_requests": sum(out.finish_reason == "error" for out in outs), "errors": errors[:3],
+           "warm_up_failed_requests": sum(out.finish_reason == "error" for out in warm_outs),
            "config": asdict(config)} | {key: engine.get(key) for key in keep}  # fmt: skip
+    print(f"  ours ({'real locality' if trace else 'random KV'}): {seconds:.2f} s, {row['failed_requests']} failed"
+          + (f": {errors[0]}" if errors else ""), flush=True)  # fmt: skip
     del gen
     free_memory(prompts.device)
     return row
@@ -176,7 +182,7 @@ def closed_loop(args, device, dtype, shape, requests: int, context: int, new_tok
     config = ours_config(model, requests, context, args)
     for block in _localities(args):
         point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
-        point[block]["over_stock"] = point[block]["tokens_per_s"] / point["stock"]["tokens_per_s"]
+        point[block]["over_stock"] = _over_stock(point[block], point["stock"])
     return point
 
 
@@ -200,8 +206,7 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
     config = ours_config(model, requests, context, args, hbm_cache_bytes=max(room, 1 << 20))
     for block in _localities(args):
         point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
-        if point["stock"] is not None:
-            point[block]["over_stock"] = point[block]["tokens_per_s"] / point["stock"]["tokens_per_s"]
+        point[block]["over_stock"] = _over_stock(point[block], point["stock"])
     return point
 
 
@@ -217,7 +222,8 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     config = ours_config(model, 1, context, args)
     for block in _localities(args):
         row = measure_generator(model, config, prompts, 1, _trace(args, block))
-        point[block] = row | {"over_stock": row["mean_ttft_s"] / point["stock"]["seconds"]}
+        served = row["failed_requests"] == 0 and row["mean_ttft_s"] is not None
+        point[block] = row | {"over_stock": row["mean_ttft_s"] / point["stock"]["seconds"] if served else None}
     return point
 
 
@@ -265,6 +271,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result |= headline(result["points"])
         write_json(args.out, result)  # after every point: a call cut short keeps the points it finished
     return result
+
+
+def _over_stock(ours: dict[str, Any], stock: dict[str, Any] | None) -> float | None:
+    """Our tokens/s over stock's; None where stock did not run or a request of ours failed."""
+    if stock is None or ours["failed_requests"]:
+        return None
+    return ours["tokens_per_s"] / stock["tokens_per_s"]
 
 
 def _trace(args, block: str) -> str | None:

@@ -86,6 +86,7 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     for block in ("real_locality", "random_kv"):
         row = loop[block]
         assert row["generated_tokens"] == 3 * 6 and row["config"]["cuda_graphs"] is True  # warm-ups not counted
+        assert row["failed_requests"] == row["warm_up_failed_requests"] == 0 and row["errors"] == []
         kinds = row["iterations_by_kind"]
         assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
     run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "capacity", "--localities", "random_kv",
