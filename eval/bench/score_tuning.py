@@ -7,7 +7,8 @@ block's metadata read once through the row's table. Each (blocks per program, wa
 timed as a CUDA-graph replay of the scoring kernel alone; `gb_per_s` counts the metadata, table
 and score bytes moved, and `copy_fraction` compares it with a device-to-device copy measured in
 the same run. For "hybrid" the rank interleave (`triton_rank.combine_top_ranks`, at the default
-config's depth) is swept over its warps too (`part` "combine").
+config's depth) is swept over its warps too (`part` "combine"), and the default selection after it
+(`attention.pick_blocks`) is timed too (`part` "select").
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append({"kind": kind, "part": "score", "block_n": block_n, "warps": warps, "ms": ms,
                              "gb_per_s": moved / ms / 1e6, "copy_fraction": moved / ms / 1e6 / copy_gb_per_s})  # fmt: skip
         if kind == "hybrid":
-            rows += combine_sweep(triton_score.score_parts(query, metadata, table, kind), args.warps, device)
+            rows += combine_sweep(triton_score.score_parts(query, metadata, table, kind), args.warps, device, kv_heads)
         del metadata, table
     print_table(rows, ["kind", "part", "block_n", "warps", "ms", "gb_per_s", "copy_fraction"])
     best = {
@@ -84,8 +85,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def combine_sweep(parts: tuple[torch.Tensor, torch.Tensor], warps: list[int], device) -> list[dict[str, Any]]:
-    """The hybrid rank interleave at the default depth, one row per warp count."""
+def combine_sweep(
+    parts: tuple[torch.Tensor, torch.Tensor], warps: list[int], device, num_kv_heads: int
+) -> list[dict[str, Any]]:
+    """The hybrid rank interleave at the default depth, one row per warp count, then the selection after it."""
     from sparseserve_hf.ops import triton_rank
 
     depth = SparseServeConfig().selected_full_blocks
@@ -98,7 +101,23 @@ def combine_sweep(parts: tuple[torch.Tensor, torch.Tensor], warps: list[int], de
         ms = graph_ms(combine, device) or time_ms(combine, device)
         rows.append({"kind": "hybrid", "part": "combine", "block_n": parts[0].shape[-1], "warps": num_warps, "ms": ms,
                      "gb_per_s": float("nan"), "copy_fraction": float("nan")})  # fmt: skip
-    return rows
+    return rows + [select_row(triton_rank.combine_top_ranks(*parts, depth=depth), num_kv_heads, device)]
+
+
+def select_row(combined: torch.Tensor, num_kv_heads: int, device) -> dict[str, Any]:
+    """The default selection (per-head top-k + GQA union, `attention.pick_blocks`) over interleaved ranks."""
+    from sparseserve_hf.attention import pick_blocks
+    from sparseserve_hf.ops import get_ops
+
+    config, ops = SparseServeConfig(), get_ops("triton", device)
+    num_blocks = torch.full((combined.shape[0],), combined.shape[-1], dtype=torch.long, device=device)
+
+    def select() -> tuple:
+        return pick_blocks(ops, config, combined, num_blocks, num_kv_heads, combined.shape[-1])[:2]
+
+    ms = graph_ms(select, device) or time_ms(select, device)
+    return {"kind": "hybrid", "part": "select", "block_n": combined.shape[-1], "warps": 0, "ms": ms,
+            "gb_per_s": float("nan"), "copy_fraction": float("nan")}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,16 +30,16 @@ def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_p
     for both, so the latency chain is that of one ranking.
     """
     which = tl.arange(0, 2)
-    key = tl.where(live[None, :], order_key(x), -1)  # (2, BN)
+    key = tl.where(live[None, :], order_key(x), 0)  # (2, BN) uint32, dead 0
     listed = top_k_rows(key, live[None, :], DEPTH, KEY_BITS)
     position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
-    tl.store(scratch_key_ptr + position, key, mask=listed)
+    tl.store(scratch_key_ptr + position, key.to(tl.int32, bitcast=True), mask=listed)
     tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)
     tl.debug_barrier()
     k = tl.arange(0, BLOCK_K)
     k_ok = k < DEPTH
     entry = which[:, None] * BLOCK_K + k[None, :]  # (2, BK)
-    list_key = tl.load(scratch_key_ptr + entry, mask=k_ok[None, :], other=-1)
+    list_key = tl.load(scratch_key_ptr + entry, mask=k_ok[None, :], other=0).to(tl.uint32, bitcast=True)
     list_idx = tl.load(scratch_idx_ptr + entry, mask=k_ok[None, :], other=0)
     key_i, key_j = list_key[:, :, None], list_key[:, None, :]
     better = (key_j > key_i) | ((key_j == key_i) & (list_idx[:, None, :] < list_idx[:, :, None]))  # [r, i, j]: j first
@@ -94,9 +94,9 @@ def combine_top_ranks(
     if out.numel() == 0 or depth == 0:
         return out.fill_(-2.0 * depth).masked_fill_(torch.isneginf(first) | torch.isneginf(second), float("-inf"))
     block_k = triton.next_power_of_2(depth)
-    scratch_key = torch.empty((rows, 2 * block_k), dtype=torch.int64, device=first.device)
+    scratch_key = torch.empty((rows, 2 * block_k), dtype=torch.int32, device=first.device)  # uint32 bits
     scratch_idx = torch.empty_like(scratch_key)
-    scratch_rank = torch.empty((rows, 2 * block_k), dtype=torch.int32, device=first.device)
+    scratch_rank = torch.empty_like(scratch_key)
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
