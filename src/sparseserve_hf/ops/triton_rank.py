@@ -2,7 +2,7 @@
 
 The reference runs a top-k per ranking (a radix select over every (row, query head, block) each),
 then scatters the ranks. Here one program per (row, query head), for both rankings at once:
-1. finds each ranking's `depth`-th largest score by a bitwise search over order-preserving integer
+1. finds each ranking's `depth`-th largest score by a bitwise search over order-preserving 32-bit
    keys (`triton_select.order_key`; one reduction per key bit serves both rankings) and takes
    every score above it and the lowest-index ties up to `depth`: the ranking's top list;
 2. compacts the list through a small scratch row and ranks it exactly by pairwise comparison
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import KEY_BITS, order_key, top_k_rows
+from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_p
     """
     which = tl.arange(0, 2)
     key = tl.where(live[None, :], order_key(x), 0)  # (2, BN) uint32, dead 0
-    listed = top_k_rows(key, live[None, :], DEPTH, KEY_BITS)
+    listed = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
     position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
     tl.store(scratch_key_ptr + position, key.to(tl.int32, bitcast=True), mask=listed)
     tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)

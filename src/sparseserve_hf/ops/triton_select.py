@@ -3,11 +3,11 @@
 `reference.select_group_union` takes ~15 PyTorch kernels per layer (two top-k's, a sort, scatters,
 fills), several of them radix selects over every (row, query head, block). Here one program per
 (row, KV head) holds its G query heads' scores for the row's whole table in registers and:
-1. maps each score to an order-preserving 32-bit unsigned key (sink and window blocks above every
-   score, blocks past the row's count below every real one; NaN ranks as the lowest finite float,
-   as the reference ranks it);
+1. maps each score to an order-preserving integer key (sink and window blocks above every score,
+   blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
+   the reference ranks it);
 2. finds each head's K-th largest key by a bitwise binary search (one count reduction per key
-   bit: 32 for float keys, ~8 when the caller promises small integer scores, as the hybrid rank
+   bit: 33 for float keys, ~8 when the caller promises small integer scores, as the hybrid rank
    interleave's are), then takes every key above it and the lowest-index ties up to K: the
    head's exact top-K set;
 3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Float keys of non-NaN scores end at +inf's (0xFF800000) and NaN takes the lowest finite's: the
-# largest uint32 is free, above every score, for sink and window blocks (always in the top-K).
-FORCED_KEY = tl.constexpr(0xFFFFFFFF)
-FLOAT_KEY_BITS = 32
-KEY_BITS = tl.constexpr(FLOAT_KEY_BITS)
+# The selection's keys are int64, so sink and window blocks can take a key above every float's
+# (always in the top-K). The rank interleave, with no forced blocks, searches `order_key`'s 32 bits
+# as uint32: fewer registers there; here uint32 keys were the slower choice (docs/performance.md).
+FORCED_KEY = tl.constexpr((1 << 32) + 1)
+FLOAT_KEY_BITS = 33
+ORDER_KEY_BITS = tl.constexpr(32)
 
 
 @triton.jit
@@ -39,12 +40,12 @@ def order_key(x):
 
 @triton.jit
 def top_k_rows(key, live, k, BITS: tl.constexpr):
-    """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN) uint32 (live keys in
-    [0, 2^BITS), dead ones 0, never taken), ties to the lower index.
+    """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN), ties to the lower index.
 
-    A bitwise search for each row's largest t with count(key >= t) >= k: one count reduction per
-    key bit serves every row at once (32-bit keys: half the registers and compares of 64-bit
-    ones). Then every key above t and the lowest-index live ties up to k.
+    Keys are int64 (live ones in [0, 2^BITS), dead ones -1) or uint32 (dead ones 0); dead
+    entries are never taken. A bitwise search for each row's largest t with count(key >= t) >= k:
+    one count reduction per key bit serves every row at once. Then every key above t and the
+    lowest-index live ties up to k.
     """
     threshold = tl.zeros([key.shape[0]], dtype=key.dtype)
     one = tl.full([key.shape[0]], 1, dtype=key.dtype)
@@ -96,11 +97,11 @@ def _select_union_kernel(
     live = (g < G)[:, None] & exist[None, :]  # (BG, BN)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
     if INTEGER_KEYS:
-        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int32) + 1, 0).to(tl.uint32)
-        key = tl.where(forced[None, :], ((1 << BITS) - 1), small).to(tl.uint32)
+        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
+        key = tl.where(forced[None, :], (1 << BITS) - 1, small)
     else:
-        key = tl.where(forced[None, :], FORCED_KEY, order_key(x)).to(tl.uint32)
-    key = tl.where(live, key, 0)  # padding and missing blocks: dead, never taken
+        key = tl.where(forced[None, :], FORCED_KEY, order_key(x).to(tl.int64))
+    key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
     chosen = top_k_rows(key, live, K, BITS)
     union = tl.max(chosen.to(tl.int32), axis=0)  # (BN,)
     position = tl.cumsum(union, axis=0) - 1
