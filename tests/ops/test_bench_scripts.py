@@ -58,7 +58,7 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     run_module("eval.bench.score_tuning", "--dry-run", "--out", str(out))
     result = json.loads(out.read_text())
     points = [(r["kind"], r["part"], r["warps"]) for r in result["rows"]]
-    assert points == [("quest", "score", 4), ("hybrid", "score", 4), ("hybrid", "combine", 4)]
+    assert points == [("quest", "score", 4), ("hybrid", "score", 4), ("hybrid", "combine", 4), ("hybrid", "select", 0)]
     assert all(r["ms"] > 0 for r in result["rows"])
     assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine"}
 
