@@ -60,7 +60,7 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     points = [(r["kind"], r["part"], r["warps"]) for r in result["rows"]]
     assert points == [("quest", "score", 4), ("hybrid", "score", 4), ("hybrid", "combine", 4), ("hybrid", "select", 0)]
     assert all(r["ms"] > 0 for r in result["rows"])
-    assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine"}
+    assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine", "hybrid_select"}
 
 
 def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
