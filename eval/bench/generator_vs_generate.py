@@ -12,7 +12,8 @@ system, EOS ignored (every system generates every token), greedy. Points:
 - capacity: 16 x 32K x 1024 new with every process's CUDA allocations capped (40 GiB): stock
   runs the largest batch that fits (tried from 16 down; `capacity_stock_batch`) over the requests
   in turn, its times summed; ours serves all 16 with the DRAM pool in host memory and an HBM
-  block cache of what the cap leaves after the weights and a headroom.
+  block cache of what the cap leaves after the weights, the block metadata (on the device, one
+  entry per DRAM pool block) and a headroom.
 - prefill: one 32K prompt. Stock: `generate(max_new_tokens=1)`; ours: submit to an idle
   `Generator` until its first token (its TTFT).
 Every system first runs one full call of the point's shapes (16 new tokens, or 1 for prefill)
@@ -51,6 +52,7 @@ from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf.ops import reference
 
 GIB = 1 << 30
 POINTS = {  # name -> (requests, prompt tokens, new tokens)
@@ -169,6 +171,15 @@ def ours_config(model, requests: int, context: int, args, hbm_cache_bytes: int |
     )
 
 
+def metadata_pool_bytes(config: SparseServeConfig, model) -> int:
+    """Device bytes of the block metadata: one entry per DRAM pool block, allocated with the pool."""
+    text = model.config
+    head_dim = text.head_dim
+    block_bytes = 2 * config.block_size * head_dim * model.dtype.itemsize
+    meta_dtype = reference.metadata_dtype(config.metadata_dtype, model.dtype, model.device)
+    return config.dram_bytes // block_bytes * config.metadata_vectors * head_dim * meta_dtype.itemsize
+
+
 # ---- the points -----------------------------------------------------------------------------------------
 
 
@@ -202,8 +213,10 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    room = cap - weights - int(args.headroom_gib * GIB)
+    metadata = metadata_pool_bytes(ours_config(model, requests, context, args), model)
+    room = cap - weights - metadata - int(args.headroom_gib * GIB)
     config = ours_config(model, requests, context, args, hbm_cache_bytes=max(room, 1 << 20))
+    point |= {"weight_bytes": weights, "metadata_bytes": metadata, "hbm_cache_bytes": config.hbm_cache_bytes}
     for block in _localities(args):
         point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
         point[block]["over_stock"] = _over_stock(point[block], point["stock"])

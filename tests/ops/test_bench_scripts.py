@@ -133,3 +133,16 @@ def test_multi_gpu_dry_run_serves_each_engines_share(tmp_path):
     result = json.loads(out.read_text())
     assert result["devices"] == ["cpu", "cpu"] and result["requests_per_engine"] == [2, 2]
     assert result["dp2_over_dp1"] > 0 and [row["generated_tokens"] for row in result["rows"]] == [12, 24]
+
+
+def test_capacity_sizing_counts_the_metadata_the_store_allocates():
+    """The capacity point leaves room for the block metadata: exactly what a Generator's store holds."""
+    from eval.bench.generator_vs_generate import metadata_pool_bytes
+    from tiny_models import tiny_model
+
+    from sparseserve_hf import Generator, SparseServeConfig
+
+    model = tiny_model()
+    config = SparseServeConfig(block_size=16, token_budget=64, dram_bytes=3 << 20)
+    store = Generator(model, None, config).store
+    assert metadata_pool_bytes(config, model) == store.metadata.numel() * store.metadata.element_size() > 0
