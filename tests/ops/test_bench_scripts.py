@@ -138,9 +138,9 @@ def test_multi_gpu_dry_run_serves_each_engines_share(tmp_path):
 def test_capacity_sizing_counts_the_metadata_the_store_allocates():
     """The capacity point leaves room for the block metadata: exactly what a Generator's store holds."""
     from eval.bench.generator_vs_generate import metadata_pool_bytes
-    from tiny_models import tiny_model
 
     from sparseserve_hf import Generator, SparseServeConfig
+    from tiny_models import tiny_model
 
     model = tiny_model()
     config = SparseServeConfig(block_size=16, token_budget=64, dram_bytes=3 << 20)
