@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eval.common import DENSE, split_method, summarize
+from eval.results_io import read_jsonl, stored
 from eval.t7 import families_with_loads, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
@@ -30,11 +31,12 @@ T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
 
 
 def read_rows(folder: Path) -> list[dict]:
-    """Rows of one runner folder: samples.jsonl when the run finished, else its partial.jsonl."""
+    """Rows of one runner folder: samples.jsonl when the run finished, else its partial.jsonl (either
+    may be stored as `.gz`)."""
     for name in ("samples.jsonl", "partial.jsonl"):
         path = Path(folder) / name
-        if path.is_file():
-            return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if stored(path) is not None:
+            return read_jsonl(path)
     raise FileNotFoundError(f"{folder} has neither samples.jsonl nor partial.jsonl")
 
 

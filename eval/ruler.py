@@ -787,6 +787,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         seconds=round(time.time() - start, 1),
     )
     summary = write_results(args.out, rows, meta)
+    checkpoint.unlink(missing_ok=True)  # samples.jsonl now holds every row: the checkpoint was its copy
     print((args.out / "results.md").read_text())
     return summary
 

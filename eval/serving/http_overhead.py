@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eval.results_io import read_json
 from eval.serving.http_load import add_trace_arguments, load_trace, warmup_trace
 from eval.serving.metrics import summarize
 from sparseserve_hf import SparseServeConfig
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "in-process":
         run_in_process(args)
     else:
-        comparison = compare(json.loads(args.http.read_text()), json.loads(args.in_process.read_text()))
+        comparison = compare(read_json(args.http), read_json(args.in_process))  # either may be stored as .gz
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "http_overhead.json").write_text(json.dumps(comparison, indent=2) + "\n")
         (args.out / "http_overhead.md").write_text(markdown(comparison))

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from eval.results_io import glob_stored, read_json, stored
 from eval.serving.metrics import SLO_MEAN_QUEUEING_S, SLO_TBT_ITERATIONS, RequestRecord, goodput, summarize
 from eval.serving.setup import LADDER, STOCK
 
@@ -15,17 +16,18 @@ PLOTTED = (("throughput_tokens_per_s", "throughput (tokens/s)"), ("mean_ttft_s",
 
 
 def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float | None, list[str]]:
-    """{system: {rate: run}} from every run_*.json, the dense iteration from calibration.json, commands."""
+    """{system: {rate: run}} from every run_*.json, the dense iteration from calibration.json, commands
+    (either may be stored as `.gz`)."""
     runs: dict[str, dict[float, dict]] = {}
     dense, commands = None, []
     for folder in folders:
         calibration = folder / "calibration.json"
-        if calibration.is_file():
-            data = json.loads(calibration.read_text())
+        if stored(calibration) is not None:
+            data = read_json(calibration)
             dense = dense if dense is not None else data["dense_iteration_s"]
             commands.append(data["command"])
-        for path in sorted(folder.glob("run_*.json")):
-            run = json.loads(path.read_text())
+        for path in glob_stored(folder, "run_*.json"):
+            run = read_json(path)
             runs.setdefault(run["system"], {})[float(run["rate"])] = run
             commands.append(run["command"])
     return runs, dense, list(dict.fromkeys(commands))  # one line per process, not per rate

@@ -240,11 +240,19 @@ def test_runner_rejects_bad_options(argv, message):
 
 
 @pytest.mark.slow
-def test_runner_end_to_end_on_the_default_model(tmp_path):
+def test_runner_end_to_end_on_the_default_model(tmp_path, monkeypatch):
     """2 samples of niah_single_1 and qa_1 at ~1K tokens, batched, dense and budget 256 with the
     default metadata (hybrid: family "sparse") and quest, on the real model (CPU)."""
     pytest.importorskip("long_context_eval")
     out, dump = tmp_path / "ruler", tmp_path / "samples.jsonl"
+    checkpointed, evaluate = [], ruler.evaluate
+
+    def evaluate_and_read_the_checkpoint(*args):
+        rows = evaluate(*args)
+        checkpointed.extend(json.loads(line) for line in args[5].read_text().splitlines())  # args[5]: checkpoint
+        return rows
+
+    monkeypatch.setattr(ruler, "evaluate", evaluate_and_read_the_checkpoint)
     argv = ["--tasks", "niah_single_1,qa_1", "--lengths", "1024", "--samples", "2", "--budgets", "256"]
     argv += ["--batch-size", "2", "--metadata", "hybrid,quest"]
     argv += ["--max-new-tokens", "12"]  # the answer prefix puts the answer first; 12 tokens hold it
@@ -254,8 +262,8 @@ def test_runner_end_to_end_on_the_default_model(tmp_path):
     for name in ("samples.jsonl", "summary.json", "results.md", "score_vs_budget.png"):
         assert (out / name).is_file()
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    checkpointed = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
-    assert checkpointed == rows  # written batch by batch as the run went
+    assert checkpointed == rows  # written batch by batch as the run went,
+    assert not (out / "partial.jsonl").exists()  # and gone once samples.jsonl holds every row
     assert len(rows) == 12 and all(0 <= r["score"] <= 100 and "prediction" in r for r in rows)
     assert {r["budget"] for r in rows} == {None, 256} and {r["prompt_tokens"] for r in rows} <= set(range(800, 993))
     assert len(ruler.read_samples(dump)) == 4

@@ -1,0 +1,53 @@
+"""The committed results: small, and still what their commands regenerate (compressed raw files included)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from eval.results_io import glob_stored, read_json, read_jsonl, read_text, stored
+from eval.serving.report import load_runs
+
+from eval import accuracy_report
+
+RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
+MAX_RESULTS_BYTES = 1_500_000
+RULER_RUNS = ("ruler_8k_a", "ruler_8k", "ruler_8k_budgets", "ruler_8k_hybrid", "ruler_4k", "ruler_4k_hybrid")
+
+
+def test_results_stay_small():
+    size = sum(path.stat().st_size for path in RESULTS.rglob("*") if path.is_file())
+    assert size < MAX_RESULTS_BYTES, f"eval/results holds {size} bytes; compress raw outputs (see eval/results_io.py)"
+
+
+def test_the_accuracy_report_regenerates_from_the_committed_runs(tmp_path):
+    argv = ["--ruler", *(str(RESULTS / name) for name in RULER_RUNS)]
+    argv += ["--longbench", str(RESULTS / "longbench_multi_news"), "--out", str(tmp_path)]
+    argv += ["--rename", "sparse=quest", "--rename", "hybrid_s8=sparse"]  # as accuracy.json's command
+    accuracy_report.main(argv)
+    committed = json.loads((RESULTS / "accuracy.json").read_text())
+    regenerated = json.loads((tmp_path / "accuracy.json").read_text())
+    for key in ("ruler", "ratio_to_dense_8k", "t7_8k", "longbench"):
+        assert regenerated[key] == committed[key], key
+
+
+def test_the_serving_runs_load_as_serving_json_lists_them():
+    folders = sorted(p for p in (RESULTS / "serving_runs").iterdir() if p.is_dir())
+    runs, dense, _ = load_runs(folders)
+    committed = json.loads((RESULTS / "serving.json").read_text())
+    assert dense == committed["dense_iteration_s"]
+    assert set(runs) == set(committed["systems"])
+
+
+def test_a_plain_file_is_read_before_its_compressed_copy(tmp_path):
+    (tmp_path / "a.json").write_text('{"plain": 1}')
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(b'{"plain": 0}'))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"x": 1}\n\n{"x": 2}\n'))
+    assert read_json(tmp_path / "a.json") == {"plain": 1}
+    assert read_jsonl(tmp_path / "b.jsonl") == [{"x": 1}, {"x": 2}]
+    assert stored(tmp_path / "b.jsonl") == tmp_path / "b.jsonl.gz" and stored(tmp_path / "c.json") is None
+    assert glob_stored(tmp_path, "*.json*") == [tmp_path / "a.json", tmp_path / "b.jsonl"]  # each once, plain
+    with pytest.raises(FileNotFoundError, match=r"c\.json \(nor c\.json\.gz"):
+        read_text(tmp_path / "c.json")
