@@ -247,10 +247,9 @@ def test_a_budget_below_one_unit_still_makes_progress():
     m = model("llama")
     runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
     job = runner.start(random_ids(1, T), make_cache("dynamic", m))
-    assert runner.next_cost(job) == T
-    assert runner.advance(job, 1) == T and job.next_layer == 1
+    assert runner.advance(job, 1) == T and job.next_layer == 1  # one whole layer over the prompt
     assert runner.advance(job, None) == 2 * T and job.done
-    assert runner.advance(job, 5) == 0 and runner.next_cost(job) == 0
+    assert runner.advance(job, 5) == 0 and job.remaining_token_layers == 0
 
 
 def test_from_config_reads_mode_and_cap():
@@ -259,7 +258,7 @@ def test_from_config_reads_mode_and_cap():
     job = runner.start(random_ids(1, T), make_cache("dynamic", model("llama")))
     assert (runner.mode, runner.max_inject_tokens) == ("chunked", 96)
     assert job.chunks == [(0, 25), (25, 51), (51, 77)]  # chunks of <= 96 // 3 layers = 32 tokens
-    assert runner.next_cost(job) == 25 * LAYERS
+    assert runner.advance(job, 1) == 25 * LAYERS  # the first chunk through every layer
 
 
 # ---- bad input -----------------------------------------------------------------------------
@@ -347,7 +346,7 @@ def test_each_layer_leaves_the_device_before_the_next(arch, max_inject):
     hooks = [layer.register_forward_hook(functools.partial(check, i)) for i, layer in enumerate(runner.stack.layers)]
     try:
         while not job.done:
-            runner.advance(job, runner.next_cost(job))
+            runner.advance(job, 1)  # one unit per call
     finally:
         for hook in hooks:
             hook.remove()

@@ -40,7 +40,9 @@ def test_score_blocks_on_gathered_metadata_matches_reference(poisoned, kind):
     metadata = reference.block_metadata(torch.randn(2, 3, 11, 8, 32), kind).half()  # (B, Hkv, N, M, D)
     query = torch.randn(2, 12, 32).half()
     expected = reference.score_blocks(query, metadata, kind)
-    got = triton_score.score_blocks(query.to(DEVICE), metadata.to(DEVICE), kind)
+    pool = metadata.reshape(-1, *metadata.shape[3:])  # (B*Hkv*N, M, D): the gathered table as a pool
+    table = torch.arange(pool.shape[0]).view(metadata.shape[:3])
+    got = triton_score.score_table(query.to(DEVICE), pool.to(DEVICE), table.to(DEVICE), kind)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
 
 

@@ -55,8 +55,8 @@ def test_pool_on_a_device_grows_there_and_refuses_pinning():
     pool = DramPool(SHAPE, torch.float32, None, pin=False, device="cpu")
     ids = pool.allocate(300)  # past the initial 256 blocks: grows
     blocks = torch.randn((300, *SHAPE))
-    pool.write(ids, blocks)
-    assert pool.storage.device == pool.device and torch.equal(pool.read(ids), blocks)
+    pool.storage[ids] = blocks
+    assert pool.storage.device == pool.device and torch.equal(pool.storage[ids], blocks)
     with pytest.raises(ValueError, match="pin"):
         DramPool(SHAPE, torch.float32, None, pin=True, device="meta")
 

@@ -91,7 +91,7 @@ def test_hbm_cache_loads_the_right_blocks_and_counts_on_the_device():
     pool = DramPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(heads * per_head)
     blocks = torch.randn(heads * per_head, *SHAPE)
-    pool.write(ids, blocks)
+    pool.storage[ids] = blocks
     cache = HbmBlockCache(2 * 12, SHAPE, torch.float32, torch.device("cpu"), partitions=2)
     cache.track_blocks(pool.capacity)
     gen = torch.Generator().manual_seed(3)

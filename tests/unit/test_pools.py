@@ -16,7 +16,7 @@ def filled_pool(count: int) -> tuple[DramPool, torch.Tensor, torch.Tensor]:
     pool = DramPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(count)
     blocks = torch.randn(count, *SHAPE)
-    pool.write(ids, blocks)
+    pool.storage[ids] = blocks
     return pool, ids, blocks
 
 
@@ -36,11 +36,11 @@ def test_dram_grows_and_keeps_data_bit_exact():
     pool, ids, blocks = filled_pool(200)
     more = pool.allocate(300)  # past the initial capacity
     assert more.tolist() == list(range(200, 500))
-    assert torch.equal(pool.read(ids), blocks)
+    assert torch.equal(pool.storage[ids], blocks)
     bf16 = DramPool(SHAPE, torch.bfloat16, None, pin=False)
     data = torch.randn(5, *SHAPE).to(torch.bfloat16)
-    bf16.write(bf16.allocate(5), data)
-    assert torch.equal(bf16.read(torch.arange(5)), data)
+    bf16.storage[bf16.allocate(5)] = data
+    assert torch.equal(bf16.storage[:5], data)
 
 
 def lookup(cache: HbmBlockCache, pool: DramPool, ids: list[int]) -> tuple[torch.Tensor, int]:

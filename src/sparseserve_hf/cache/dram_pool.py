@@ -123,15 +123,6 @@ class DramPool:
         """True when `count` more blocks do not fit and the pool can grow (it is not fixed)."""
         return not self.fixed and self.capacity - self.num_used < count
 
-    @plain_tensors
-    def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Save (n, 2, S, D) blocks from any device into `ids` (the D2H copy when the pool is on the host)."""
-        self.storage[ids.to(self.device)] = blocks.to(self.device, self.dtype)
-
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """(n, 2, S, D) copy of blocks `ids`, on the pool's device."""
-        return self.storage[ids.to(self.device)]
-
     def _grow(self, needed: int) -> None:
         """Reallocate at twice the size (or `needed`; less than twice where the host's available
         memory would not hold that, but never less than `needed`) and copy every block over.

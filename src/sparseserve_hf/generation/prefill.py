@@ -152,10 +152,6 @@ class SegmentedPrefill:
         job.chunks = _split(job.num_tokens, self._chunk_cap(job.num_tokens))
         return job
 
-    def next_cost(self, job: PrefillJob) -> int:
-        """Token-layers of the smallest piece of work `advance` can do next (0 once done)."""
-        return 0 if job.done else self._next_unit(job, 0).cost
-
     @torch.no_grad()
     def advance(self, job: PrefillJob, token_layer_budget: int | None) -> int:
         """Run as much of `job` as `token_layer_budget` token-layers allow; returns the work done.

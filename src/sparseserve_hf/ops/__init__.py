@@ -32,7 +32,6 @@ class BlockOps:
 
     name: str
     block_metadata: Callable[..., torch.Tensor]
-    score_blocks: Callable[..., torch.Tensor]
     score_table: Callable[..., torch.Tensor]
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -48,7 +47,6 @@ class BlockOps:
 TORCH_OPS = BlockOps(
     name="torch",
     block_metadata=reference.block_metadata,
-    score_blocks=reference.score_blocks,
     score_table=reference.score_table,
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
@@ -166,7 +164,6 @@ def _triton_ops() -> BlockOps:
     return replace(
         TORCH_OPS,
         name="triton",
-        score_blocks=triton_score.score_blocks,
         score_table=triton_score.score_table,
         select_group_union=triton_select.select_group_union,
         sparse_decode=triton_decode.sparse_decode,

@@ -203,11 +203,3 @@ def _launch_plan(
     block_n = max(MIN_DOT, min(256, triton.next_power_of_2(block_n)))
     batch, num_kv_heads, num_blocks = block_ids.shape
     return query, block_ids, block_n, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
-
-
-def score_blocks(query: torch.Tensor, metadata: torch.Tensor, kind: str) -> torch.Tensor:
-    """`reference.score_blocks` on the GPU: (B, Hq, D) x (B, Hkv, N, M, D) gathered metadata -> (B, Hq, N)."""
-    batch, num_kv_heads, num_blocks = metadata.shape[:3]
-    pool = metadata.reshape(-1, *metadata.shape[3:])  # (B*Hkv*N, M, D): the gathered table as a pool
-    ids = torch.arange(pool.shape[0], device=metadata.device).view(batch, num_kv_heads, num_blocks)
-    return score_table(query, pool.contiguous(), ids, kind)
