@@ -146,6 +146,13 @@ class SparseServeConfig:
             from Python bounds a step at a few rows. Needs every layer sparse (no `dense_layers`,
             no sliding-window layers) and transfer="kernel"; forwards it cannot replay exactly
             run eagerly as before. No effect on a cache built from a config.
+        prefix_caching: the `Generator` keeps the full KV blocks of earlier requests' prompts (and
+            their outputs) in the DRAM pool, addressed by the tokens before and in each block
+            (`cache.prefix_index`), and a new request whose prompt starts with cached blocks
+            adopts them and prefills only the rest: many questions over one document cost one
+            prefill of it. Cached blocks live only in pool room no request needs: a save that
+            lacks room drops the least recently used ones first, never one a live request holds.
+            Needs every layer sparse (no `dense_layers`).
     """
 
     block_size: int = 32
@@ -173,6 +180,7 @@ class SparseServeConfig:
     cuda_graphs: bool | None = None
     layer_graphs: bool = True
     generate_graphs: bool = True
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -225,6 +233,12 @@ class SparseServeConfig:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)
         self._check_transfer_fields()
         self._check_graph_fields()
+        _check_bool("prefix_caching", self.prefix_caching)
+        if self.prefix_caching and self.dense_layers:
+            raise ValueError(
+                f"prefix_caching=True shares blocks in the DRAM pool, which dense_layers {list(self.dense_layers)} never "
+                "write: use dense_layers=()"
+            )
 
     def _check_transfer_fields(self) -> None:
         _check_bool("offload", self.offload)

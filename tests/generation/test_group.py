@@ -37,8 +37,10 @@ def test_group_outputs_equal_one_engine_and_both_engines_serve():
     assert [o.request_id for o in outs] == list(range(len(prompts)))  # the group's own ids
     metrics = group.metrics()
     assert {r["engine"] for r in metrics["requests"].values()} == {0, 1}
-    assert metrics["totals"]["generated_tokens"] == 12 * len(prompts) == sum(
-        e["generated_tokens"] for e in metrics["engines"]
+    assert (
+        metrics["totals"]["generated_tokens"]
+        == 12 * len(prompts)
+        == sum(e["generated_tokens"] for e in metrics["engines"])
     )
     assert group.dram_bytes_in_use() == 0 and not group.has_unfinished
     group.close()

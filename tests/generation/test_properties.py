@@ -3,10 +3,11 @@
 Random sequences of submit / step / cancel / an injected failure (tests/generation/fault_support.py)
 / a `stream` read for a few events and dropped, each run inside or outside `torch.inference_mode`,
 over small pools. After every operation: no request ended twice or sent an event after its end,
-no DRAM block has more than one reference (the Generator never shares blocks between rows), the
-reference counts and the pool's used-block count agree, and the HBM block cache holds at most
-`hbm_cache_bytes`. After draining: every request ended exactly once and the pools are empty,
-reference counts all zero.
+every DRAM block has exactly as many references as tables and prefix-index entries list it (one at
+most without prefix caching: rows never share blocks then), the reference counts and the pool's
+used-block count agree, and the HBM block cache holds at most `hbm_cache_bytes`. After draining
+(and clearing the prefix index): every request ended exactly once and the pools are empty,
+reference counts all zero. With prefix caching the prompts start alike, so blocks are shared.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 BLOCK_BYTES = 2 * 16 * 16 * 4  # block_size 16 x head_dim 16, fp32 keys and values
+SHARED_START = prompt(70, seed=999)  # the prompts' common start under prefix caching
 POOLS = {
     "segmented": dict(
         hbm_cache_bytes=2 * 24 * BLOCK_BYTES, dram_bytes=48 * BLOCK_BYTES, max_batch=3, max_inject_tokens=40
@@ -34,6 +36,13 @@ POOLS = {
     ),
     "no-admission": dict(hbm_cache_bytes=2 * 20 * BLOCK_BYTES, dram_bytes=64 * BLOCK_BYTES, admission=False),
     "device-pool": dict(offload=False, dram_bytes=48 * BLOCK_BYTES, max_batch=3),
+    "prefix-cache": dict(
+        hbm_cache_bytes=2 * 24 * BLOCK_BYTES,
+        dram_bytes=48 * BLOCK_BYTES,
+        max_batch=3,
+        max_inject_tokens=40,
+        prefix_caching=True,
+    ),
     "graph-step": dict(
         hbm_cache_bytes=2 * 24 * BLOCK_BYTES,
         dram_bytes=64 * BLOCK_BYTES,
@@ -94,7 +103,7 @@ class Run:
         """`stream` one prompt and stop reading after `to_read` events: its request, unless it
         ended by then, ends with the stream and must never be heard of again."""
         self.seed += 1
-        stream = self.gen.stream([prompt(length, seed=self.seed)], SamplingParams(max_new_tokens=8))
+        stream = self.gen.stream([self.prompt(length)], SamplingParams(max_new_tokens=8))
         for count, event in enumerate(stream, 1):
             self.record([event])
             if count == to_read:
@@ -105,9 +114,15 @@ class Run:
         self.seed += 1
         params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8 if sample else 0.0, seed=self.seed)
         try:
-            self.submitted.append(self.gen.submit(prompt(length, seed=self.seed), params))
+            self.submitted.append(self.gen.submit(self.prompt(length), params))
         except ValueError as exc:  # can never fit the small pools: refused, nothing changes
             assert "fit" in str(exc) or "DRAM" in str(exc), exc
+
+    def prompt(self, length: int) -> list[int]:
+        """A random prompt; with prefix caching, a shared start and one token of its own."""
+        if not self.gen.config.prefix_caching:
+            return prompt(length, seed=self.seed)
+        return SHARED_START[: length - 1] + [1 + self.seed % 200]
 
     def record(self, events: list) -> None:
         for event in events:
@@ -120,10 +135,25 @@ class Run:
         """Reference counts agree with the pool, no block is shared, the HBM cache stays in its bytes."""
         store, config = self.gen.store, self.gen.config
         refcount = store.dram.refcount
-        assert int(refcount.min()) >= 0 and int(refcount.max()) <= 1
+        assert torch.equal(refcount, listed_references(self.gen))
         assert int((refcount > 0).sum()) == store.dram.num_used
         if config.offload and config.hbm_cache_bytes is not None:
             assert store.block_cache_bytes() <= config.hbm_cache_bytes
+
+
+def listed_references(gen: Generator) -> torch.Tensor:
+    """Per DRAM block: the tables (every cache's rows) and prefix-index entries that list it."""
+    counts = torch.zeros_like(gen.store.dram.refcount)
+    caches = [gen.batch] + [r.cache for r in gen._requests.values() if r.cache is not None]
+    for layer in (layer for cache in caches for layer in cache.layers if layer.is_initialized):
+        for row in range(layer.block_ids.shape[0]):
+            ids = layer.block_ids[row, :, : int(layer.num_blocks[row])].flatten().cpu()
+            counts.index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
+    if gen.prefixes is not None:
+        for bucket in gen.prefixes.index._buckets.values():
+            for entry in bucket:
+                counts.index_add_(0, entry.ids.flatten(), torch.ones(entry.ids.numel(), dtype=counts.dtype))
+    return counts
 
 
 @settings(
@@ -142,4 +172,8 @@ def test_block_bookkeeping_holds_under_any_operations(llama, pool, operations):
     outputs = ended_once(run.events, run.submitted)
     if not any(fault.fired for fault in run.faults):
         assert all(output.finish_reason != "error" for output in outputs.values())
+    run.check_blocks()
+    if run.gen.prefixes is not None:
+        assert run.gen.prefixes.index.pinned_blocks() == 0  # every ended request let its prefix go
+        run.gen.prefixes.index.clear()
     assert_drained(run.gen)

@@ -284,6 +284,41 @@ class SparseServeCache(Cache):
         if failure is not None:
             raise failure
 
+    # ---- a shared prompt prefix (the batching Generator's prefix cache) -------------------------
+
+    def adopt_prefix(self, ids: torch.Tensor) -> None:
+        """Make this empty cache one row holding the full blocks `ids` (L, Hkv, m) of every layer,
+        already in its store (a prompt prefix another request computed; see `cache.prefix_index`):
+        m * block_size positions, each block one reference more. All or nothing.
+
+        Raises:
+            ValueError: the cache is not empty, has no store yet, has a layer that is not sparse,
+                or `ids` is not (num_layers, kv_heads, m).
+        """
+        store = self.store
+        if store is None or self.get_seq_length() != 0:
+            raise ValueError("adopt_prefix needs an empty cache built over a store (SparseServeCache(..., store=...))")
+        if any(not isinstance(layer, SparseServeLayer) for layer in self.layers):
+            raise ValueError("adopt_prefix needs every layer sparse (no dense_layers, no sliding-window layers)")
+        if ids.dim() != 3 or tuple(ids.shape[:2]) != (len(self.layers), self.kv_heads):
+            raise ValueError(
+                f"prefix ids must be (num_layers={len(self.layers)}, kv_heads={self.kv_heads}, m), got {tuple(ids.shape)}"
+            )
+        like = torch.empty((1, self.kv_heads, 0, self.shape.head_dim), dtype=store.dtype, device=store.device)
+        try:
+            for layer, layer_ids in zip(self.layers, ids):
+                layer.adopt_blocks(layer_ids, like)
+        except BaseException:
+            self.reset()  # the layers that adopted give their references back
+            raise
+
+    def full_block_ids(self, row: int = 0) -> torch.Tensor:
+        """(L, Hkv, n) DRAM ids of `row`'s full blocks in every layer (all sparse), oldest first; n is
+        the fewest any layer holds (they agree between forwards). Host tensor."""
+        per_layer = [layer.full_block_ids(row) for layer in self._sparse_layers()]
+        count = min(ids.shape[1] for ids in per_layer)
+        return torch.stack([ids[:, :count] for ids in per_layer])
+
     # ---- moving rows between caches that share a store (the batching Generator) ---------------
 
     def append_rows(self, other: SparseServeCache) -> None:

@@ -206,6 +206,27 @@ class SparseServeLayer(CacheLayerMixin):
         """Beam search: row i continues from old row `beam_idx[i]`; shared pasts share their blocks."""
         self.batch_select_indices(beam_idx)
 
+    # ---- a shared prompt prefix (the batching Generator's prefix cache) --------------------
+
+    @plain_tensors
+    def adopt_blocks(self, ids: torch.Tensor, like: torch.Tensor) -> None:
+        """Start this empty layer as one row holding the full blocks `ids` (Hkv, m), already in the
+        store (another request's prompt prefix): one more reference to each, m * block_size
+        positions, an empty tail. `like`: a (1, Hkv, 0, D) key tensor of the cache's dtype and device."""
+        if self.is_initialized:
+            raise RuntimeError(f"SparseServeCache layer {self.layer_idx}: adopt_blocks needs an empty layer")
+        self.lazy_initialization(like, like)
+        count = ids.shape[1]
+        self._ensure_capacity(count)
+        self.block_ids[0, :, :count] = ids.to(self.device)
+        self.num_blocks.fill_(count)
+        self.store.retain(ids)
+        self.num_positions = count * self.config.block_size
+
+    def full_block_ids(self, row: int) -> torch.Tensor:
+        """(Hkv, n) DRAM ids of `row`'s full blocks in DRAM, oldest first (host tensor; one sync)."""
+        return self.block_ids[row, :, : int(self.num_blocks[row])].cpu()
+
     # ---- moving rows between caches over one store (the batching Generator) ---------------
 
     @plain_tensors

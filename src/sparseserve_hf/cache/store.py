@@ -96,6 +96,9 @@ class TieredBlockStore:
         # a random-weight model shows a real model's locality). Every query head then attends all
         # of its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
         self.selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # A seam for blocks held only to be found again (the Generator's prefix cache): called with
+        # the blocks a save lacks before the pool grows or refuses, it frees what it can spare.
+        self.reclaimer: Callable[[int], int] | None = None
         # Eager decode steps replay each layer's captured attention (None: launched op by op).
         self.layer_graphs = LayerGraphs(self) if _captures_layers(config, self.ops, device) else None
 
@@ -125,6 +128,9 @@ class TieredBlockStore:
         All or nothing: when any step after the allocation fails, the ids go back to the pool
         before the error propagates (no table refers to them yet, so nothing else ever would).
         """
+        room = self.dram.capacity - self.dram.num_used
+        if blocks.shape[0] > room and self.reclaimer is not None:  # cached prefixes go before the pool grows
+            self.reclaimer(blocks.shape[0] - room)
         if blocks.shape[0] > self.dram.capacity - self.dram.num_used:
             self._drain()  # the pool may be reallocated: no save may still be writing the old one
         ids = self.dram.allocate(blocks.shape[0])
@@ -299,15 +305,16 @@ class TieredBlockStore:
         self.dram.retain(ids[ids >= 0])
 
     @plain_tensors
-    def free(self, ids: torch.Tensor) -> None:
-        """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both tiers.
+    def free(self, ids: torch.Tensor) -> int:
+        """Drop one reference to each block in `ids` (-1 ignored); unreferenced blocks leave both
+        tiers. Returns how many blocks that released.
 
         The HBM cache forgets them first: a block id back on the free list while a slot still
         claims it would serve its next owner stale data (forgetting a block that stays is harmless).
         """
         ids = ids[ids >= 0]
         self.hbm.invalidate(self.dram.releasing(ids))
-        self.dram.free(ids)
+        return int(self.dram.free(ids).numel())
 
     def block_cache_bytes(self) -> int:
         """Bytes of blocks in device memory: the HBM cache's, or every live block's with offload=False."""

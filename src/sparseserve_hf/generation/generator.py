@@ -40,6 +40,7 @@ from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
 from .prefill import DecoderStack, SegmentedPrefill
+from .prefix import PrefixCache
 from .request import PREFILLING, RUNNING, WAITING, Request
 from .sampling import make_generator, sample_next
 from .scheduler import DECODE, PREFILL, Candidate, Limits, Plan, schedule
@@ -93,6 +94,7 @@ class Generator(RequestFrontend):
         ops = get_ops(self.config.backend, device)
         self.store = TieredBlockStore(self.config, ops, self.sizes.head_dim, dtype, device, self.sizes.hbm_partitions)
         self.batch = SparseServeCache(model.config, self.config, store=self.store)  # checks one row fits
+        self.prefixes = PrefixCache(self.store, self.config.block_size) if self.config.prefix_caching else None
         self.batch_ids: list[int] = []  # request id of each batch-cache row
         self.tracker = WorkingSetTracker(self.config.working_set_window, device)
         self.recorder = MetricsRecorder(metrics_file)
@@ -273,6 +275,7 @@ class Generator(RequestFrontend):
                 "graph_captures": self._runner.num_captures if self._runner is not None else 0,
             }
             | self.store.load_summary()
+            | (self.prefixes.totals() if self.prefixes is not None else {})
         )
         if torch.cuda.is_available() and self.stack.device.type == "cuda":
             totals["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.stack.device)
@@ -401,11 +404,15 @@ class Generator(RequestFrontend):
         """
         used = 0
         try:
+            if self.prefixes is not None and request.job.token_layers_done == 0:
+                self._adopt_prefix(request)
             used = self.prefill.advance(request.job, budget)
             if not request.job.done:
                 return used
             logits = self.prefill.logits(request.job)  # (1, V)
             token = int(sample_next(logits, [request.params], [request.generator])[0])
+            if self.prefixes is not None:  # the prompt's blocks, for the next request over the same text
+                self.prefixes.remember(list(request.prompt), request.cache)
         except BaseException as exc:  # only this request's own cache was touched
             events.append(self._finish(request, "error", f"prefill failed: {_describe(exc)}"))
             if not isinstance(exc, Exception):
@@ -429,6 +436,14 @@ class Generator(RequestFrontend):
             return
         request.state = PREFILLING
         self.recorder.admit(request.request_id)
+
+    def _adopt_prefix(self, request: Request) -> None:
+        """Before the first prefill work: the longest cached prefix of the prompt goes into the
+        request's (still empty) cache and the job covers only the rest. Looked up now, not at
+        admission, so that a prompt admitted beside the one that computes its prefix still finds it."""
+        reused = self.prefixes.adopt(request.request_id, request.prompt, request.cache)
+        if reused:
+            request.job = self.prefill.start(torch.tensor(request.prompt[reused:]), request.cache)
 
     def _emit_tokens(self, rows: list[Request], tokens: list[int], events: list[StreamEvent]) -> None:
         """Record each row's new token and build its event; a request whose tokenizer raises on
@@ -474,7 +489,7 @@ class Generator(RequestFrontend):
         Called once per request (it leaves `_requests` here). A tokenizer that raises on the
         final text turns the outcome into "error" rather than losing the event.
         """
-        self._release(request)
+        self._release(request, remember=reason != "error")
         del self._requests[request.request_id]
         self._record_working_set(request)
         try:
@@ -486,12 +501,18 @@ class Generator(RequestFrontend):
         self.recorder.finish(request.request_id, reason)
         return StreamEvent(request.request_id, token, text, output, request.prompt_index)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, remember: bool = False) -> None:
+        """Free the request's blocks; `remember`: first index them for prefix reuse (its cache holds
+        the KV of its prompt and of every output token but the last, which was never fed back)."""
         if request.request_id in self.batch_ids:
             request.cache = self._pop_row(self.batch_ids.index(request.request_id))
         if request.cache is not None:
+            if self.prefixes is not None and remember and request.job is None:
+                self.prefixes.remember(list(request.prompt) + request.output[:-1], request.cache)
             self.tracker.forget(request.cache)
             request.cache.reset()  # drops the row's references: its blocks leave DRAM and HBM
+        if self.prefixes is not None:
+            self.prefixes.forget(request.request_id)
         request.cache = request.job = None
 
     def _fail_batch(self, message: str, events: list[StreamEvent], request_ids: list[int]) -> None:
