@@ -23,6 +23,8 @@
 #               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
 #   tp          tensor parallel (nvidia-h200-x2): a Generator decode step at B=16 x 32K, TP=1 then TP=2
 #               under torchrun (tp2_step_over_tp1, and its tokens against TP=1's)
+#   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
+#               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
@@ -75,7 +77,9 @@ case $part in
       | tee "$out/decode_step.log" | tail -25
     python -m eval.bench.decode_step --graph --locality real --skip-static --set metadata_dtype=float8_e4m3fn \
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
+  longdoc)
+    python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac

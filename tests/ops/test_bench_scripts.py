@@ -146,3 +146,14 @@ def test_capacity_sizing_counts_the_metadata_the_store_allocates():
     config = SparseServeConfig(block_size=16, token_budget=64, dram_bytes=3 << 20)
     store = Generator(model, None, config).store
     assert metadata_pool_bytes(config, model) == store.metadata.numel() * store.metadata.element_size() > 0
+
+
+def test_longdoc_dry_run_reports_the_prefix_targets_with_equal_tokens(tmp_path):
+    out = tmp_path / "longdoc.json"
+    run_module("eval.bench.longdoc", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["prefix_tokens_equal"] is True
+    assert result["prefix_ttft_ratio"] > 0 and 0 < result["prefix_dram_ratio"] < 1
+    shared = result["prefix_caching"]
+    assert len(shared["ttft_s"]) == 4 and shared["totals"]["prefix_hits"] == 3  # questions 2-4 reuse the document
+    assert result["no_prefix_caching"]["dram_bytes_after"] == 0
