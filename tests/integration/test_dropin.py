@@ -61,3 +61,24 @@ def test_dense_layers_stay_dense_and_match(llama):
     cache = SparseServeCache(llama.config, config)
     assert torch.equal(greedy(llama, ids, cache), greedy(tiny_model("llama", "sdpa"), ids))
     assert cache.stats()["hbm_dense_layer_bytes"] > 0
+
+
+@pytest.mark.core
+def test_a_second_turn_over_the_same_cache_prefills_only_its_new_tokens(llama):
+    """A chat through `generate`: turn 2's prompt is turn 1's prompt, answer and a new message;
+    the cache already holds turn 1, so only the new tokens are prefilled, with the tokens of a
+    fresh cache over the whole conversation."""
+    config = SparseServeConfig(block_size=16, token_budget=48)
+    cache = SparseServeCache(llama.config, config)
+    turn1 = random_ids(1, 150, seed=3)
+    answer = greedy(llama, turn1, cache, max_new_tokens=10)
+    turn2 = torch.cat((turn1, answer, random_ids(1, 20, seed=4)), dim=1)
+    cached = cache.get_seq_length()
+    assert cached == turn1.shape[1] + answer.shape[1] - 1  # the last answer token was never fed
+    saves_before = cache.stats()["d2h_bytes"]
+    got = greedy(llama, turn2, cache, max_new_tokens=10)
+    assert torch.equal(got, greedy(llama, turn2, SparseServeCache(llama.config, config), max_new_tokens=10))
+    block_bytes = 2 * 16 * 16 * 4  # K and V, 16 tokens x head_dim 16, fp32
+    new_blocks = (turn2.shape[1] + 9) // 16 - cached // 16  # blocks turn 2 completed (prompt + 9 fed answers)
+    saved = cache.stats()["d2h_bytes"] - saves_before
+    assert saved <= new_blocks * 2 * 2 * block_bytes  # per layer and KV head: only what turn 2 added
