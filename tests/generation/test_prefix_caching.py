@@ -89,3 +89,17 @@ def test_prefix_caching_refuses_dense_layers():
         SparseServeConfig(prefix_caching=True, dense_layers=[0])
     with pytest.raises(ValueError, match="prefix_caching must be a bool"):
         SparseServeConfig(prefix_caching=1)
+
+
+def test_requests_sharing_a_document_reserve_its_blocks_once(llama):
+    cfg = config(prefix_caching=True, dram_bytes=400 * 2 * BLOCK * 16 * 4)  # a fixed pool: DRAM is reserved
+    gen = Generator(llama, None, cfg)
+    gen.generate([DOC + QUESTIONS[0]], PARAMS)
+    prompts = [DOC + q for q in QUESTIONS[1:3]]
+    for p in prompts:
+        gen.submit(p, PARAMS)
+    gen.step()  # both admitted; each adopts the document's blocks
+    shared = len(DOC) // BLOCK * 2 * 2  # document blocks x layers x KV heads
+    lifetimes = [gen.sizes.lifetime_dram_blocks(len(p) + PARAMS.max_new_tokens) for p in prompts]
+    assert gen.prefixes.index.pinned_blocks() == shared
+    assert gen._limits().dram_free_blocks == gen.store.dram.capacity - (sum(lifetimes) - shared)

@@ -70,6 +70,7 @@ class PrefixIndex:
         self._buckets: dict[int, list[PrefixEntry]] = {}
         self._clock = 0
         self.num_entries = 0
+        self._pinned = 0  # head-blocks of entries with users
 
     def match(self, tokens: list[int]) -> list[PrefixEntry]:
         """The longest chain of cached blocks that `tokens` starts with (full blocks only), oldest first."""
@@ -106,12 +107,14 @@ class PrefixIndex:
     def acquire(self, entries: list[PrefixEntry]) -> None:
         """A live request adopted these entries' blocks: they stay until `release`."""
         for entry in entries:
+            self._pinned += entry.ids.numel() if entry.users == 0 else 0
             entry.users += 1
 
     def release(self, entries: list[PrefixEntry]) -> None:
         """The request that acquired `entries` has ended."""
         for entry in entries:
             entry.users -= 1
+            self._pinned -= entry.ids.numel() if entry.users == 0 else 0
 
     def reclaim(self, blocks: int) -> int:
         """Drop least recently used entries that no live request uses and no other entry extends,
@@ -131,11 +134,11 @@ class PrefixIndex:
             for entry in bucket:
                 self.refs.free(entry.ids.flatten())
         self._buckets.clear()
-        self.num_entries = 0
+        self.num_entries = self._pinned = 0
 
     def pinned_blocks(self) -> int:
-        """Head-blocks of entries a live request uses (they cannot be reclaimed)."""
-        return sum(e.ids.numel() for bucket in self._buckets.values() for e in bucket if e.users > 0)
+        """Head-blocks of entries a live request uses (they cannot be reclaimed), each counted once."""
+        return self._pinned
 
     def _find(self, parent: PrefixEntry | None, tokens: tuple[int, ...]) -> PrefixEntry | None:
         key = chain_key(None if parent is None else parent.key, tokens)

@@ -299,7 +299,8 @@ class Generator(RequestFrontend):
         dram_free = None
         if self.config.dram_bytes is not None:
             reserved = sum(r.dram_blocks for r in self._requests.values() if r.state != WAITING)
-            dram_free = self.store.dram.capacity - reserved
+            shared = 0 if self.prefixes is None else self.prefixes.index.pinned_blocks()  # each shared block once
+            dram_free = self.store.dram.capacity - reserved - shared
         return Limits(
             max_batch=self.config.max_batch,
             max_decode_rows=self.sizes.max_decode_rows,
@@ -444,6 +445,8 @@ class Generator(RequestFrontend):
         reused = self.prefixes.adopt(request.request_id, request.prompt, request.cache)
         if reused:
             request.job = self.prefill.start(torch.tensor(request.prompt[reused:]), request.cache)
+            # It will never allocate the blocks it adopted: they count once, as the index's pinned blocks.
+            request.dram_blocks -= self.prefixes.adopted_blocks
 
     def _emit_tokens(self, rows: list[Request], tokens: list[int], events: list[StreamEvent]) -> None:
         """Record each row's new token and build its event; a request whose tokenizer raises on

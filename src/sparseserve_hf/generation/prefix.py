@@ -36,6 +36,7 @@ class PrefixCache:
         self.block_size = block_size
         self._adopted: dict[int, list[PrefixEntry]] = {}  # request id -> the entries its cache took
         self.reused_tokens = 0  # prompt tokens whose prefill a cached prefix saved, summed
+        self.adopted_blocks = 0  # head-blocks the last `adopt` took from the index
         self.lookups = self.hits = 0
         store.reclaimer = self.index.reclaim
 
@@ -46,8 +47,10 @@ class PrefixCache:
         entries = self.index.match(list(prompt[: len(prompt) - MIN_PREFILL_TOKENS]))
         if not entries:
             return 0
-        cache.adopt_prefix(_stacked(entries))
+        ids = _stacked(entries)
+        cache.adopt_prefix(ids)
         self.index.acquire(entries)
+        self.adopted_blocks = ids.numel()
         self._adopted[request_id] = entries
         self.hits += 1
         reused = len(entries) * self.block_size
