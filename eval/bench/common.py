@@ -180,3 +180,10 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, cache: Any = N
 def model_shape(dry_run: bool) -> tuple[str, torch.dtype]:
     """The benchmarked model: the Llama-3-8B shape in bf16, or the tiny one in fp32 for a dry run."""
     return ("tiny", torch.float32) if dry_run else ("llama3-8b", torch.bfloat16)
+
+
+def bench_setup(dry_run: bool) -> tuple[torch.device, str, torch.dtype]:
+    """A model benchmark's device (kernels interpreted without a GPU) and model shape and dtype."""
+    device = pick_device(dry_run)
+    prepare_triton(device)
+    return (device, *model_shape(dry_run))

@@ -44,11 +44,9 @@ import torch
 from transformers import StaticCache
 
 from eval.bench.common import (
+    bench_setup,
     free_memory,
-    model_shape,
     peak_gib,
-    pick_device,
-    prepare_triton,
     print_table,
     reset_peak,
     run_record,
@@ -255,9 +253,7 @@ def first_call(args) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = pick_device(args.dry_run)
-    prepare_triton(device)
-    shape, dtype = model_shape(args.dry_run)
+    device, shape, dtype = bench_setup(args.dry_run)
     if args.dry_run:
         args.new_tokens = 8  # enough decode steps that (N + 1) - 1 stays well above timing noise
     if args.first_call_child:

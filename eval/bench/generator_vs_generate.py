@@ -36,11 +36,9 @@ from typing import Any
 import torch
 
 from eval.bench.common import (
+    bench_setup,
     free_memory,
-    model_shape,
     peak_gib,
-    pick_device,
-    prepare_triton,
     print_table,
     reset_peak,
     run_record,
@@ -262,9 +260,7 @@ def headline(points: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = pick_device(args.dry_run)
-    prepare_triton(device)
-    shape, dtype = model_shape(args.dry_run)
+    device, shape, dtype = bench_setup(args.dry_run)
     sizes = DRY_POINTS if args.dry_run else POINTS
     if args.dry_run:  # a cap of the tiny model's scale (on CPU it only sizes our HBM cache)
         args.cap_gib, args.headroom_gib = 1 / 16, 1 / 64

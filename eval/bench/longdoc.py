@@ -24,10 +24,8 @@ from typing import Any
 import torch
 
 from eval.bench.common import (
+    bench_setup,
     free_memory,
-    model_shape,
-    pick_device,
-    prepare_triton,
     print_table,
     run_record,
     sync,
@@ -79,9 +77,7 @@ def ask_in_turn(model, config: SparseServeConfig, sizes: dict[str, int], vocab: 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = pick_device(args.dry_run)
-    prepare_triton(device)
-    shape, dtype = model_shape(args.dry_run)
+    device, shape, dtype = bench_setup(args.dry_run)
     sizes = DRY_SIZES if args.dry_run else SIZES
     model = build_model(shape, "sparseserve", device, dtype, sizes["document"] + sizes["question"] + 1024)
     text = model.config
