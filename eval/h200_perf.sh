@@ -5,7 +5,9 @@
 #
 # Run from a snapshot of the repo root with PYTHONPATH=src:. (and, for the flash-attn-4 parts,
 # with flash-attn-4 installed and on PYTHONPATH). Parts:
-#   tests       every GPU-marked kernel / cache / graph test (flash-attn-4 tests skip without fa4)
+#   tests       every GPU-marked kernel / cache / graph test but the benchmark dry runs (flash-attn-4 tests skip
+#               without fa4); ~5 min with a cold Triton cache
+#   benchtests  the benchmark scripts' dry runs on the GPU (each a subprocess compiling its kernels anew)
 #   kernels     transfer (with the save-grid sweep), decode attention (fa4 column if installed), score launch sweep
 #   step        one decode step, Llama-3-8B shape, B=16, 32K: eager and CUDA graph vs dense
 #   generator   the Generator (cuda_graphs=True) vs stock generate: 16 x 16K x 1024 new in closed loop, and the
@@ -37,8 +39,10 @@ mkdir -p "$out"
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 case $part in
   tests)
-    python -m pytest -q -p no:cacheprovider tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
+    python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
       tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py tests/integration/test_generate_graphs.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
+  benchtests)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_bench_scripts.py 2>&1 | tee "$out/gpu_pytest_bench.log" | tail -15 ;;
   kernels)
     python -m eval.bench.transfer --out "$out/transfer.json" 2>&1 | tee "$out/transfer.log" | tail -40
     python -m eval.bench.decode_attention --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -40
@@ -81,5 +85,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac
