@@ -10,7 +10,8 @@ system, EOS ignored (every system generates every token), greedy. Points:
 - closed_loop: 16 requests x 16K tokens x 1024 new. Stock: `generate` over all of them as one
   batch (DynamicCache, sdpa). Ours: the requests submitted at once to a `Generator`.
 - capacity: 16 x 32K x 1024 new with every process's CUDA allocations capped (40 GiB): stock
-  runs the largest batch that fits (tried from 16 down; `capacity_stock_batch`) over the requests
+  runs the largest batch that fits (tried from 16 down, on CUDA with and without the allocator's
+  expandable segments; `capacity_stock_batch`) over the requests
   in turn, its times summed; ours serves all 16 with the DRAM pool in host memory and an HBM
   block cache of what the cap leaves after the weights, the block metadata (on the device, one
   entry per DRAM pool block) and a headroom.
@@ -98,18 +99,36 @@ def measure_stock(model, prompts: torch.Tensor, new_tokens: int, batch: int) -> 
 
 
 def largest_stock_batch(model, prompts: torch.Tensor) -> tuple[int | None, list[dict[str, Any]]]:
-    """The largest batch (of STOCK_BATCHES) whose warm-up call runs under the cap, and what was tried."""
+    """The largest batch (of STOCK_BATCHES) whose warm-up call runs under the cap, and what was tried.
+
+    On CUDA each batch is tried with the caching allocator's default segments, then with expandable
+    segments (less fragmentation under a cap); the setting that ran stays on for the timed calls."""
     tried = []
+    settings = (False, True) if expandable_segments(False, prompts.device) else (False,)
     for batch in [b for b in STOCK_BATCHES if b <= len(prompts)]:
-        try:
-            timed_generate(model, prompts[:batch], WARM_NEW_TOKENS)
-        except torch.OutOfMemoryError:
-            tried.append({"batch": batch, "runs": False})
-            free_memory(prompts.device)
-            continue
-        tried.append({"batch": batch, "runs": True})
-        return batch, tried
+        for expandable in settings:
+            expandable_segments(expandable, prompts.device)
+            try:
+                timed_generate(model, prompts[:batch], WARM_NEW_TOKENS)
+            except torch.OutOfMemoryError:
+                tried.append({"batch": batch, "expandable_segments": expandable, "runs": False})
+                free_memory(prompts.device)
+                continue
+            tried.append({"batch": batch, "expandable_segments": expandable, "runs": True})
+            return batch, tried
+    expandable_segments(False, prompts.device)
     return None, tried
+
+
+def expandable_segments(on: bool, device: torch.device) -> bool:
+    """Switch the CUDA caching allocator's expandable segments; False where that cannot be done
+    (off CUDA, or a torch without the setting), changing nothing."""
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if device.type != "cuda" or setter is None:
+        return False
+    free_memory(device)  # cached blocks of the other kind are released first
+    setter(f"expandable_segments:{on}")
+    return True
 
 
 # ---- ours ---------------------------------------------------------------------------------------------
@@ -207,6 +226,9 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
     batch, tried = largest_stock_batch(stock_model, prompts)
     point: dict[str, Any] = {"cap_bytes": cap, "stock_batches_tried": tried}
     point["stock"] = None if batch is None else measure_stock(stock_model, prompts, new_tokens, batch)
+    if point["stock"] is not None:
+        point["stock"]["expandable_segments"] = tried[-1]["expandable_segments"]
+    expandable_segments(False, device)  # ours runs under the default allocator
     del stock_model
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)

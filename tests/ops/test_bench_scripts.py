@@ -94,6 +94,8 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     merged = json.loads(out.read_text())
     assert set(merged["points"]) == {"closed_loop", "prefill", "capacity"} and merged["stock_s"] == first["stock_s"]
     assert merged["capacity_stock_batch"] == 3 and merged["capacity_generator_over_stock"] is None  # real not run
+    tried = merged["points"]["capacity"]["stock_batches_tried"]
+    assert tried[-1]["runs"] and all(t["expandable_segments"] is False for t in tried if DEVICE.type != "cuda")
     assert merged["points"]["capacity"]["random_kv"]["over_stock"] > 0
 
 
