@@ -51,6 +51,7 @@ from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf.generation.sizing import EngineSizes
 from sparseserve_hf.ops import reference
 
 GIB = 1 << 30
@@ -159,11 +160,12 @@ def measure_generator(
     engine = engine_totals_since(metrics["totals"], warm)
     ttft = [r["ttft_s"] for rid, r in metrics["requests"].items() if rid not in warm_ids and r["ttft_s"] is not None]
     generated = sum(len(out.token_ids) for out in outs)
-    errors = sorted({out.error for out in outs if out.finish_reason == "error"})
+    failed = [out for out in outs if out.finish_reason == "error"]
+    errors = sorted({out.error for out in failed})
     keep = ("hit_rate", "mean_decode_batch", "iterations_by_kind", "graph_captures", "hbm_peak_bytes")
     row = {"seconds": seconds, "tokens_per_s": generated / seconds, "generated_tokens": generated,
            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None, "peak_gib": peak_gib(prompts.device),
-           "failed_requests": sum(out.finish_reason == "error" for out in outs), "errors": errors[:3],
+           "failed_requests": len(failed), "errors": errors[:3],
            "warm_up_failed_requests": sum(out.finish_reason == "error" for out in warm_outs),
            "config": asdict(config)} | {key: engine.get(key) for key in keep}  # fmt: skip
     print(f"  ours ({'real locality' if trace else 'random KV'}): {seconds:.2f} s, {row['failed_requests']} failed"
@@ -190,11 +192,9 @@ def ours_config(model, requests: int, context: int, args, hbm_cache_bytes: int |
 
 def metadata_pool_bytes(config: SparseServeConfig, model) -> int:
     """Device bytes of the block metadata: one entry per DRAM pool block, allocated with the pool."""
-    text = model.config
-    head_dim = text.head_dim
-    block_bytes = 2 * config.block_size * head_dim * model.dtype.itemsize
+    sizes = EngineSizes(model.config, config, model.dtype)
     meta_dtype = reference.metadata_dtype(config.metadata_dtype, model.dtype, model.device)
-    return config.dram_bytes // block_bytes * config.metadata_vectors * head_dim * meta_dtype.itemsize
+    return config.dram_bytes // sizes.block_bytes * config.metadata_vectors * sizes.head_dim * meta_dtype.itemsize
 
 
 # ---- the points -----------------------------------------------------------------------------------------

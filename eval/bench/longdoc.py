@@ -33,6 +33,7 @@ from eval.bench.common import (
 )
 from eval.bench.decode_step_setup import build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf.generation.sizing import EngineSizes
 
 SIZES = {"document": 32768, "question": 64, "questions": 8, "new_tokens": 16}
 DRY_SIZES = {"document": 150, "question": 8, "questions": 4, "new_tokens": 4}
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shared = ask_in_turn(model, SparseServeConfig(**(base.to_dict() | {"prefix_caching": True})), sizes,
                          text.vocab_size, device)  # fmt: skip
     plain = ask_in_turn(model, base, sizes, text.vocab_size, device)
-    block_bytes = 2 * base.block_size * text.head_dim * dtype.itemsize
+    block_bytes = EngineSizes(text, base, dtype).block_bytes
     doc_blocks = sizes["document"] // base.block_size * text.num_hidden_layers * text.num_key_value_heads
     later = shared["ttft_s"][1:]
     result = run_record(device) | {

@@ -315,9 +315,9 @@ class SparseServeCache(Cache):
     def full_block_ids(self, row: int = 0) -> torch.Tensor:
         """(L, Hkv, n) DRAM ids of `row`'s full blocks in every layer (all sparse), oldest first; n is
         the fewest any layer holds (they agree between forwards). Host tensor."""
-        per_layer = [layer.full_block_ids(row) for layer in self._sparse_layers()]
-        count = min(ids.shape[1] for ids in per_layer)
-        return torch.stack([ids[:, :count] for ids in per_layer])
+        layers = self._sparse_layers()
+        count = int(torch.stack([layer.num_blocks[row] for layer in layers]).min())  # one sync
+        return torch.stack([layer.block_ids[row, :, :count] for layer in layers]).cpu()
 
     # ---- moving rows between caches that share a store (the batching Generator) ---------------
 

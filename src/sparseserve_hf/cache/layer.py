@@ -223,10 +223,6 @@ class SparseServeLayer(CacheLayerMixin):
         self.store.retain(ids)
         self.num_positions = count * self.config.block_size
 
-    def full_block_ids(self, row: int) -> torch.Tensor:
-        """(Hkv, n) DRAM ids of `row`'s full blocks in DRAM, oldest first (host tensor; one sync)."""
-        return self.block_ids[row, :, : int(self.num_blocks[row])].cpu()
-
     # ---- moving rows between caches over one store (the batching Generator) ---------------
 
     @plain_tensors

@@ -141,15 +141,14 @@ class PrefixIndex:
         return self._pinned
 
     def _find(self, parent: PrefixEntry | None, tokens: tuple[int, ...]) -> PrefixEntry | None:
-        key = chain_key(None if parent is None else parent.key, tokens)
-        for entry in self._buckets.get(key, ()):
+        for entry in self._buckets.get(_key(parent, tokens), ()):
             if entry.parent is parent and entry.tokens == tokens:
                 return entry
         return None
 
     def _add(self, parent: PrefixEntry | None, tokens: tuple[int, ...], ids: torch.Tensor) -> PrefixEntry:
         self.refs.retain(ids.flatten())
-        entry = PrefixEntry(tokens, parent, ids, chain_key(None if parent is None else parent.key, tokens))
+        entry = PrefixEntry(tokens, parent, ids, _key(parent, tokens))
         entry.last_used = self._clock
         self._buckets.setdefault(entry.key, []).append(entry)
         if parent is not None:
@@ -166,3 +165,8 @@ class PrefixIndex:
             entry.parent.children -= 1
         self.num_entries -= 1
         return self.refs.free(entry.ids.flatten())
+
+
+def _key(parent: PrefixEntry | None, tokens: tuple[int, ...]) -> int:
+    """`chain_key` of a block under `parent` (looked up at call time: tests may replace it)."""
+    return chain_key(None if parent is None else parent.key, tokens)

@@ -128,10 +128,10 @@ class TieredBlockStore:
         All or nothing: when any step after the allocation fails, the ids go back to the pool
         before the error propagates (no table refers to them yet, so nothing else ever would).
         """
-        room = self.dram.capacity - self.dram.num_used
-        if blocks.shape[0] > room and self.reclaimer is not None:  # cached prefixes go before the pool grows
-            self.reclaimer(blocks.shape[0] - room)
-        if blocks.shape[0] > self.dram.capacity - self.dram.num_used:
+        lacking = blocks.shape[0] - (self.dram.capacity - self.dram.num_used)
+        if lacking > 0 and self.reclaimer is not None:  # cached prefixes go before the pool grows
+            lacking -= self.reclaimer(lacking)
+        if lacking > 0:
             self._drain()  # the pool may be reallocated: no save may still be writing the old one
         ids = self.dram.allocate(blocks.shape[0])
         if ids is None:

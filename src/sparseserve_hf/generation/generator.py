@@ -442,11 +442,11 @@ class Generator(RequestFrontend):
         """Before the first prefill work: the longest cached prefix of the prompt goes into the
         request's (still empty) cache and the job covers only the rest. Looked up now, not at
         admission, so that a prompt admitted beside the one that computes its prefix still finds it."""
-        reused = self.prefixes.adopt(request.request_id, request.prompt, request.cache)
+        reused, adopted_blocks = self.prefixes.adopt(request.request_id, request.prompt, request.cache)
         if reused:
             request.job = self.prefill.start(torch.tensor(request.prompt[reused:]), request.cache)
             # It will never allocate the blocks it adopted: they count once, as the index's pinned blocks.
-            request.dram_blocks -= self.prefixes.adopted_blocks
+            request.dram_blocks -= adopted_blocks
 
     def _emit_tokens(self, rows: list[Request], tokens: list[int], events: list[StreamEvent]) -> None:
         """Record each row's new token and build its event; a request whose tokenizer raises on

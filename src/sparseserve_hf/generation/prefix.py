@@ -36,26 +36,25 @@ class PrefixCache:
         self.block_size = block_size
         self._adopted: dict[int, list[PrefixEntry]] = {}  # request id -> the entries its cache took
         self.reused_tokens = 0  # prompt tokens whose prefill a cached prefix saved, summed
-        self.adopted_blocks = 0  # head-blocks the last `adopt` took from the index
         self.lookups = self.hits = 0
         store.reclaimer = self.index.reclaim
 
-    def adopt(self, request_id: int, prompt: tuple[int, ...], cache: SparseServeCache) -> int:
+    def adopt(self, request_id: int, prompt: tuple[int, ...], cache: SparseServeCache) -> tuple[int, int]:
         """Put the longest cached prefix of `prompt` that leaves at least two of its tokens into the
-        empty `cache`; returns the prompt tokens it covers (0 when nothing matched)."""
+        empty `cache`; returns the prompt tokens it covers and the head-blocks it adopted (0, 0
+        when nothing matched)."""
         self.lookups += 1
         entries = self.index.match(list(prompt[: len(prompt) - MIN_PREFILL_TOKENS]))
         if not entries:
-            return 0
+            return 0, 0
         ids = _stacked(entries)
         cache.adopt_prefix(ids)
         self.index.acquire(entries)
-        self.adopted_blocks = ids.numel()
         self._adopted[request_id] = entries
         self.hits += 1
         reused = len(entries) * self.block_size
         self.reused_tokens += reused
-        return reused
+        return reused, ids.numel()
 
     def remember(self, tokens: list[int], cache: SparseServeCache) -> None:
         """Index the full blocks `cache` (one row) holds for `tokens`, the tokens whose KV it holds."""
