@@ -100,7 +100,8 @@ def fill_blocks(store: TieredBlockStore, batch: int, num_kv_heads: int, num_full
 
 class RegionTimer:
     """Sums time spent inside wrapped callables: CUDA events on a GPU (stream time between the
-    region's first and last launch), wall clock on CPU."""
+    region's first and last launch), wall clock on CPU. Calls made while a CUDA graph is being
+    captured are not timed (their launches only run, untimed, when the graph replays)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -108,6 +109,8 @@ class RegionTimer:
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args, **kwargs):
+            if self.cuda and torch.cuda.is_current_stream_capturing():
+                return fn(*args, **kwargs)  # an event recorded into a capture has no time to read
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

@@ -6,18 +6,28 @@
 Llama-3-8B shape, random bf16 weights, seeded random-token document (32K tokens) and questions (64
 tokens each), greedy, 16 new tokens per question, EOS ignored. The questions go to one idle
 `Generator` one after another (each waits for the previous answer), twice: with
-`SparseServeConfig(prefix_caching=True)` and without. Both engines first answer one question over
-another document of the same length (a warm-up of every shape, outside the results).
+`SparseServeConfig(prefix_caching=True)` and without. Both engines first answer two questions over
+another document of the same length (a warm-up of every shape, the prefill over a reused prefix
+included, outside the results).
 
 Reported: each question's TTFT (submit to first token); `prefix_ttft_ratio`, the mean TTFT of
 questions 2-8 over question 1's with prefix caching; the DRAM bytes in use after the last
 question with prefix caching over 8 unshared copies of the document's blocks
-(`prefix_dram_ratio`); and whether both runs gave the same tokens (`prefix_tokens_equal`).
+(`prefix_dram_ratio`); whether both runs gave the same tokens (`prefix_tokens_equal`), and, since
+greedy decoding of random weights flips on bf16 rounding (a question prefilled over a reused
+prefix runs other kernel shapes than one prefilled with its document), the same comparison in
+float32 over a shorter document (`prefix_tokens_equal_fp32`, the `check` block) and where the bf16
+runs first part (`first_difference`, per question: the index of the first differing token).
+
+`--profile PATH` also writes the profile of one later question's prefill with prefix caching
+(the kernels and host operations that take its TTFT), as markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import pathlib
 import time
 from typing import Any
 
@@ -36,44 +46,98 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.generation.sizing import EngineSizes
 
 SIZES = {"document": 32768, "question": 64, "questions": 8, "new_tokens": 16}
+CHECK_SIZES = {"document": 4096, "question": 64, "questions": 4, "new_tokens": 16}
 DRY_SIZES = {"document": 150, "question": 8, "questions": 4, "new_tokens": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument("--profile", default=None, help="markdown path: profile of one later question's prefill")
+    parser.add_argument("--skip-check", action="store_true", help="skip the float32 token comparison")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
 
-def ask_in_turn(model, config: SparseServeConfig, sizes: dict[str, int], vocab: int, device) -> dict[str, Any]:
-    """A warm-up question over another document, then every question over the document, one at a time."""
+def ask_in_turn(
+    model, config: SparseServeConfig, sizes: dict[str, int], vocab: int, device, profile: str | None = None
+) -> dict[str, Any]:
+    """A warm-up of two questions over another document, then every question over the document, one at a time."""
     gen = Generator(model, None, config)
     params = SamplingParams(max_new_tokens=sizes["new_tokens"], ignore_eos=True)
     warm_document, document, *questions = _texts(sizes, vocab)
     gen.generate([warm_document + questions[0]], params)
+    gen.generate([warm_document + questions[1]], params)
     if gen.prefixes is not None:
         gen.prefixes.index.clear()  # the warm-up's document must not count in the DRAM figure
     ttft, tokens = [], []
-    for question in questions:
-        sync(device)
-        start = time.perf_counter()
-        request = gen.submit(document + question, params)
-        first = None
-        while gen.has_unfinished:
-            for event in gen.step():
-                if event.request_id == request and first is None and event.token_id is not None:
-                    sync(device)
-                    first = time.perf_counter() - start
-                if event.finished:
-                    tokens.append(list(event.output.token_ids))
+    for number, question in enumerate(questions):
+        profiled = profile is not None and number == 2
+        with profiled_region(profiled) as profiler:
+            first, output = _ask(gen, document + question, params, device)
+        if profiled:
+            write_profile(profiler, profile)
         ttft.append(first)
+        tokens.append(output)
     row = {"ttft_s": ttft, "dram_bytes_after": gen.dram_bytes_in_use(), "tokens": tokens,
            "totals": {k: v for k, v in gen.metrics()["totals"].items() if k.startswith("prefix_")},
            "config": config.to_dict()}  # fmt: skip
     del gen
     free_memory(device)
     return row
+
+
+def _ask(gen: Generator, prompt: list[int], params: SamplingParams, device) -> tuple[float, list[int]]:
+    """(TTFT in s, output tokens) of one request on an idle Generator."""
+    sync(device)
+    start = time.perf_counter()
+    request = gen.submit(prompt, params)
+    first, tokens = None, []
+    while gen.has_unfinished:
+        for event in gen.step():
+            if event.request_id == request and first is None and event.token_id is not None:
+                sync(device)
+                first = time.perf_counter() - start
+            if event.finished:
+                tokens = list(event.output.token_ids)
+    return first, tokens
+
+
+@contextlib.contextmanager
+def profiled_region(enabled: bool):
+    """A torch profiler over the region (CPU and, where present, CUDA activity), or nothing."""
+    if not enabled:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield profiler
+
+
+def write_profile(profiler, path: str) -> None:
+    """The profile's top operations by device time and by host time, as markdown tables."""
+    averages = profiler.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    parts = ["# One later question's TTFT with prefix caching, profiled", ""]
+    for title, key in (("device time", device_key), ("host time", "self_cpu_time_total")):
+        parts += [f"## top operations by {title}", "", "```", averages.table(sort_by=key, row_limit=30), "```", ""]
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text("\n".join(parts))
+
+
+def compare_runs(model, base: SparseServeConfig, sizes: dict[str, int], vocab: int, device, profile=None):
+    """The prefix-caching run and the unshared run of one workload: (shared, plain)."""
+    shared_config = SparseServeConfig(**(base.to_dict() | {"prefix_caching": True}))
+    shared = ask_in_turn(model, shared_config, sizes, vocab, device, profile)
+    return shared, ask_in_turn(model, base, sizes, vocab, device)
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per question, the index of the first token where the two runs differ (None: equal)."""
+    return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None if len(p) == len(q) else min(len(p), len(q)))
+            for p, q in zip(a, b)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -84,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = model.config
     budget = {"block_size": 16, "token_budget": 64} if args.dry_run else {}
     base = SparseServeConfig(max_batch=1, **budget)
-    shared = ask_in_turn(model, SparseServeConfig(**(base.to_dict() | {"prefix_caching": True})), sizes,
-                         text.vocab_size, device)  # fmt: skip
-    plain = ask_in_turn(model, base, sizes, text.vocab_size, device)
+    shared, plain = compare_runs(model, base, sizes, text.vocab_size, device, args.profile)
     block_bytes = EngineSizes(text, base, dtype).block_bytes
     doc_blocks = sizes["document"] // base.block_size * text.num_hidden_layers * text.num_key_value_heads
     later = shared["ttft_s"][1:]
@@ -100,13 +162,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefix_ttft_vs_unshared": sum(later) / sum(plain["ttft_s"][1:]),
         "prefix_dram_ratio": shared["dram_bytes_after"] / (sizes["questions"] * doc_blocks * block_bytes),
         "prefix_tokens_equal": shared["tokens"] == plain["tokens"],
+        "first_difference": first_difference(shared["tokens"], plain["tokens"]),
     }
+    if not args.skip_check:
+        result |= float32_check(model, base, DRY_SIZES if args.dry_run else CHECK_SIZES, device)
     rows = [{"system": name} | {f"q{i + 1}_ttft_s": t for i, t in enumerate(result[name]["ttft_s"][:3])}
             for name in ("prefix_caching", "no_prefix_caching")]  # fmt: skip
     print_table(rows, ["system", "q1_ttft_s", "q2_ttft_s", "q3_ttft_s"])
-    print({k: result[k] for k in ("prefix_ttft_ratio", "prefix_dram_ratio", "prefix_tokens_equal")})
+    keys = (
+        "prefix_ttft_ratio",
+        "prefix_dram_ratio",
+        "prefix_tokens_equal",
+        "first_difference",
+        "prefix_tokens_equal_fp32",
+    )
+    print({k: result.get(k) for k in keys})
     write_json(args.out, result)
     return result
+
+
+def float32_check(model, base: SparseServeConfig, sizes: dict[str, int], device) -> dict[str, Any]:
+    """The token comparison again with the model in float32 over a shorter document."""
+    dtype = model.dtype
+    model.float()
+    try:
+        shared, plain = compare_runs(model, base, sizes, model.config.vocab_size, device)
+    finally:
+        model.to(dtype)
+    return {
+        "prefix_tokens_equal_fp32": shared["tokens"] == plain["tokens"],
+        "check": {
+            "dtype": "torch.float32",
+            "workload": sizes,
+            "first_difference": first_difference(shared["tokens"], plain["tokens"]),
+        },
+    }
 
 
 def _texts(sizes: dict[str, int], vocab: int) -> list[list[int]]:

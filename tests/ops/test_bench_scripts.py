@@ -152,10 +152,13 @@ def test_capacity_sizing_counts_the_metadata_the_store_allocates():
 
 def test_longdoc_dry_run_reports_the_prefix_targets_with_equal_tokens(tmp_path):
     out = tmp_path / "longdoc.json"
-    run_module("eval.bench.longdoc", "--dry-run", "--out", str(out))
+    profile = tmp_path / "profile.md"
+    run_module("eval.bench.longdoc", "--dry-run", "--out", str(out), "--profile", str(profile))
     result = json.loads(out.read_text())
-    assert result["prefix_tokens_equal"] is True
+    assert result["prefix_tokens_equal"] is True and result["prefix_tokens_equal_fp32"] is True
+    assert result["first_difference"] == [None] * 4 and result["check"]["dtype"] == "torch.float32"
+    assert "top operations by device time" in profile.read_text()
     assert result["prefix_ttft_ratio"] > 0 and 0 < result["prefix_dram_ratio"] < 1
     shared = result["prefix_caching"]
-    assert len(shared["ttft_s"]) == 4 and shared["totals"]["prefix_hits"] == 3  # questions 2-4 reuse the document
+    assert len(shared["ttft_s"]) == 4 and shared["totals"]["prefix_hits"] == 4  # warm-up question 2, questions 2-4
     assert result["no_prefix_caching"]["dram_bytes_after"] == 0
