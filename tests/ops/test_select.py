@@ -102,3 +102,15 @@ def test_rows_shorter_than_the_budget_load_every_block():
     got, valid = triton_select.select_group_union(scores.to(DEVICE), torch.tensor(counts).to(DEVICE), 8, 1, 1, 2)
     assert got[0, :, :3].cpu().tolist() == [[0, 1, 2]] * 2 and valid[0].sum(-1).tolist() == [3, 3]
     assert not valid[1].any() and (got[1] == 0).all()
+
+
+def test_scores_one_float_step_apart_are_ranked_to_the_last_bit():
+    """The search stops once the bits so far part the top K from the rest; scores a single ulp
+    apart part only at the last bit, and must still select exactly."""
+    counts = [40, 40]
+    steps = torch.arange(40, dtype=torch.float32)
+    base = torch.full((40,), 1.5).view(torch.int32) + steps.int()  # consecutive floats above 1.5
+    scores = torch.full((2, 4, 40), float("-inf"))
+    scores[0] = base.view(torch.float32)[torch.randperm(40)]
+    scores[1] = -base.view(torch.float32)[torch.randperm(40)]  # negatives: the keys' other half
+    check(scores, counts, 9, 1, 1, 2)

@@ -7,9 +7,9 @@ fills), several of them radix selects over every (row, query head, block). Here 
    blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
    the reference ranks it);
 2. finds each head's K-th largest key by a bitwise binary search (one count reduction per key
-   bit: 33 for float keys, ~8 when the caller promises small integer scores, as the hybrid rank
-   interleave's are), then takes every key above it and the lowest-index ties up to K: the
-   head's exact top-K set;
+   bit, at most 33 for float keys, ~8 when the caller promises small integer scores, as the
+   hybrid rank interleave's are; it stops once the bits so far separate the top K), then takes
+   every key above it and the lowest-index ties up to K: the head's exact top-K set;
 3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
 Ties between equal scores go to the lower block index (the reference's top-k breaks them in no
 particular order); the union is otherwise the reference's, entry for entry.
@@ -43,20 +43,30 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN), ties to the lower index.
 
     Keys are int64 (live ones in [0, 2^BITS), dead ones -1) or uint32 (dead ones 0); dead
-    entries are never taken. A bitwise search for each row's largest t with count(key >= t) >= k:
-    one count reduction per key bit serves every row at once. Then every key above t and the
+    entries are never taken. A bitwise search for each row's largest t with count(key >= t) >= k,
+    from the top bit down: one count reduction per key bit serves every row at once. The search
+    stops as soon as every row's prefix so far is reached by exactly k keys (those keys are then
+    the row's top k, whatever the lower bits hold): the k-th and (k+1)-th largest scores usually
+    part long before the last bit. Rows that ran to the last bit take every key above t and the
     lowest-index live ties up to k.
     """
     threshold = tl.zeros([key.shape[0]], dtype=key.dtype)
     one = tl.full([key.shape[0]], 1, dtype=key.dtype)
-    for bit in tl.static_range(BITS - 1, -1, -1):
-        candidate = threshold | (one << bit)
-        reach = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-        threshold = tl.where(reach >= k, candidate, threshold)
+    reach = tl.sum(tl.broadcast_to(live, key.shape).to(tl.int32), axis=1)  # live keys >= the threshold so far
+    bit = tl.zeros([], tl.int32) + (BITS - 1)
+    while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
+        candidate = threshold | (one << bit.to(key.dtype))  # >= 1: dead keys never reach it
+        count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+        take = count >= k
+        threshold = tl.where(take, candidate, threshold)
+        reach = tl.where(take, count, reach)
+        bit -= 1
+    exact = (reach == k)[:, None]  # the keys >= threshold are the top k
     above = key > threshold[:, None]
     ties = (key == threshold[:, None]) & live
     room = k - tl.sum(above.to(tl.int32), axis=1)
-    return (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))) & live
+    tied = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
+    return tl.where(exact, key >= threshold[:, None], tied) & live
 
 
 @triton.jit
