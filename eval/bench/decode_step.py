@@ -34,6 +34,7 @@ eager path (`graph_equality`; its context puts a tail-block save inside the step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from dataclasses import replace
@@ -213,7 +214,8 @@ def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any]
     observed = UNION_WINDOW + 2  # untimed steps whose selections give the block's overlaps
     if replay is not None:
         replay.keep = True
-        _, tokens = run_steps(model, cache, tokens, observed)
+        with paused_layer_graphs(store):  # a replayed piece would record nothing
+            _, tokens = run_steps(model, cache, tokens, observed)
         longest = int(cache.layers[0].num_blocks.max())
         locality = overlaps(replay.replayed_loaded(model.config.num_hidden_layers, longest))
         replay.keep, replay.replayed = False, []
@@ -236,7 +238,8 @@ def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any]
     result |= bookkeeping(cache, device)
     timer = RegionTimer(device)
     restore = instrument(store, timer)
-    step_ms, tokens = run_steps(model, cache, tokens, args.breakdown_steps)
+    with paused_layer_graphs(store):  # op by op: a replayed piece calls none of the timed parts
+        step_ms, tokens = run_steps(model, cache, tokens, args.breakdown_steps)
     restore()
     parts = {k: v / args.breakdown_steps for k, v in timer.totals_ms().items()}
     parts["table"] = parts.get("fetch", 0.0) - parts.get("transfer", 0.0)
@@ -245,6 +248,11 @@ def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any]
     breakdown["other"] = step_ms - sum(breakdown.values())
     result["breakdown_ms"] = breakdown | {"instrumented_step": step_ms}
     return result, tokens
+
+
+def paused_layer_graphs(store):
+    """The store's layer pieces paused (eager calls), or nothing where it captures none."""
+    return store.layer_graphs.paused() if store.layer_graphs is not None else contextlib.nullcontext()
 
 
 def selection_overlaps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[dict[str, float], torch.Tensor]:

@@ -20,9 +20,10 @@ What a replay skips because no Python runs in it happens eagerly first
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,16 @@ class LayerGraphs:
             piece.graph.replay()
         layer.last_pick = piece.pick  # a replay runs no Python: point the layer at what it wrote
         return piece.out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Calls inside run eagerly, capturing and replaying nothing (the pieces are kept): for a
+        caller whose Python must run at every step, such as a selection override that records."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
 
     def drop(self) -> None:
         """Forget every piece (the next calls capture again, into fresh pools)."""

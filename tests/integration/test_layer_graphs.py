@@ -139,3 +139,31 @@ def test_a_failed_capture_switches_pieces_off_and_decoding_goes_on(llama, caplog
     graphs = pieces.store.layer_graphs
     assert not graphs.enabled and not graphs._pieces and capture.replays == 0
     assert "capturing layer 0 failed" in caplog.text
+
+
+@pytest.mark.core
+def test_a_selection_override_set_after_captures_is_followed(llama):
+    """Pieces captured without an override would replay the model's own picks: setting one forgets
+    them, so the next calls capture the override's launches; `paused` runs every call eagerly."""
+    cache, tokens = batch_cache(llama, static_config())
+    capture = with_pieces(cache)
+    graphs = cache.store.layer_graphs
+    got = decode(llama, cache, tokens, 3)
+    assert graphs._pieces
+    calls = []
+
+    def first_blocks(layer_idx, num_blocks, width):  # every KV head loads the row's first blocks
+        calls.append(layer_idx)
+        picked = torch.arange(width).expand(num_blocks.shape[0], cache.layers[0].tail.shape[1], width)
+        return picked.clamp(max=int(num_blocks.min()) - 1), picked < int(num_blocks.min())
+
+    cache.store.selection_override = first_blocks
+    assert not graphs._pieces  # forgotten with the old override's launches
+    replays = capture.replays
+    with graphs.paused():
+        decode(llama, cache, got[-1], 2)
+    assert capture.replays == replays and len(calls) == 2 * len(cache.layers)  # Python ran at every call
+    decode(llama, cache, got[-1], 2)
+    assert graphs.num_captures > 0 and graphs.enabled
+    first = cache.layers[0].last_selection
+    assert first is not None and torch.equal(cache.layers[0].last_pick[0][0, 0, :2], torch.tensor([0, 1]))

@@ -90,12 +90,7 @@ class TieredBlockStore:
         self.load_totals = torch.zeros((hbm_partitions, reference.LOAD_COUNTERS), dtype=torch.long, device=device)
         self._reallocations = 0
         self._track_capacity()
-        # A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
-        # width U) -> (picked, valid), each (B, Hkv, U), that replaces the blocks each KV head loads
-        # after scoring and top-k have run (e.g. a recorded trace of a real model's selections, so
-        # a random-weight model shows a real model's locality). Every query head then attends all
-        # of its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
-        self.selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         # A seam for blocks held only to be found again (the Generator's prefix cache): called with
         # the blocks a save lacks before the pool grows or refuses, it frees what it can spare.
         self.reclaimer: Callable[[int], int] | None = None
@@ -217,6 +212,24 @@ class TieredBlockStore:
         asynchronous saves, check and grow the device cache (a captured fetch runs no Python)."""
         self._wait_for_saves()
         self.hbm.prepare(shape, self.dram, first_partition)
+
+    @property
+    def selection_override(self) -> Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None:
+        """A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
+        width U) -> (picked, valid), each (B, Hkv, U), that replaces the blocks each KV head loads
+        after scoring and top-k have run (e.g. a recorded trace of a real model's selections, so a
+        random-weight model shows a real model's locality). Every query head then attends all of
+        its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
+
+        Setting it forgets the captured layer pieces: a piece replays the launches of whatever
+        override (or none) was in place when it was captured."""
+        return self._selection_override
+
+    @selection_override.setter
+    def selection_override(self, override) -> None:
+        self._selection_override = override
+        if self.layer_graphs is not None:
+            self.layer_graphs.drop()
 
     @property
     def epoch(self) -> int:

@@ -26,6 +26,7 @@ import triton.language as tl
 # as uint32: fewer registers there; here uint32 keys were the slower choice (docs/performance.md).
 FORCED_KEY = tl.constexpr((1 << 32) + 1)
 FLOAT_KEY_BITS = 33
+EARLY_EXIT_BITS = tl.constexpr(16)  # longer searches stop once they part the top k (`top_k_rows`)
 ORDER_KEY_BITS = tl.constexpr(32)
 
 
@@ -44,23 +45,31 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
 
     Keys are int64 (live ones in [0, 2^BITS), dead ones -1) or uint32 (dead ones 0); dead
     entries are never taken. A bitwise search for each row's largest t with count(key >= t) >= k,
-    from the top bit down: one count reduction per key bit serves every row at once. The search
-    stops as soon as every row's prefix so far is reached by exactly k keys (those keys are then
-    the row's top k, whatever the lower bits hold): the k-th and (k+1)-th largest scores usually
-    part long before the last bit. Rows that ran to the last bit take every key above t and the
-    lowest-index live ties up to k.
+    from the top bit down: one count reduction per key bit serves every row at once. A search of
+    more than EARLY_EXIT_BITS bits stops as soon as every row's prefix so far is reached by
+    exactly k keys (those keys are then the row's top k, whatever the lower bits hold): the k-th
+    and (k+1)-th largest scores usually part long before the last bit. Rows that ran to the last
+    bit take every key above t and the lowest-index live ties up to k.
     """
     threshold = tl.zeros([key.shape[0]], dtype=key.dtype)
     one = tl.full([key.shape[0]], 1, dtype=key.dtype)
     reach = tl.sum(tl.broadcast_to(live, key.shape).to(tl.int32), axis=1)  # live keys >= the threshold so far
-    bit = tl.zeros([], tl.int32) + (BITS - 1)
-    while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
-        candidate = threshold | (one << bit.to(key.dtype))  # >= 1: dead keys never reach it
-        count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-        take = count >= k
-        threshold = tl.where(take, candidate, threshold)
-        reach = tl.where(take, count, reach)
-        bit -= 1
+    if BITS > EARLY_EXIT_BITS:
+        bit = tl.zeros([], tl.int32) + (BITS - 1)
+        while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
+            candidate = threshold | (one << bit.to(key.dtype))  # >= 1: dead keys never reach it
+            count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+            take = count >= k
+            threshold = tl.where(take, candidate, threshold)
+            reach = tl.where(take, count, reach)
+            bit -= 1
+    else:  # a few bits: an unrolled search costs less than the test that would end it early
+        for bit in tl.static_range(BITS - 1, -1, -1):
+            candidate = threshold | (one << bit)
+            count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+            take = count >= k
+            threshold = tl.where(take, candidate, threshold)
+            reach = tl.where(take, count, reach)
     exact = (reach == k)[:, None]  # the keys >= threshold are the top k
     above = key > threshold[:, None]
     ties = (key == threshold[:, None]) & live
