@@ -226,7 +226,9 @@ class TieredBlockStore:
         return self._selection_override
 
     @selection_override.setter
-    def selection_override(self, override) -> None:
+    def selection_override(
+        self, override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
         self._selection_override = override
         if self.layer_graphs is not None:
             self.layer_graphs.drop()
