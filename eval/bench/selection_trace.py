@@ -113,11 +113,14 @@ class TraceReplay:
     call), so a captured CUDA graph replays it. `replayed` keeps what it handed out (host copies,
     for `overlaps`) when `keep` is set; that reads the device back, so not for timed runs.
 
-    The mapping runs once, at the first call of a batch (a `_Plan` for every recorded layer and
-    step, at that call's block counts); a call then gathers its step and moves the window blocks
-    to the rows' current ends, a few small kernels instead of the ~30 of the mapping. So the
-    middle positions stay where the first call put them as the rows grow (as a real model's
-    selected blocks do) and the rows must stay the same rows: a benchmark's fixed batch.
+    The mapping runs once per batch size, at the first call of a batch of that many rows (a
+    `_Plan` for every recorded layer and step, at that call's block counts); a call then gathers
+    its step and moves the window blocks to the rows' current ends, a few small kernels instead of
+    the ~30 of the mapping. So the middle positions stay where the first call put them as the rows
+    grow (as a real model's selected blocks do). Plans are kept for the replay's life: a CUDA
+    graph captured at one batch size reads its plan by address whenever it replays, after other
+    sizes have come and gone (the Generator's batches). A later batch of a seen size may hold other
+    rows than the plan's: picks are clamped to each row's blocks, so they stay in range.
     `first_head`: the model's index of the first KV head the cache holds (a tensor-parallel rank's
     share starts past 0), so that every rank replays what one process would for those heads.
     """
@@ -143,7 +146,7 @@ class TraceReplay:
         self.calls = torch.zeros(num_layers, dtype=torch.long, device=device)
         self.keep = keep
         self.replayed: list[tuple[int, torch.Tensor]] = []
-        self._plan: _Plan | None = None
+        self._plans: dict[tuple[int, int], _Plan] = {}
 
     @property
     def recorded_width(self) -> int:
@@ -152,15 +155,17 @@ class TraceReplay:
 
     def __call__(self, layer_idx: int, num_blocks: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(picked, valid), each (B, Hkv, width), for layer `layer_idx` of rows with `num_blocks` (B,) full blocks."""
-        plan = self._plan
-        if plan is None or plan.picked.shape[1] != num_blocks.shape[0] or plan.picked.shape[-1] != width:
-            plan = self._plan = self.plan(num_blocks, width)
+        plan = self._plans.get((num_blocks.shape[0], width))
+        if plan is None:  # kept for the replay's life: a captured step holds its tensors by address
+            plan = self._plans[(num_blocks.shape[0], width)] = self.plan(num_blocks, width)
         steps, layers = self.indices.shape[1], self.indices.shape[2]
         call = self.calls[layer_idx : layer_idx + 1] % steps  # (1,)
         self.calls[layer_idx : layer_idx + 1].add_(1)
         entry = plan.picked[layer_idx % layers].index_select(1, call).squeeze(1)  # (B, Hkv, width), -1 unused
         moved = entry + (num_blocks.view(-1, 1, 1) - plan.anchor)  # window blocks follow the rows' ends
         picked = torch.where(entry >= plan.window_from, moved, entry).clamp_(min=0)
+        # Rows other than the plan's (a batch of that size seen again) may be shorter than its anchors.
+        picked = torch.minimum(picked, (num_blocks.view(-1, 1, 1) - 1).clamp(min=0))
         valid = entry >= 0
         if self.keep:
             self.replayed.append((layer_idx, torch.where(valid, picked, -1).cpu()))

@@ -77,6 +77,19 @@ def test_width_narrower_than_the_recorded_load_is_truncated_not_overflowed():
     assert picked.shape == (1, 2, 3) and valid.all()
 
 
+def test_plans_outlive_other_batch_sizes_and_other_rows_stay_in_range():
+    """A graph captured at one batch size replays its plan by address after other sizes came and
+    went (the Generator's batches): the plan must still be there, and the rows then may be other,
+    shorter rows than the plan's."""
+    replay = TraceReplay(synthetic_trace(blocks=40), num_layers=2, num_kv_heads=2, device=torch.device("cpu"))
+    replay(0, torch.tensor([80, 80]), 16)
+    two = replay._plans[(2, 16)]
+    replay(0, torch.tensor([80, 80, 80]), 16)
+    picked, valid = replay(0, torch.tensor([9, 30]), 16)  # two rows again, one far shorter
+    assert replay._plans[(2, 16)] is two and set(replay._plans) == {(2, 16), (3, 16)}
+    assert int(picked[0].max()) < 9 and int(picked[1].max()) < 30 and valid.any()
+
+
 def test_save_load_round_trip(tmp_path):
     trace = synthetic_trace(prompts=2, blocks=37)
     digest = trace.save(tmp_path / "t.npz")
