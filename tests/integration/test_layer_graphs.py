@@ -143,13 +143,14 @@ def test_a_failed_capture_switches_pieces_off_and_decoding_goes_on(llama, caplog
 
 @pytest.mark.core
 def test_a_selection_override_set_after_captures_is_followed(llama):
-    """Pieces captured without an override would replay the model's own picks: setting one forgets
-    them, so the next calls capture the override's launches; `paused` runs every call eagerly."""
+    """Pieces captured without an override would replay the model's own picks: the override is
+    part of the store's graph state, so the next call forgets them and captures the override's
+    launches; `paused` runs every call eagerly meanwhile."""
     cache, tokens = batch_cache(llama, static_config())
     capture = with_pieces(cache)
     graphs = cache.store.layer_graphs
     got = decode(llama, cache, tokens, 3)
-    assert graphs._pieces
+    captured, before = graphs.num_captures, cache.store.graph_state()
     calls = []
 
     def first_blocks(layer_idx, num_blocks, width):  # every KV head loads the row's first blocks
@@ -158,12 +159,12 @@ def test_a_selection_override_set_after_captures_is_followed(llama):
         return picked.clamp(max=int(num_blocks.min()) - 1), picked < int(num_blocks.min())
 
     cache.store.selection_override = first_blocks
-    assert not graphs._pieces  # forgotten with the old override's launches
+    assert cache.store.graph_state() != before
     replays = capture.replays
     with graphs.paused():
         decode(llama, cache, got[-1], 2)
     assert capture.replays == replays and len(calls) == 2 * len(cache.layers)  # Python ran at every call
-    decode(llama, cache, got[-1], 2)
-    assert graphs.num_captures > 0 and graphs.enabled
-    first = cache.layers[0].last_selection
-    assert first is not None and torch.equal(cache.layers[0].last_pick[0][0, 0, :2], torch.tensor([0, 1]))
+    decode(llama, cache, got[-1], 1)
+    assert graphs.num_captures == captured + len(cache.layers)  # captured again, under the override
+    assert len(calls) > 2 * len(cache.layers)  # the capture ran the override
+    assert torch.equal(cache.layers[0].last_pick[0][0, 0, :2], torch.tensor([0, 1]))

@@ -90,7 +90,13 @@ class TieredBlockStore:
         self.load_totals = torch.zeros((hbm_partitions, reference.LOAD_COUNTERS), dtype=torch.long, device=device)
         self._reallocations = 0
         self._track_capacity()
-        self._selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
+        # width U) -> (picked, valid), each (B, Hkv, U), that replaces the blocks each KV head loads
+        # after scoring and top-k have run (e.g. a recorded trace of a real model's selections, so
+        # a random-weight model shows a real model's locality). Every query head then attends all
+        # of its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
+        # It is part of `graph_state`: a graph captured under another override replays its launches.
+        self.selection_override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
         # A seam for blocks held only to be found again (the Generator's prefix cache): called with
         # the blocks a save lacks before the pool grows or refuses, it frees what it can spare.
         self.reclaimer: Callable[[int], int] | None = None
@@ -214,26 +220,6 @@ class TieredBlockStore:
         self.hbm.prepare(shape, self.dram, first_partition)
 
     @property
-    def selection_override(self) -> Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None:
-        """A benchmark and test seam, None in normal use: a callable (layer_idx, num_blocks (B,),
-        width U) -> (picked, valid), each (B, Hkv, U), that replaces the blocks each KV head loads
-        after scoring and top-k have run (e.g. a recorded trace of a real model's selections, so a
-        random-weight model shows a real model's locality). Every query head then attends all of
-        its KV head's loaded blocks. It must be CUDA-graph safe (device ops only, no sync).
-
-        Setting it forgets the captured layer pieces: a piece replays the launches of whatever
-        override (or none) was in place when it was captured."""
-        return self._selection_override
-
-    @selection_override.setter
-    def selection_override(
-        self, override: Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None
-    ) -> None:
-        self._selection_override = override
-        if self.layer_graphs is not None:
-            self.layer_graphs.drop()
-
-    @property
     def epoch(self) -> int:
         """Changes whenever a tensor the decode step reads or writes was reallocated: the DRAM pool
         and the metadata when the pool grows, the HBM slot pool and tables when an unlimited cache
@@ -241,9 +227,10 @@ class TieredBlockStore:
         return self._reallocations + self.hbm.reallocations
 
     def graph_state(self) -> tuple:
-        """The epoch and the address of every tensor a captured step holds (`graph_tensors`): a
-        graph captured at another state points at stale memory and must be captured again."""
-        return self.epoch, tuple(t.data_ptr() for t in self.graph_tensors().values())
+        """The epoch, the selection override and the address of every tensor a captured step holds
+        (`graph_tensors`): a graph captured at another state points at stale memory, or replays
+        another override's launches, and must be captured again."""
+        return self.epoch, self.selection_override, tuple(t.data_ptr() for t in self.graph_tensors().values())
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The store's tensors a captured decode step reads or writes by address."""
