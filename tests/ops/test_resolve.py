@@ -80,3 +80,23 @@ def test_kernel_with_strided_wide_selection_and_full_partition():
         assert torch.equal(a.cpu(), b)
     assert_tables_equal(got, tables)
     assert counts.tolist() == [2 * batch * width, 2 * batch * width]
+
+
+def test_repeated_lookups_over_a_partition_wider_than_one_tile():
+    """Evictions and the eviction order's rewrite over a partition of more slots than one tile
+    (4096): the victims' scan and the order's compaction then run in several chunks, over tables
+    that earlier lookups filled."""
+    heads, per, batch, width, step_count = 2, 4300, 3, 700, 6  # full from step 3 on: evictions
+    num_blocks = heads * 9000
+    want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
+    got = copy_tables(want, DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(step_count):
+        ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
+        want_out = lru.resolve_(ids, 0, want, want_counts)
+        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts)
+        for a, b in zip(got_out, want_out):
+            assert torch.equal(a.cpu(), b), step
+        assert_tables_equal(got, want)
+    assert (want.slot_block[:-1] >= 0).view(heads, per).all()  # every slot of both partitions in use
