@@ -163,9 +163,10 @@ class TraceReplay:
         self.calls[layer_idx : layer_idx + 1].add_(1)
         entry = plan.picked[layer_idx % layers].index_select(1, call).squeeze(1)  # (B, Hkv, width), -1 unused
         moved = entry + (num_blocks.view(-1, 1, 1) - plan.anchor)  # window blocks follow the rows' ends
-        picked = torch.where(entry >= plan.window_from, moved, entry).clamp_(min=0)
-        # Rows other than the plan's (a batch of that size seen again) may be shorter than its anchors.
-        picked = torch.minimum(picked, (num_blocks.view(-1, 1, 1) - 1).clamp(min=0))
+        # In [0, the row's blocks): a later batch of the plan's size may hold shorter rows than its anchors.
+        picked = (
+            torch.where(entry >= plan.window_from, moved, entry).minimum(num_blocks.view(-1, 1, 1) - 1).clamp_(min=0)
+        )
         valid = entry >= 0
         if self.keep:
             self.replayed.append((layer_idx, torch.where(valid, picked, -1).cpu()))

@@ -40,6 +40,15 @@ def order_key(x):
 
 
 @triton.jit
+def _search_step(key, threshold, reach, candidate, k):
+    """One bit of `top_k_rows`' search: each row takes `candidate` (>= 1, so dead keys never reach
+    it) as its threshold where at least k keys reach it; `reach` follows (keys >= the threshold)."""
+    count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+    take = count >= k
+    return tl.where(take, candidate, threshold), tl.where(take, count, reach)
+
+
+@triton.jit
 def top_k_rows(key, live, k, BITS: tl.constexpr):
     """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN), ties to the lower index.
 
@@ -57,19 +66,11 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     if BITS > EARLY_EXIT_BITS:
         bit = tl.zeros([], tl.int32) + (BITS - 1)
         while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
-            candidate = threshold | (one << bit.to(key.dtype))  # >= 1: dead keys never reach it
-            count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-            take = count >= k
-            threshold = tl.where(take, candidate, threshold)
-            reach = tl.where(take, count, reach)
+            threshold, reach = _search_step(key, threshold, reach, threshold | (one << bit.to(key.dtype)), k)
             bit -= 1
     else:  # a few bits: an unrolled search costs less than the test that would end it early
         for bit in tl.static_range(BITS - 1, -1, -1):
-            candidate = threshold | (one << bit)
-            count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
-            take = count >= k
-            threshold = tl.where(take, candidate, threshold)
-            reach = tl.where(take, count, reach)
+            threshold, reach = _search_step(key, threshold, reach, threshold | (one << bit), k)
     exact = (reach == k)[:, None]  # the keys >= threshold are the top k
     above = key > threshold[:, None]
     ties = (key == threshold[:, None]) & live
