@@ -3,7 +3,8 @@
     python -m eval.bench.score_tuning --out eval/results/score_tuning.json   # ~30 s on the H200
 
 Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, 32-token blocks) at 128K context, B=32: every
-block's metadata read once through the row's table. Each (blocks per program, warps) point is
+block's metadata (in the default config's dtype unless `--metadata-dtype` says otherwise) read once
+through the row's table. Each (blocks per program, warps) point is
 timed as a CUDA-graph replay of the scoring kernel alone; `gb_per_s` counts the metadata, table
 and score bytes moved, and `copy_fraction` compares it with a device-to-device copy measured in
 the same run. For "hybrid" the rank interleave (`triton_rank.combine_top_ranks`, at the default
@@ -21,6 +22,7 @@ import torch
 from eval.bench.common import graph_ms, pick_device, prepare_triton, print_table, run_record, time_ms, write_json
 from eval.bench.decode_attention import copy_bandwidth
 from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.ops import reference
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -33,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kinds", nargs="+", default=["quest", "hybrid"])
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--metadata-dtype",
+        default="auto",
+        help="the metadata pool's dtype, as SparseServeConfig.metadata_dtype ('auto': the default config's)",
+    )
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -51,10 +58,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_blocks = args.context // BLOCK - 1
     copy_gb_per_s = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 20))
     query = torch.randn(args.batch, heads, dim, device=device, dtype=DTYPE if device.type == "cuda" else torch.float32)
+    metadata_dtype = reference.metadata_dtype(args.metadata_dtype, DTYPE, device)
     rows = []
     for kind in args.kinds:
         vectors = SparseServeConfig(metadata=kind).metadata_vectors  # the kind's default layout
         metadata = torch.randn(args.batch * kv_heads * num_blocks, vectors, dim, device=device, dtype=query.dtype)
+        metadata = reference.to_metadata_dtype(metadata, metadata_dtype)
         table = torch.randperm(metadata.shape[0], device=device).view(args.batch, kv_heads, num_blocks)
         outputs = 2 if kind == "hybrid" else 1
         moved = (
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for kind, part in dict.fromkeys((r["kind"], r["part"]) for r in rows)
     }
     result = {**run_record(device), "context": args.context, "batch": args.batch, "copy_gb_per_s": copy_gb_per_s,
-              "best": best, "rows": rows}  # fmt: skip
+              "metadata_dtype": str(metadata_dtype), "best": best, "rows": rows}  # fmt: skip
     write_json(args.out, result)
     return result
 

@@ -212,8 +212,7 @@ class DecodeGraphRunner:
             self.cache.roll_full_tails(full, table_width=width)
             for row in full:
                 self._tail_len[row], self._num_blocks[row] = 0, self._num_blocks[row] + 1
-            if self.cache.store.saver is not None:
-                self.cache.store.saver.wait()  # FlashD2H scatters on CPU threads; the step may read those blocks
+        self.cache.store.wait_for_saves()  # a replay reads the pool with no fetch of its own: saves land first
         self._prepare_lookups((len(self._tail_len), width))
         self._check_state()
 

@@ -518,7 +518,7 @@ class SparseServeLayer(CacheLayerMixin):
             start = int(self.num_blocks[row])
             self._ensure_capacity(start + num_full)
             blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
-            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1))  # head-major: (Hkv*n,)
+            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1), beside_compute=True)  # head-major: (Hkv*n,)
             self.block_ids[row, :, start : start + num_full] = ids.view(num_kv_heads, num_full)
             self.num_blocks[row] += num_full
         rest = joined[:, :, num_full * size :]

@@ -80,6 +80,8 @@ class TieredBlockStore:
         self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
+        self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
+        self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
         meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
@@ -123,8 +125,13 @@ class TieredBlockStore:
         return dram, hbm
 
     @plain_tensors
-    def save(self, blocks: torch.Tensor) -> torch.Tensor:
+    def save(self, blocks: torch.Tensor, beside_compute: bool = False) -> torch.Tensor:
         """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,).
+
+        `beside_compute`: on CUDA with the pool in pinned host memory, the copy runs on a
+        high-priority side stream, so the compute launched after it (a prefill's next layer) does
+        not wait for PCIe; every later reader of the pool waits for it on the device
+        (`wait_for_saves`). A prompt's saves take it; a decode step's stay on the current stream.
 
         All or nothing: when any step after the allocation fails, the ids go back to the pool
         before the error propagates (no table refers to them yet, so nothing else ever would).
@@ -141,7 +148,7 @@ class TieredBlockStore:
                 f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
             )
         try:
-            return self._write(blocks, ids)
+            return self._write(blocks, ids, beside_compute)
         except BaseException:
             self._release_unsaved(ids)
             raise
@@ -155,13 +162,18 @@ class TieredBlockStore:
         self.dram.reserve(count)
         self._track_capacity()
 
-    def _write(self, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _write(self, blocks: torch.Tensor, ids: torch.Tensor, beside_compute: bool = False) -> torch.Tensor:
         """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata; returns the ids on the device."""
         self._track_capacity()
         device_ids = ids.to(self.device)  # one host-to-device copy of the ids, not one per use
         if self.saver is not None:
             self.saver.save(blocks, self.dram.storage, ids)
+        elif beside_compute and self._saves_can_go_beside():
+            self._scatter_beside(blocks, device_ids)
         else:
+            # Ordered after any save still running beside: freed ids are handed out again, and the
+            # older copy must not land on top of this one.
+            self.wait_for_saves()
             self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
         config = self.config
         self.metadata[device_ids] = self.ops.block_metadata(
@@ -170,6 +182,40 @@ class TieredBlockStore:
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids
+
+    def _saves_can_go_beside(self) -> bool:
+        """A side-stream save needs CUDA, a host pool (a device pool's copy is no PCIe wait) and no
+        capture in progress (a captured step orders its own work)."""
+        return (
+            self.device.type == "cuda"
+            and self.config.offload
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _scatter_beside(self, blocks: torch.Tensor, device_ids: torch.Tensor) -> None:
+        """`ops.scatter_blocks` on the save stream, after what the current stream has queued."""
+        if self._save_stream is None:
+            self._save_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
+        stream = self._save_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are written there
+        with torch.cuda.stream(stream):
+            self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
+        # The allocator must not hand the blocks' or ids' memory to the current stream while the copy reads it.
+        blocks.record_stream(stream)
+        device_ids.record_stream(stream)
+        self._saves_beside = stream.record_event()
+
+    def wait_for_saves(self) -> None:
+        """Order every save before what the current stream runs next: a device-side wait for the
+        side-stream saves, a host wait for FlashD2H's CPU threads. Readers of the pool call it first.
+
+        A CUDA graph capture cannot wait on an event recorded outside it, so a capture skips the
+        wait: the capturing callers run it before they begin (`prepare_fetch`, the step's warm-up)."""
+        if self.saver is not None:
+            self.saver.wait()
+        if self._saves_beside is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(self._saves_beside)
+            self._saves_beside = None
 
     def _release_unsaved(self, ids: torch.Tensor) -> None:
         """Give the ids of a failed save back. A FlashD2H scatter of them may still be queued: it
@@ -195,7 +241,7 @@ class TieredBlockStore:
     @plain_tensors
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
-        self._wait_for_saves()
+        self.wait_for_saves()
         ids = ids.reshape(-1).to(self.device)
         out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.dtype, device=self.device)
         self.ops.gather_blocks(self.dram.storage, ids, out, torch.arange(ids.numel(), device=self.device))
@@ -210,13 +256,13 @@ class TieredBlockStore:
         Same shape out. Launches only, no host sync (`HbmBlockCache.lookup`); the hit/miss
         counters stay on the device until `stats` is read.
         """
-        self._wait_for_saves()
+        self.wait_for_saves()
         return self.hbm.lookup(block_ids, self.dram, first_partition)
 
     def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
         """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for
         asynchronous saves, check and grow the device cache (a captured fetch runs no Python)."""
-        self._wait_for_saves()
+        self.wait_for_saves()
         self.hbm.prepare(shape, self.dram, first_partition)
 
     @property
@@ -330,16 +376,11 @@ class TieredBlockStore:
         """Bytes of the device metadata of every live block."""
         return self.dram.num_used * self.metadata[:1].numel() * self.metadata.element_size()
 
-    def _wait_for_saves(self) -> None:
-        """FlashD2H saves finish on CPU threads: no DRAM read may start before they have."""
-        if self.saver is not None:
-            self.saver.wait()
-
     def _drain(self) -> None:
         """Every save, asynchronous or in flight on the GPU (UVA writes), has reached the pool."""
-        self._wait_for_saves()
+        self.wait_for_saves()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # it waited for the side stream's saves
 
     def _track_capacity(self) -> None:
         if self.metadata.shape[0] < self.dram.capacity:  # the pool grew (or was just created)
