@@ -7,9 +7,11 @@ kernels under TRITON_INTERPRET=1 without a GPU) so the scripts are tested on CPU
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -187,3 +189,27 @@ def bench_setup(dry_run: bool) -> tuple[torch.device, str, torch.dtype]:
     device = pick_device(dry_run)
     prepare_triton(device)
     return (device, *model_shape(dry_run))
+
+
+@contextlib.contextmanager
+def profiled_region(enabled: bool):
+    """A torch profiler over the region (CPU and, where present, CUDA activity), or nothing."""
+    if not enabled:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield profiler
+
+
+def write_profile(profiler, path: str, title: str) -> None:
+    """The profile's top operations by device time and by host time, as markdown tables under `title`."""
+    averages = profiler.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    parts = [f"# {title}", ""]
+    for kind, key in (("device time", device_key), ("host time", "self_cpu_time_total")):
+        parts += [f"## top operations by {kind}", "", "```", averages.table(sort_by=key, row_limit=30), "```", ""]
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text("\n".join(parts))

@@ -41,11 +41,13 @@ from eval.bench.common import (
     free_memory,
     peak_gib,
     print_table,
+    profiled_region,
     reset_peak,
     run_record,
     sync,
     timed_generate,
     write_json,
+    write_profile,
 )
 from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
@@ -77,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--headroom-gib", type=float, default=8.0, help="capacity: of the cap, left to activations")
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None, help="JSON path; points already in it are kept")
+    parser.add_argument(
+        "--profile", default=None, help="markdown path: profile of one more idle-Generator prefill (prefill point)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -136,11 +141,17 @@ def expandable_segments(on: bool, device: torch.device) -> bool:
 
 
 def measure_generator(
-    model, config: SparseServeConfig, prompts: torch.Tensor, new_tokens: int, trace: str | None
+    model,
+    config: SparseServeConfig,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    trace: str | None,
+    profile: str | None = None,
 ) -> dict:
     """A warm-up call of the same shapes, then the requests submitted at once; the timed call's numbers.
 
-    `trace`: the selection trace whose loads the blocks follow (real locality); None = random KV."""
+    `trace`: the selection trace whose loads the blocks follow (real locality); None = random KV.
+    `profile`: a markdown path for the profile of one more call after the timed one (which stays unprofiled)."""
     gen = Generator(model, None, config)
     if trace is not None:
         text = model.config
@@ -170,6 +181,11 @@ def measure_generator(
            "config": asdict(config)} | {key: engine.get(key) for key in keep}  # fmt: skip
     print(f"  ours ({'real locality' if trace else 'random KV'}): {seconds:.2f} s, {row['failed_requests']} failed"
           + (f": {errors[0]}" if errors else ""), flush=True)  # fmt: skip
+    if profile is not None:
+        with profiled_region(True) as profiler:
+            gen.generate(rows, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            sync(prompts.device)
+        write_profile(profiler, profile, f"{len(rows)} request(s) through an idle Generator, profiled")
     del gen
     free_memory(prompts.device)
     return row
@@ -253,8 +269,9 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + 64)
     config = ours_config(model, 1, context, args)
-    for block in _localities(args):
-        row = measure_generator(model, config, prompts, 1, _trace(args, block))
+    for number, block in enumerate(_localities(args)):
+        profile = args.profile if number == 0 else None
+        row = measure_generator(model, config, prompts, 1, _trace(args, block), profile)
         served = row["failed_requests"] == 0 and row["mean_ttft_s"] is not None
         point[block] = row | {"over_stock": row["mean_ttft_s"] / point["stock"]["seconds"] if served else None}
     return point

@@ -26,8 +26,6 @@ runs first part (`first_difference`, per question: the index of the first differ
 from __future__ import annotations
 
 import argparse
-import contextlib
-import pathlib
 import time
 from typing import Any
 
@@ -37,9 +35,11 @@ from eval.bench.common import (
     bench_setup,
     free_memory,
     print_table,
+    profiled_region,
     run_record,
     sync,
     write_json,
+    write_profile,
 )
 from eval.bench.decode_step_setup import build_model
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
@@ -76,7 +76,7 @@ def ask_in_turn(
         with profiled_region(profiled) as profiler:
             first, output = _ask(gen, document + question, params, device)
         if profiled:
-            write_profile(profiler, profile)
+            write_profile(profiler, profile, "One later question's TTFT with prefix caching, profiled")
         ttft.append(first)
         tokens.append(output)
     row = {"ttft_s": ttft, "dram_bytes_after": gen.dram_bytes_in_use(), "tokens": tokens,
@@ -101,30 +101,6 @@ def _ask(gen: Generator, prompt: list[int], params: SamplingParams, device) -> t
             if event.finished:
                 tokens = list(event.output.token_ids)
     return first, tokens
-
-
-@contextlib.contextmanager
-def profiled_region(enabled: bool):
-    """A torch profiler over the region (CPU and, where present, CUDA activity), or nothing."""
-    if not enabled:
-        yield None
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        yield profiler
-
-
-def write_profile(profiler, path: str) -> None:
-    """The profile's top operations by device time and by host time, as markdown tables."""
-    averages = profiler.key_averages()
-    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    parts = ["# One later question's TTFT with prefix caching, profiled", ""]
-    for title, key in (("device time", device_key), ("host time", "self_cpu_time_total")):
-        parts += [f"## top operations by {title}", "", "```", averages.table(sort_by=key, row_limit=30), "```", ""]
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(path).write_text("\n".join(parts))
 
 
 def compare_runs(model, base: SparseServeConfig, sizes: dict[str, int], vocab: int, device, profile=None):

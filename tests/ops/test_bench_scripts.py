@@ -99,6 +99,15 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     assert merged["points"]["capacity"]["random_kv"]["over_stock"] > 0
 
 
+def test_generator_vs_generate_dry_run_profiles_one_more_prefill(tmp_path):
+    out, profile = tmp_path / "gvg.json", tmp_path / "prefill_profile.md"
+    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "prefill", "--localities", "random_kv",
+               "--out", str(out), "--profile", str(profile))  # fmt: skip
+    assert json.loads(out.read_text())["points"]["prefill"]["random_kv"]["over_stock"] > 0
+    text = profile.read_text()
+    assert text.startswith("# 1 request(s) through an idle Generator") and "top operations by host time" in text
+
+
 def test_lookup_cost_times_every_resolver_at_a_tiny_size():
     """The lookup microbenchmark's case runs (plain calls on CPU) and reports each resolver."""
     from eval.bench.lookup_cost import one_case

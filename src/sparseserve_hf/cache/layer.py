@@ -365,14 +365,15 @@ class SparseServeLayer(CacheLayerMixin):
         if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
             self._append_token(keys, values)
             return None
-        before = self.row_lengths().tolist()
+        before = self.row_lengths()  # (B,) on the device: read back only to roll a failure back
         for row in range(keys.shape[0]):
             take = slice(None) if valid is None else valid[row]
             new = torch.stack((keys[row][:, take], values[row][:, take]), dim=1)  # (Hkv, 2, t, D)
             try:
                 self._append_row(row, new)
             except BaseException:
-                self._truncate_rows([(done, before[done]) for done in range(row + 1)])  # `row` may be half done
+                lengths = before.tolist()
+                self._truncate_rows([(done, lengths[done]) for done in range(row + 1)])  # `row` may be half done
                 raise
         return None if valid is None else valid.sum(dim=-1)  # not `valid` itself: it may view a whole mask
 
@@ -511,7 +512,8 @@ class SparseServeLayer(CacheLayerMixin):
         The table grows before the save and the save is all or nothing, so a failure leaves the row as it was.
         """
         size = self.config.block_size
-        joined = torch.cat((self.tail[row, :, :, : int(self.tail_len[row])], new), dim=2)
+        held = int(self.tail_len[row])
+        joined = torch.cat((self.tail[row, :, :, :held], new), dim=2) if held else new  # a prompt's KV: no copy
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
             num_kv_heads, _, _, head_dim = joined.shape

@@ -186,11 +186,7 @@ class TieredBlockStore:
     def _saves_can_go_beside(self) -> bool:
         """A side-stream save needs CUDA, a host pool (a device pool's copy is no PCIe wait) and no
         capture in progress (a captured step orders its own work)."""
-        return (
-            self.device.type == "cuda"
-            and self.config.offload
-            and not torch.cuda.is_current_stream_capturing()
-        )
+        return self.device.type == "cuda" and self.config.offload and not torch.cuda.is_current_stream_capturing()
 
     def _scatter_beside(self, blocks: torch.Tensor, device_ids: torch.Tensor) -> None:
         """`ops.scatter_blocks` on the save stream, after what the current stream has queued."""
