@@ -25,6 +25,9 @@ from . import reference, triton_rank
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 2
+# 8-bit metadata: widening it to the query's dtype, not its bytes, bounds the kernel, and more warps
+# per program widen more of it at once.
+NUM_WARPS_8BIT = 4
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
 
@@ -104,11 +107,12 @@ def score_table(
     depth: int | None = None,
     *,
     block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Scores of every row's block table, read from the metadata pool (see `reference.score_table`).
 
-    `block_n` (blocks per program) and `num_warps` are launch knobs for `eval.bench.score_tuning`.
+    `block_n` (blocks per program) and `num_warps` are launch knobs for `eval.bench.score_tuning`
+    (None: picked from the metadata's dtype).
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
@@ -136,12 +140,14 @@ def score_parts(
     kind: str,
     *,
     block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The kernel alone: (scores,) for "quest" and "cuboid", (Quest bound, best sub-block mean)
     for "hybrid" (before the rank interleave), each (B, Hq, N) fp32, -inf where the id is -1."""
     if kind not in (*KINDS, "hybrid"):
         raise ValueError(f"unknown metadata kind {kind!r}")
+    if num_warps is None:
+        num_warps = NUM_WARPS_8BIT if metadata.element_size() == 1 else NUM_WARPS
     sub = reference.metadata_sub_blocks(kind, metadata.shape[1])
     if kind == "hybrid":  # both rankings from one pass over the pool
         return _scores(query, metadata, block_ids, 1, sub, block_n, num_warps)
