@@ -449,3 +449,37 @@ def test_sparse_full_layers_build_no_mask(arch, cache_kind, monkeypatch):
         assert built.count(stack_module.SLIDING) == (2 * 3 if arch == "gemma3" else 0)  # 2 sliding layers x 3 chunks
     else:
         assert full_built > 0
+
+
+def fixed_shape_scatter(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """`reference.scatter_blocks` without its boolean mask (on the GPU the save is one kernel over a
+    fixed grid): skipped entries write a scratch row."""
+    scratch = torch.cat((pool_dst, pool_dst[:1]))  # (C + 1, 2, S, D): row C absorbs skipped entries
+    scratch[torch.where(dst_ids >= 0, dst_ids, pool_dst.shape[0])] = src_blocks.to(pool_dst.device)
+    pool_dst.copy_(scratch[:-1])
+
+
+def test_a_fresh_prompt_through_every_layer_reads_nothing_back_from_the_device():
+    """A new request's layer-segmented prefill into an empty SparseServeCache queues every layer
+    without waiting for one: no length, mask or shape is read back (on CUDA the host would stall
+    after each layer's attention, and the GPU idle while Python launched the next kernels)."""
+    from dataclasses import replace
+
+    from sparseserve_hf.cache.store import TieredBlockStore
+    from sparseserve_hf.ops import get_ops
+    from sync_guard import forbid_host_syncs
+
+    m = tiny_model("llama", num_layers=LAYERS)
+    config = SparseServeConfig(block_size=16, token_budget=1024)
+    ops = replace(get_ops("torch", torch.device("cpu")), scatter_blocks=fixed_shape_scatter)
+    head_dim = m.config.hidden_size // m.config.num_attention_heads
+    store = TieredBlockStore(config, ops, head_dim, torch.float32, torch.device("cpu"))
+    ids, cache = random_ids(1, T), SparseServeCache(m.config, config, store=store)
+    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    job = runner.start(ids, cache)
+    with forbid_host_syncs() as seen:
+        runner.advance(job, None)
+    assert job.done and seen == []
+    assert cache.layers[0].store.dram.num_used == (T - 1) // 16 * LAYERS * m.config.num_key_value_heads
+    with torch.no_grad():
+        assert torch.allclose(runner.logits(job), m(ids).logits[:, -1], atol=ATOL)

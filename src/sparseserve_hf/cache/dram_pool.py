@@ -78,7 +78,7 @@ class DramPool:
                 return None
             self._grow(self.num_used + count)
         ids = torch.tensor(self._free[len(self._free) - count :][::-1], dtype=torch.long)
-        self.refcount[ids] = 1
+        self.refcount.index_fill_(0, ids, 1)
         del self._free[len(self._free) - count :]  # last: nothing above can leave ids taken but unreferenced
         return ids
 

@@ -346,7 +346,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.staged = None
         undo, self._undo = self._undo, None
         try:
-            added = self._store(keys, values, valid)
+            added = self._store(keys, values, valid, empty=undo is not None and undo.initialized)
         except BaseException:
             self.num_positions -= keys.shape[-2]
             if undo is not None and undo.initialized:
@@ -355,8 +355,13 @@ class SparseServeLayer(CacheLayerMixin):
         if undo is not None:
             self._undo = _Undo(undo.num_new, undo.initialized, committed=True, added=added)
 
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
-        """Append the new tokens; returns (B,) tokens appended per row, None when every row took all T."""
+    def _store(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, empty: bool = False
+    ) -> torch.Tensor | None:
+        """Append the new tokens; returns (B,) tokens appended per row, None when every row took all T.
+
+        `empty`: every row is known to hold nothing yet (the update made the layer), so no row's
+        lengths are read back from the device: a prompt's commit then waits for no kernel."""
         if self.caller_owns_tails:
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
@@ -370,7 +375,7 @@ class SparseServeLayer(CacheLayerMixin):
             take = slice(None) if valid is None else valid[row]
             new = torch.stack((keys[row][:, take], values[row][:, take]), dim=1)  # (Hkv, 2, t, D)
             try:
-                self._append_row(row, new)
+                self._append_row(row, new, empty)
             except BaseException:
                 lengths = before.tolist()
                 self._truncate_rows([(done, lengths[done]) for done in range(row + 1)])  # `row` may be half done
@@ -506,18 +511,19 @@ class SparseServeLayer(CacheLayerMixin):
         """Record the lengths after a decode append (`before` + 1) at the tensor's current version."""
         self._tail_len_mirror = (self.tail_len, _version(self.tail_len), [length + 1 for length in before])
 
-    def _append_row(self, row: int, new: torch.Tensor) -> None:
+    def _append_row(self, row: int, new: torch.Tensor, empty: bool = False) -> None:
         """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail.
 
-        The table grows before the save and the save is all or nothing, so a failure leaves the row as it was.
+        `empty`: the row is known to hold no token (its lengths are not read back). The table grows
+        before the save and the save is all or nothing, so a failure leaves the row as it was.
         """
         size = self.config.block_size
-        held = int(self.tail_len[row])
+        held = 0 if empty else int(self.tail_len[row])
         joined = torch.cat((self.tail[row, :, :, :held], new), dim=2) if held else new  # a prompt's KV: no copy
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
             num_kv_heads, _, _, head_dim = joined.shape
-            start = int(self.num_blocks[row])
+            start = 0 if empty else int(self.num_blocks[row])
             self._ensure_capacity(start + num_full)
             blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
             ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1), beside_compute=True)  # head-major: (Hkv*n,)
@@ -525,7 +531,7 @@ class SparseServeLayer(CacheLayerMixin):
             self.num_blocks[row] += num_full
         rest = joined[:, :, num_full * size :]
         self.tail[row, :, :, : rest.shape[2]] = rest
-        self.tail_len[row] = rest.shape[2]
+        self.tail_len[row].fill_(rest.shape[2])  # the scalar as a kernel argument, not a host-to-device copy
 
     def _truncate_rows(self, targets: list[tuple[int, int]]) -> None:
         """Cut each (row, length) of `targets` to `length` stored tokens (at most its current length).
