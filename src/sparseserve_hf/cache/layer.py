@@ -367,7 +367,7 @@ class SparseServeLayer(CacheLayerMixin):
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self.append_token_static(keys, values)
             return None
-        if (valid is None or bool(valid.all())) and keys.shape[-2] == 1:
+        if keys.shape[-2] == 1 and (valid is None or bool(valid.all())):  # a prompt never reads `valid` here
             self._append_token(keys, values)
             return None
         before = self.row_lengths()  # (B,) on the device: read back only to roll a failure back
