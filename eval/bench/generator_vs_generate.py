@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "workload": dict(zip(("requests", "prompt_tokens", "new_tokens"), sizes[name]))
         }
         result["points"][name]["command_args"] = vars(args)
+        result["points"][name]["git_commit"] = result["git_commit"]  # points kept from other runs keep theirs
         rows = [{"system": f"{name}: {key}"} | value for key, value in point.items() if isinstance(value, dict)]
         print_table(rows, ["system", "seconds", "tokens_per_s", "mean_ttft_s", "over_stock", "hit_rate", "peak_gib"])
         result |= headline(result["points"])

@@ -97,6 +97,7 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     tried = merged["points"]["capacity"]["stock_batches_tried"]
     assert tried[-1]["runs"] and all(t["expandable_segments"] is False for t in tried if DEVICE.type != "cuda")
     assert merged["points"]["capacity"]["random_kv"]["over_stock"] > 0
+    assert all(point["git_commit"] == merged["git_commit"] for point in merged["points"].values())
 
 
 def test_generator_vs_generate_dry_run_profiles_one_more_prefill(tmp_path):
