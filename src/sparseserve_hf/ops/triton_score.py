@@ -146,8 +146,6 @@ def score_parts(
     for "hybrid" (before the rank interleave), each (B, Hq, N) fp32, -inf where the id is -1."""
     if kind not in (*KINDS, "hybrid"):
         raise ValueError(f"unknown metadata kind {kind!r}")
-    if num_warps is None:
-        num_warps = NUM_WARPS_8BIT if metadata.element_size() == 1 else NUM_WARPS
     sub = reference.metadata_sub_blocks(kind, metadata.shape[1])
     if kind == "hybrid":  # both rankings from one pass over the pool
         return _scores(query, metadata, block_ids, 1, sub, block_n, num_warps)
@@ -164,7 +162,7 @@ def _scores(
     quest_sub: int,
     mean_sub: int,
     block_n: int | None,
-    num_warps: int,
+    num_warps: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(best sub-block Quest bound, best sub-block mean) scores, each (B, Hq, N) fp32, -inf where the
     id is -1; a part with no sub-blocks comes back unwritten."""
@@ -178,7 +176,7 @@ def _scores(
     mean = torch.empty_like(quest) if mean_sub and quest_sub else quest
     if quest.numel() == 0:
         return quest, mean
-    query, block_ids, block_n, grid = _launch_plan(query, metadata, block_ids, block_n)
+    query, block_ids, block_n, num_warps, grid = _launch_plan(query, metadata, block_ids, block_n, num_warps)
     group = num_q_heads // num_kv_heads
     _score_kernel[grid](
         query, metadata, block_ids, quest, mean,
@@ -200,12 +198,14 @@ def _needs_fp32_products(query_dtype: torch.dtype, metadata_dtype: torch.dtype) 
 
 
 def _launch_plan(
-    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None
-) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
-    """Unit-stride query and table, blocks per program (~BLOCK_BYTES of metadata each) and the grid."""
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None, num_warps: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, tuple[int, int]]:
+    """Unit-stride query and table, blocks per program (~BLOCK_BYTES of metadata each), warps per
+    program (by the metadata's dtype unless given) and the grid."""
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     block_n = block_n or BLOCK_BYTES // (query.shape[-1] * metadata.element_size() * metadata.shape[1])
     block_n = max(MIN_DOT, min(256, triton.next_power_of_2(block_n)))
     batch, num_kv_heads, num_blocks = block_ids.shape
-    return query, block_ids, block_n, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
+    num_warps = num_warps or (NUM_WARPS_8BIT if metadata.element_size() == 1 else NUM_WARPS)
+    return query, block_ids, block_n, num_warps, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))
