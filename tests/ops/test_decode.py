@@ -57,6 +57,16 @@ def test_split_count_does_not_change_the_result(poisoned, num_splits):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("used", [0, 1, 6, 33])
+def test_splits_share_a_used_prefix_much_shorter_than_the_selection(poisoned, used):
+    query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, 40, torch.float32, unused=0)
+    slots[:, :, used:] = -1  # each list's used blocks first, as selections hold them
+    slots[1, 1, : used // 2] = -1  # and one with holes before its last used block
+    inputs = (query, pool, slots, None, tail_k, tail_v, tail_len)
+    got, expected = run_both(inputs, num_splits=5)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
 def test_only_the_tail_when_nothing_is_loaded(poisoned):
     inputs = decode_inputs(2, 2, 2, 8, 16, 0, torch.float32)  # U = 0: budget above the sequence length
     got, expected = run_both(inputs)

@@ -142,7 +142,3 @@ def test_resolve_on_cuda_matches_reference():
             want, _, _ = refs[first + head].lookup(ids[:, head].flatten().tolist())
             assert slots[:, head].flatten().tolist() == want, step
         assert_same_state(lru.LruTables(*(t.cpu() for t in vars(tables).values())), refs)
-    bf16 = DramPool(SHAPE, torch.bfloat16, None, pin=False)
-    data = torch.randn(5, *SHAPE).to(torch.bfloat16)
-    bf16.write(bf16.allocate(5), data)
-    assert torch.equal(bf16.read(torch.arange(5)), data)

@@ -64,7 +64,6 @@ def _decode_split_kernel(
     stride_ts,
     num_kv_heads,
     num_loaded,
-    blocks_per_split,
     num_splits,
     scaling,
     G: tl.constexpr,
@@ -77,9 +76,14 @@ def _decode_split_kernel(
     TAIL_TOKENS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     IEEE: tl.constexpr,
+    MIN_PER_SPLIT: tl.constexpr,
 ):
-    """Grid (B * Hkv, num_splits + 1): programs < num_splits take a range of the U loaded blocks,
-    the last one the tail block. Writes partials [b, h*G + g, split]."""
+    """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
+    one takes the tail block. Writes partials [b, h*G + g, split].
+
+    Selections hold their unused (-1) entries last, often most of U, and how many are used is known
+    only here: each (row, KV head) cuts its used prefix into equal whole-tile ranges (at least
+    MIN_PER_SPLIT blocks each), so the work spreads over every split program whatever U is."""
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     b = row_head // num_kv_heads
@@ -95,12 +99,13 @@ def _decode_split_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if split < num_splits:
-        start = split * blocks_per_split
-        # Selections hold their unused (-1) entries last, often most of U: stop after the last used one.
         entries = tl.arange(0, BLOCK_LOADED)
         row_slots = tl.load(slots_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
         used_end = tl.max(tl.where(row_slots >= 0, entries + 1, 0), axis=0)
-        end = tl.minimum(tl.minimum(start + blocks_per_split, num_loaded), used_end)
+        per_split = tl.maximum(tl.cdiv(used_end, num_splits), MIN_PER_SPLIT)
+        per_split = tl.cdiv(per_split, BLOCK_U) * BLOCK_U  # whole tiles
+        start = split * per_split
+        end = tl.minimum(start + per_split, used_end)
         t = tl.arange(0, BLOCK_U * S)
         for first in range(start, end, BLOCK_U):
             u = first + t // S  # (T,) loaded-block index of each token
@@ -168,14 +173,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_plan(num_programs: int, num_loaded: int, block_u: int, device: torch.device) -> tuple[int, int]:
-    """(num_splits, blocks_per_split): enough programs to fill the GPU, at least a few blocks each."""
+def _split_plan(num_programs: int, num_loaded: int, device: torch.device) -> int:
+    """Split programs per (row, KV head): enough to fill the GPU, no more than U's few-block ranges."""
     if num_loaded == 0:
-        return 0, block_u
+        return 0
     target = PROGRAMS_PER_SM * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
-    splits = max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
-    per_split = triton.cdiv(triton.cdiv(num_loaded, splits), block_u) * block_u  # whole tiles per split
-    return triton.cdiv(num_loaded, per_split), per_split
+    return max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
 
 
 def sparse_decode(
@@ -199,7 +202,8 @@ def sparse_decode(
         tail_keys, tail_values: (B, Hkv, S, D) views with equal strides (e.g. tail[:, :, 0] / [:, :, 1]).
         tail_len: (B,) valid tokens of each tail block.
         scaling: softmax scale.
-        num_splits: programs per (row, KV head) over the loaded blocks; None = enough to fill the GPU.
+        num_splits: programs per (row, KV head) sharing its used blocks (each takes at least a few
+            blocks, so some may have none); None = enough to fill the GPU.
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
@@ -213,10 +217,9 @@ def sparse_decode(
     mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
     block_u = max(1, TILE_TOKENS // block_size)
     if num_splits is None:
-        num_splits, per_split = _split_plan(batch * num_kv_heads, num_loaded, block_u, query.device)
+        num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
     else:
-        per_split = triton.cdiv(triton.cdiv(num_loaded, max(num_splits, 1)), block_u) * block_u
-        num_splits = triton.cdiv(num_loaded, per_split)
+        num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
     num_parts = num_splits + 1
     part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)
@@ -227,7 +230,7 @@ def sparse_decode(
         query, pool, slots, mask, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
-        num_kv_heads, num_loaded, per_split, num_splits, scaling,
+        num_kv_heads, num_loaded, num_splits, scaling,
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         S=block_size,
@@ -238,6 +241,7 @@ def sparse_decode(
         TAIL_TOKENS=max(16, block_size),
         HAS_MASK=head_mask is not None,
         IEEE=query.dtype == torch.float32,
+        MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
         num_warps=4,
     )  # fmt: skip
     out = torch.empty((batch, num_q_heads, dim), dtype=query.dtype, device=query.device)
