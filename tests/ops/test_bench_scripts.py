@@ -22,7 +22,13 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "module",
-    ["eval.bench.transfer", "eval.bench.decode_attention", "eval.bench.score_tuning", "eval.bench.prefill_memory"],
+    [
+        "eval.bench.transfer",
+        "eval.bench.decode_attention",
+        "eval.bench.score_tuning",
+        "eval.bench.miss_copy",
+        "eval.bench.prefill_memory",
+    ],
 )
 def test_help(module):
     assert "--out" in run_module(module, "--help").stdout
@@ -61,6 +67,15 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     assert points == [("quest", "score", 4), ("hybrid", "score", 4), ("hybrid", "combine", 4), ("hybrid", "select", 0)]
     assert all(r["ms"] > 0 for r in result["rows"])
     assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine", "hybrid_select"}
+
+
+def test_miss_copy_dry_run_times_each_parts_point_against_bulk(tmp_path):
+    out = tmp_path / "miss_copy.json"
+    run_module("eval.bench.miss_copy", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [(r["misses"], r["parts"]) for r in result["rows"]] == [(16, 1), (16, 2)]
+    assert all(r["us"] > 0 and r["bulk_us"] > 0 for r in result["rows"])
+    assert result["best"]["16"]["parts"] in (1, 2)
 
 
 def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):
