@@ -41,8 +41,9 @@ def assert_tables_equal(got: lru.LruTables, want: lru.LruTables) -> None:
         assert torch.equal(a, b), field.name
 
 
+@pytest.mark.parametrize("one_tile", [None, False], ids=["one_tile", "tiled"])  # both kernels at the same sizes
 @pytest.mark.parametrize("batch,heads,width,partitions,per", [(3, 2, 5, 4, 24), (1, 3, 37, 3, 40), (4, 1, 9, 2, 64)])
-def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per):
+def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, one_tile):
     gen = torch.Generator().manual_seed(batch * 100 + width)
     num_blocks = 40 * partitions
     want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
@@ -52,7 +53,9 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
         slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
-        k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(ids.to(DEVICE), first, got, got_counts)
+        k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
+            ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
+        )
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
         assert torch.equal(k_counts.cpu(), load_counts), step
@@ -63,6 +66,25 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
             lru.forget_(gone, want)
             lru.forget_(gone.to(DEVICE), got)
             assert_tables_equal(got, want)
+
+
+@pytest.mark.parametrize("one_tile", [None, False], ids=["one_tile", "tiled"])
+def test_a_lookup_that_fills_a_partition_over_several_steps(one_tile):
+    """A decode step's shape in small: every slot of the partitions used, evictions every step."""
+    heads, per, batch, width = 2, 64, 4, 16  # 64 entries per head: exactly one partition
+    num_blocks = heads * 200
+    want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
+    got = copy_tables(want, DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(8):
+        ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
+        want_out = lru.resolve_(ids, 0, want, want_counts)
+        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts, one_tile=one_tile)
+        for a, b in zip(got_out, want_out):
+            assert torch.equal(a.cpu(), b), step
+        assert_tables_equal(got, want)
+    assert torch.equal(got_counts.cpu(), want_counts) and int(want_counts[1]) > per  # it evicted
 
 
 def test_kernel_with_strided_wide_selection_and_full_partition():
