@@ -115,8 +115,8 @@ class TraceReplay:
 
     The mapping runs once per batch size, at the first call of a batch of that many rows (a
     `_Plan` for every recorded layer and step, at that call's block counts); a call then gathers
-    its step and moves the window blocks to the rows' current ends, a few small kernels instead of
-    the ~30 of the mapping. So the middle positions stay where the first call put them as the rows
+    its step and moves the window blocks to the rows' current ends: on CUDA one Triton launch (and
+    the counter's increment), so that the replay adds little to the step it stands in for. So the middle positions stay where the first call put them as the rows
     grow (as a real model's selected blocks do). Plans are kept for the replay's life: a CUDA
     graph captured at one batch size reads its plan by address whenever it replays, after other
     sizes have come and gone (the Generator's batches). A later batch of a seen size may hold other
@@ -145,6 +145,7 @@ class TraceReplay:
         self.recorded_blocks = torch.from_numpy(trace.num_blocks).to(device)  # (P, T)
         self.calls = torch.zeros(num_layers, dtype=torch.long, device=device)
         self.keep = keep
+        self.fused = True  # on CUDA, one Triton launch per call (`trace_replay_kernel`); False: PyTorch
         self.replayed: list[tuple[int, torch.Tensor]] = []
         self._plans: dict[tuple[int, int], _Plan] = {}
 
@@ -158,6 +159,18 @@ class TraceReplay:
         plan = self._plans.get((num_blocks.shape[0], width))
         if plan is None:  # kept for the replay's life: a captured step holds its tensors by address
             plan = self._plans[(num_blocks.shape[0], width)] = self.plan(num_blocks, width)
+        if self.fused and num_blocks.is_cuda:
+            from eval.bench.trace_replay_kernel import replay_step  # triton: CUDA only here
+
+            picked, valid = replay_step(plan.picked, self.calls, layer_idx, num_blocks, plan.anchor, plan.window_from)
+        else:
+            picked, valid = self._gather(plan, layer_idx, num_blocks)
+        if self.keep:
+            self.replayed.append((layer_idx, torch.where(valid, picked, -1).cpu()))
+        return picked, valid
+
+    def _gather(self, plan: _Plan, layer_idx: int, num_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's entry for the layer's current step, its window blocks at the rows' ends (PyTorch)."""
         steps, layers = self.indices.shape[1], self.indices.shape[2]
         call = self.calls[layer_idx : layer_idx + 1] % steps  # (1,)
         self.calls[layer_idx : layer_idx + 1].add_(1)
@@ -167,10 +180,7 @@ class TraceReplay:
         picked = (
             torch.where(entry >= plan.window_from, moved, entry).minimum(num_blocks.view(-1, 1, 1) - 1).clamp_(min=0)
         )
-        valid = entry >= 0
-        if self.keep:
-            self.replayed.append((layer_idx, torch.where(valid, picked, -1).cpu()))
-        return picked, valid
+        return picked, entry >= 0
 
     def plan(self, num_blocks: torch.Tensor, width: int) -> _Plan:
         """Every recorded layer's selection at every step (by call count) for rows of `num_blocks` (B,)."""
