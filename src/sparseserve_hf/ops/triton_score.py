@@ -55,6 +55,7 @@ def _score_kernel(
     QUEST_SUB: tl.constexpr,
     MEAN_SUB: tl.constexpr,
     UPCAST: tl.constexpr,
+    HALF_PRODUCTS: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes quest/mean[b, h*G:(h+1)*G, n-tile].
 
@@ -62,7 +63,11 @@ def _score_kernel(
     sub-block Quest bound goes to `quest`, the best sub-block mean score to `mean` (each only
     when its count is > 0; "hybrid" has both: one pair, then the sub-block means). Products run
     in the query's dtype, or in fp32 when UPCAST (tl.dot takes one dtype: an fp32 query, or 16-bit
-    metadata of another dtype); 8-bit metadata widens to the query's dtype exactly.
+    metadata of another dtype); 8-bit metadata widens to the query's dtype exactly. HALF_PRODUCTS
+    (a bf16 query over 8-bit metadata): the products run in fp16, the dtype fp8 widens to in one
+    instruction, over the query scaled by a power of two that puts its largest magnitude in
+    [2^13, 2^14): every bf16 element above 2^-32 of that largest one is exact in fp16 (the rest
+    would vanish in an fp32 sum anyway), and the scores are scaled back exactly.
     """
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
@@ -77,7 +82,14 @@ def _score_kernel(
     rows = meta_ptr + ids[:, None] * stride_mc + d[None, :]  # (BLOCK_N, BLOCK_D), vector 0 of each block
     q_mask = (g < G)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    dot_dtype = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    unscale = 1.0
+    if HALF_PRODUCTS:
+        dot_dtype = tl.float16
+        q, unscale = _scaled_to_half(q)
+    elif UPCAST:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = q_ptr.dtype.element_ty
     q = tl.trans(q.to(dot_dtype))  # (BLOCK_D, BLOCK_G)
     out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
     out_mask = in_table[:, None] & (g < G)[None, :]
@@ -90,13 +102,26 @@ def _score_kernel(
             high = tl.load(rows + (2 * s + 1) * D, mask=load_mask, other=0.0).to(dot_dtype)
             bound = tl.dot(high, q_pos, input_precision="ieee") + tl.dot(low, q_neg, input_precision="ieee")
             best = tl.maximum(best, bound)
-        tl.store(quest_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
+        tl.store(quest_ptr + out, tl.where(valid[:, None], best * unscale, float("-inf")), mask=out_mask)
     if MEAN_SUB > 0:
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(MEAN_SUB):
             mean = tl.load(rows + (2 * QUEST_SUB + s) * D, mask=load_mask, other=0.0).to(dot_dtype)
             best = tl.maximum(best, tl.dot(mean, q, input_precision="ieee"))
-        tl.store(mean_ptr + out, tl.where(valid[:, None], best, float("-inf")), mask=out_mask)
+        tl.store(mean_ptr + out, tl.where(valid[:, None], best * unscale, float("-inf")), mask=out_mask)
+
+
+@triton.jit
+def _scaled_to_half(q):
+    """q * 2^k as fp32 (exact) with max |q * 2^k| in [2^13, 2^14), and 2^-k; powers of two built
+    from exponent bits (no approximate log or exp). A zero query stays zero."""
+    wide = q.to(tl.float32)
+    largest = tl.max(tl.max(tl.abs(wide), axis=1), axis=0)
+    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    biased = tl.minimum(tl.maximum(127 + 13 - exponent, 1), 253)  # 2^k's biased exponent, 2^-k's normal too
+    scale = (biased << 23).to(tl.float32, bitcast=True)
+    unscale = ((254 - biased) << 23).to(tl.float32, bitcast=True)
+    return wide * scale, unscale
 
 
 def score_table(
@@ -185,6 +210,7 @@ def _scores(
         D=dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), G=group,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         QUEST_SUB=quest_sub, MEAN_SUB=mean_sub, UPCAST=_needs_fp32_products(query.dtype, metadata.dtype),
+        HALF_PRODUCTS=query.dtype == torch.bfloat16 and metadata.element_size() == 1,
         num_warps=num_warps,
     )  # fmt: skip
     return quest, mean
