@@ -69,13 +69,12 @@ def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
     assert set(result["best"]) == {"quest_score", "hybrid_score", "hybrid_combine", "hybrid_select"}
 
 
-def test_miss_copy_dry_run_times_each_parts_point_against_bulk(tmp_path):
+def test_miss_copy_dry_run_times_each_size_against_bulk(tmp_path):
     out = tmp_path / "miss_copy.json"
     run_module("eval.bench.miss_copy", "--dry-run", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [(r["misses"], r["parts"]) for r in result["rows"]] == [(16, 1), (16, 2)]
-    assert all(r["us"] > 0 and r["bulk_us"] > 0 for r in result["rows"])
-    assert result["best"]["16"]["parts"] in (1, 2)
+    assert [r["misses"] for r in result["rows"]] == [16, 32]
+    assert all(r["us"] > 0 and r["bulk_us"] > 0 and r["over_bulk"] > 0 for r in result["rows"])
 
 
 def test_prefill_memory_dry_run_runs_all_three_ways(tmp_path):

@@ -98,17 +98,18 @@ def test_score_table_over_float8_metadata(kind, query_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["quest", "hybrid"])
+@pytest.mark.parametrize("kind", ["quest", "cuboid"])
 def test_a_bf16_query_of_wide_range_over_float8_metadata_scores_as_in_fp32(kind):
-    """The fp16 products of a bf16 query over 8-bit metadata: a query spanning seven decades (and,
-    for Quest, a zero one) scores as the fp32 reference does."""
+    """The fp16 products of a bf16 query over 8-bit metadata: a query spanning seven decades (and a
+    zero one) scores as the fp32 reference does, up to fp32 summation order (far inside bf16 rounding)."""
     table = ragged_table(3, 2, 37, 160, [37, 9, 20])
     keys = torch.randn(160, 8, 32) * 4
-    metadata = reference.block_metadata(keys, kind, 2 if kind == "hybrid" else 1, torch.float8_e4m3fn)
+    metadata = reference.block_metadata(keys, kind, 1, torch.float8_e4m3fn)
     magnitude = 10.0 ** torch.empty(3, 8, 32).uniform_(-4, 3)
     query = (torch.randn(3, 8, 32) * magnitude).bfloat16()
-    if kind == "quest":  # a zero query ties every block: hybrid's ranks would break the ties their own way
-        query[2] = 0.0
+    query[2] = 0.0
     expected = reference.score_table(query, metadata, table, kind)
     got = triton_score.score_table(query.cuda(), metadata.cuda(), table.cuda(), kind)
-    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+    largest = float(expected[expected.isfinite()].abs().max())
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4 * largest, rtol=1e-5)
+    assert (got.cpu()[2][expected[2].isfinite()] == 0).all()

@@ -25,9 +25,6 @@ from . import reference, triton_rank
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 2
-# 8-bit metadata: widening it to the query's dtype, not its bytes, bounds the kernel, and more warps
-# per program widen more of it at once.
-NUM_WARPS_8BIT = 4
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
 
@@ -137,7 +134,7 @@ def score_table(
     """Scores of every row's block table, read from the metadata pool (see `reference.score_table`).
 
     `block_n` (blocks per program) and `num_warps` are launch knobs for `eval.bench.score_tuning`
-    (None: picked from the metadata's dtype).
+    (None: the block count from the metadata's bytes per block, NUM_WARPS).
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32 on the GPU.
@@ -227,11 +224,11 @@ def _launch_plan(
     query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_n: int | None, num_warps: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, tuple[int, int]]:
     """Unit-stride query and table, blocks per program (~BLOCK_BYTES of metadata each), warps per
-    program (by the metadata's dtype unless given) and the grid."""
+    program and the grid."""
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     block_n = block_n or BLOCK_BYTES // (query.shape[-1] * metadata.element_size() * metadata.shape[1])
     block_n = max(MIN_DOT, min(256, triton.next_power_of_2(block_n)))
     batch, num_kv_heads, num_blocks = block_ids.shape
-    num_warps = num_warps or (NUM_WARPS_8BIT if metadata.element_size() == 1 else NUM_WARPS)
+    num_warps = num_warps or NUM_WARPS
     return query, block_ids, block_n, num_warps, (batch * num_kv_heads, triton.cdiv(num_blocks, block_n))

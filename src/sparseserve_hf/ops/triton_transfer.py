@@ -24,9 +24,6 @@ SAVE_PROGRAMS = 8
 # blocks in flight to keep PCIe busy when every entry misses, few enough that launching them is
 # cheap when almost every entry hits (one program per entry would launch B x U per KV head).
 COUNTED_PROGRAMS = 1024
-# Programs that share one block of a counted gather: a lookup's few misses spread over more SMs,
-# each with fewer bytes in flight (a single program's reads over PCIe leave most of the link idle).
-COUNTED_PARTS = 1
 
 
 @triton.jit
@@ -39,17 +36,15 @@ def _copy_blocks_kernel(
     num,
     WORDS: tl.constexpr,
     TILE: tl.constexpr,
-    PARTS: tl.constexpr,
     HAS_SRC_IDS: tl.constexpr,
     HAS_COUNT: tl.constexpr,
 ):
     """Entry i of list l goes src[src_ids[l, i]] (or src[i]) -> dst[dst_ids[l, i]]; -1 ids skip.
 
-    Grid (programs per list, lists). Each block is cut into PARTS equal pieces (WORDS / PARTS words
-    each) and program p of list l copies pieces p, p + grid, ... of the list's entries: one piece
-    each with a full grid, or a strided share with a capped grid (a save that leaves most SMs to
-    the compute beside it, or a lookup's load lists, whose live prefix `count[l]` only the device
-    knows: the loop stops there, so the rest of a list costs nothing).
+    Grid (programs per list, lists). Program p of list l copies its entries p, p + grid, ...:
+    one block each with a full grid, or a strided share with a capped grid (a save that leaves
+    most SMs to the compute beside it, or a lookup's load lists, whose live prefix `count[l]`
+    only the device knows: the loop stops there, so the rest of a list costs nothing).
     """
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -59,9 +54,7 @@ def _copy_blocks_kernel(
     end = num
     if HAS_COUNT:
         end = tl.load(count_ptr + lst).to(tl.int32)
-    for item in range(pid, end * PARTS, step):
-        i = item // PARTS
-        piece = item % PARTS
+    for i in range(pid, end, step):
         if HAS_SRC_IDS:
             src = tl.load(src_ids_ptr + i).to(tl.int64)
         else:
@@ -69,11 +62,10 @@ def _copy_blocks_kernel(
         dst = tl.load(dst_ids_ptr + i).to(tl.int64)
         live = (src >= 0) & (dst >= 0)
         # A dead block copies nothing: its word limit is 0 (a scalar bound, not a broadcast bool).
-        limit = live.to(tl.int32) * (WORDS // PARTS)
-        first_word = piece * (WORDS // PARTS)
-        src_base = src_ptr + src * WORDS + first_word  # int64 offsets: DRAM pools exceed 2**31 words
-        dst_base = dst_ptr + dst * WORDS + first_word
-        for start in tl.static_range(0, WORDS // PARTS, TILE):
+        limit = live.to(tl.int32) * WORDS
+        src_base = src_ptr + src * WORDS  # int64 offsets: DRAM pools exceed 2**31 words
+        dst_base = dst_ptr + dst * WORDS
+        for start in tl.static_range(0, WORDS, TILE):
             offsets = start + tl.arange(0, TILE)
             mask = offsets < limit
             tl.store(dst_base + offsets, tl.load(src_base + offsets, mask=mask), mask=mask)
@@ -99,18 +91,14 @@ def _launch(
     count: torch.Tensor | None,
     block_words: int,
     max_programs: int | None = None,
-    parts: int = 1,
 ) -> None:
-    """Copy (L, n) id lists (L = 1 without `count`); `max_programs` caps the programs per list,
-    `parts` (a power of two dividing the block's words, else 1) programs share each block."""
+    """Copy (L, n) id lists (L = 1 without `count`); `max_programs` caps the programs per list."""
     lists = 1 if count is None else count.numel()
     num = dst_ids.numel() // lists
     if num == 0:
         return
-    if parts < 1 or block_words % parts or parts & (parts - 1):
-        parts = 1
-    tile = min(triton.next_power_of_2(block_words // parts), MAX_TILE_WORDS)
-    grid = num * parts if max_programs is None else max(1, min(num * parts, max_programs))
+    tile = min(triton.next_power_of_2(block_words), MAX_TILE_WORDS)
+    grid = num if max_programs is None else max(1, min(num, max_programs))
     _copy_blocks_kernel[(grid, lists)](
         src_words,
         src_ids if src_ids is not None else dst_ids,  # unused when HAS_SRC_IDS is False
@@ -120,7 +108,6 @@ def _launch(
         num,
         WORDS=block_words,
         TILE=tile,
-        PARTS=parts,
         HAS_SRC_IDS=src_ids is not None,
         HAS_COUNT=count is not None,
         num_warps=8 if tile >= MAX_TILE_WORDS else 4,
@@ -140,8 +127,6 @@ def gather_blocks(
     pool_dst: torch.Tensor,
     dst_slots: torch.Tensor,
     count: torch.Tensor | None = None,
-    *,
-    parts: int | None = None,
 ) -> None:
     """FlashH2D: copy `pool_src[src_ids[i]] -> pool_dst[dst_slots[i]]` in one launch.
 
@@ -150,8 +135,7 @@ def gather_blocks(
     `dst_slots` ((n,) or (L, n)) and `count` ((L,)) must be on the device that runs the kernel.
     With `count` the grid is fixed by the lists' shape (`COUNTED_PROGRAMS` programs in all) and
     the kernel reads how many entries of each list are live: no host sync, so the launch can be
-    captured in a CUDA graph, and the unused tail of a list launches nothing. `parts`: programs
-    per block (a launch knob for `eval.bench.miss_copy`; None: `COUNTED_PARTS` for counted lists, 1 else).
+    captured in a CUDA graph, and the unused tail of a list launches nothing.
     """
     _check_pair(pool_src, pool_dst)
     assert src_ids.numel() == dst_slots.numel() and src_ids.device == dst_slots.device
@@ -167,7 +151,6 @@ def gather_blocks(
         count,
         src_words.numel() // pool_src.shape[0],
         per_list,
-        (COUNTED_PARTS if count is not None else 1) if parts is None else parts,
     )
 
 
