@@ -145,7 +145,11 @@ class TraceReplay:
         self.recorded_blocks = torch.from_numpy(trace.num_blocks).to(device)  # (P, T)
         self.calls = torch.zeros(num_layers, dtype=torch.long, device=device)
         self.keep = keep
-        self.fused = True  # on CUDA, one Triton launch per call (`trace_replay_kernel`); False: PyTorch
+        self._replay_step = None  # on CUDA, one Triton launch per call (`trace_replay_kernel`)
+        if torch.device(device).type == "cuda":
+            from eval.bench.trace_replay_kernel import replay_step  # triton: CUDA only here
+
+            self._replay_step = replay_step
         self.replayed: list[tuple[int, torch.Tensor]] = []
         self._plans: dict[tuple[int, int], _Plan] = {}
 
@@ -159,10 +163,10 @@ class TraceReplay:
         plan = self._plans.get((num_blocks.shape[0], width))
         if plan is None:  # kept for the replay's life: a captured step holds its tensors by address
             plan = self._plans[(num_blocks.shape[0], width)] = self.plan(num_blocks, width)
-        if self.fused and num_blocks.is_cuda:
-            from eval.bench.trace_replay_kernel import replay_step  # triton: CUDA only here
-
-            picked, valid = replay_step(plan.picked, self.calls, layer_idx, num_blocks, plan.anchor, plan.window_from)
+        if self._replay_step is not None:
+            picked, valid = self._replay_step(
+                plan.picked, self.calls, layer_idx, num_blocks, plan.anchor, plan.window_from
+            )
         else:
             picked, valid = self._gather(plan, layer_idx, num_blocks)
         if self.keep:

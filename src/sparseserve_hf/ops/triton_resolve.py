@@ -290,13 +290,13 @@ def resolve_(
     tables: LruTables,
     counts: torch.Tensor,
     *,
-    one_tile: bool | None = None,
+    one_tile: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
     Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
-    `one_tile`: False forces the tiled kernel where the one-tile kernel would run (the tests compare
-    both with the spec); None (or True) takes the one-tile kernel wherever it fits.
+    `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
+    compare both with the spec).
     """
     batch, heads, width = ids.shape
     ids = ids.contiguous()
@@ -311,6 +311,6 @@ def resolve_(
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
         counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
-        BLOCK=block, ONE_TILE=fits and one_tile is not False, num_warps=max(4, min(16, block // 256)),
+        BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(16, block // 256)),
     )  # fmt: skip
     return slots, load_ids, load_slots, load_counts
