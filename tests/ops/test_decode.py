@@ -112,3 +112,45 @@ def test_sparse_decode_llama_shape_on_the_gpu(dtype):
     inputs = decode_inputs(4, 8, 4, 32, 128, 64, dtype, masked=False)
     got, expected = run_both(inputs)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
+def test_blocks_still_loading_are_read_only_after_the_wait(poisoned, num_splits, masked):
+    """The hits are attended before `await_loads`, the loading blocks only after it: here the
+    'copy' writes those blocks into the pool when it is awaited, over garbage they held before."""
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(
+        3, 2, 4, 8, 16, 13, torch.float32, masked=masked
+    )
+    loading = (torch.rand(slots.shape) < 0.3) & (slots >= 0)
+    loading[0, 1] = slots[0, 1] >= 0  # a list that is all misses
+    loading[1, 0] = False  # and one that is all hits
+    expected = reference.sparse_decode(query, pool, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
+    arriving = slots[loading].unique()
+    stale = pool.clone()
+    stale[arriving] = float("nan")  # what the slots held before the copy
+    on_device = [x.to(DEVICE) if x is not None else None for x in (query, stale, slots, head_mask, tail_k, tail_v)]
+    waits = []
+
+    def await_loads():
+        waits.append(True)
+        on_device[1][arriving.to(DEVICE)] = pool[arriving].to(DEVICE)  # the copy lands
+
+    got = triton_decode.sparse_decode(
+        *on_device, tail_len.to(DEVICE), 0.3, num_splits=num_splits, loading=loading.to(DEVICE), await_loads=await_loads
+    )
+    assert len(waits) == 1
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
+
+
+def test_nothing_loaded_still_awaits_the_loads(poisoned):
+    query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(2, 2, 2, 8, 16, 0, torch.float32)
+    waits = []
+    inputs = [x.to(DEVICE) for x in (query, pool, slots)]
+    got = triton_decode.sparse_decode(
+        *inputs, None, tail_k.to(DEVICE), tail_v.to(DEVICE), tail_len.to(DEVICE), 0.3,
+        loading=torch.zeros(slots.shape, dtype=torch.bool, device=DEVICE), await_loads=lambda: waits.append(True),
+    )  # fmt: skip
+    assert waits == [True]
+    expected = reference.sparse_decode(query, pool, slots, None, tail_k, tail_v, tail_len, 0.3)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
