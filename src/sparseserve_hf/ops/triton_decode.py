@@ -48,25 +48,6 @@ def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    q, pool_ptr, slot, token_ok, u, end, t, d, d_ok, g_ok, heads, mask_row_ptr, stride_mh, m, l, acc, scaling,
-    S: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    """One tile of loaded blocks: tokens t of entries u (slot, token_ok per token) into m, l, acc."""
-    base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
-    kv_mask = token_ok[:, None] & d_ok[None, :]
-    k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
-    seen = g_ok[:, None] & token_ok[None, :]
-    if HAS_MASK:
-        allowed = tl.load(
-            mask_row_ptr + heads[:, None] * stride_mh + u[None, :], mask=g_ok[:, None] & (u < end)[None, :], other=0
-        )
-        seen = seen & (allowed != 0)
-    return _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     pool_ptr,
@@ -149,17 +130,19 @@ def _decode_split_kernel(
                     token_ok = token_ok & (flag == 0)
                 else:
                     token_ok = token_ok & (flag != 0)
-            if LOADS == 2:  # most tiles hold no loading block: skip them, not just mask them
-                if tl.max(token_ok.to(tl.int32), axis=0) > 0:
-                    m, l, acc = _attend_tile(
-                        q, pool_ptr, slot, token_ok, u, end, t, d, d_ok, g_ok, heads, mask_ptr + b * stride_mb,
-                        stride_mh, m, l, acc, scaling, S, D, HAS_MASK, IEEE,
-                    )  # fmt: skip
-            else:
-                m, l, acc = _attend_tile(
-                    q, pool_ptr, slot, token_ok, u, end, t, d, d_ok, g_ok, heads, mask_ptr + b * stride_mb,
-                    stride_mh, m, l, acc, scaling, S, D, HAS_MASK, IEEE,
-                )  # fmt: skip
+            base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
+            kv_mask = token_ok[:, None] & d_ok[None, :]
+            k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
+            seen = g_ok[:, None] & token_ok[None, :]
+            if HAS_MASK:
+                allowed = tl.load(
+                    mask_ptr + b * stride_mb + heads[:, None] * stride_mh + u[None, :],
+                    mask=g_ok[:, None] & (u < end)[None, :],
+                    other=0,
+                )
+                seen = seen & (allowed != 0)
+            m, l, acc = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
     else:
         # Names differ from the branch above: Triton needs a name bound in both branches to keep one type.
         tail_t = tl.arange(0, TAIL_TOKENS)
