@@ -18,7 +18,6 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from .cache import handoff
-from .cache.block_cache import Lookup
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
 
@@ -159,19 +158,14 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
 
 def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False) -> torch.Tensor:
     """The sparse decode of one layer: pick and fetch blocks, attend over them and the tails.
-    q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`).
-
-    On CUDA the misses' copy from DRAM runs beside the attention over the hits (`fetch_beside`);
-    the attention op waits for it before it reads the blocks it brings."""
-    lookup, head_mask = select_and_fetch(layer, q, beside=not trim)
-    slots = lookup.slots
+    q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`)."""
+    slots, head_mask = select_and_fetch(layer, q)
     if trim:
         slots, head_mask = used_columns(slots, head_mask)
     tail = layer.tail
     return layer.store.ops.sparse_decode(
-        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
-        loading=lookup.loading, await_loads=lookup.wait,
-    )  # fmt: skip
+        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling
+    )
 
 
 def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,15 +180,11 @@ def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[t
     return slots[..., columns], None if head_mask is None else head_mask[..., columns]
 
 
-def select_and_fetch(
-    layer: SparseServeLayer, q: torch.Tensor, beside: bool = False
-) -> tuple[Lookup, torch.Tensor | None]:
+def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
-    HBM slots (loading misses). q (B, Hq, D). Returns the lookup (its slots (B, Hkv, U), -1 unused)
-    and the per-query-head mask (B, Hq, U) or None. `beside`: the misses may still be loading
-    when it returns (`TieredBlockStore.fetch_beside`; the caller waits for them), else they are
-    in place. Records the pick in `layer.last_pick` and what the step reads in the store's load
-    counters."""
+    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, and the
+    per-query-head mask (B, Hq, U) or None. Records the pick in `layer.last_pick` and what the
+    step reads in the store's load counters."""
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
@@ -205,12 +195,9 @@ def select_and_fetch(
         head_mask = None
     store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
-    if beside:
-        lookup = store.fetch_beside(block_ids, layer.first_partition)
-    else:
-        lookup = Lookup(store.fetch(block_ids, layer.first_partition))
+    slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
-    return lookup, head_mask
+    return slots, head_mask
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

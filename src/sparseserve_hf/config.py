@@ -118,11 +118,6 @@ class SparseServeConfig:
             GPU-direct UVA scatter launch, close to bulk D2H bandwidth) or "flash_d2h" (the paper's
             FlashD2H: one contiguous D2H copy into pinned staging, CPU threads scatter it; slower,
             as the CPU scatter bounds it).
-        loads_beside: a decode step's lookup copies its misses from DRAM on a side stream while
-            the attention over its hits runs, and attends to the loaded blocks once they are in
-            (on CUDA with offload and transfer="kernel"; elsewhere nothing changes). False copies
-            them before the attention starts: the same outputs up to summation order, slower by
-            the copy's PCIe time (the ablation).
         cuda_graphs: the `Generator`'s decode steps replay a captured CUDA graph
             (`graph.DecodeGraphRunner`; on CUDA with the "triton" or "flash" backend) instead of
             launching ~100 kernels per layer from Python. True needs `transfer="kernel"` and no
@@ -182,7 +177,6 @@ class SparseServeConfig:
     offload: bool = True
     transfer: str = "kernel"
     save_path: str = "scatter"
-    loads_beside: bool = True
     cuda_graphs: bool | None = None
     layer_graphs: bool = True
     generate_graphs: bool = True
@@ -250,7 +244,6 @@ class SparseServeConfig:
         _check_bool("offload", self.offload)
         _check_choice("transfer", self.transfer, TRANSFERS)
         _check_choice("save_path", self.save_path, SAVE_PATHS)
-        _check_bool("loads_beside", self.loads_beside)
         if not self.offload and self.hbm_cache_bytes is not None:
             raise ValueError(
                 f"hbm_cache_bytes must be None with offload=False (got {self.hbm_cache_bytes}): every block "

@@ -52,13 +52,10 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
     for step in range(25):
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
-        was_missing = (ids >= 0) & (want.block_slot[ids.clamp(min=0)] < 0)  # every copy of a missing block
-        loading, k_loading = torch.zeros(ids.shape, dtype=torch.bool), torch.ones_like(ids, dtype=torch.bool, device=DEVICE)
-        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, loading)
+        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
         k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
-            ids.to(DEVICE), first, got, got_counts, k_loading, one_tile=one_tile
+            ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
         )
-        assert torch.equal(loading, was_missing) and torch.equal(k_loading.cpu(), was_missing), step
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
         assert torch.equal(k_counts.cpu(), load_counts), step
@@ -99,12 +96,10 @@ def test_kernel_with_strided_wide_selection_and_full_partition():
     ids = ids.view(batch, width, heads).transpose(1, 2)  # (B, H, U), not contiguous
     got = copy_tables(tables, DEVICE)
     counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
-    loading = torch.zeros((batch, heads, width), dtype=torch.bool, device=DEVICE)
     want = lru.resolve_(ids, 0, tables, counts)
-    out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts, loading)
+    out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts)
     for a, b in zip(out, want):
         assert torch.equal(a.cpu(), b)
-    assert loading.all()  # an empty cache: every entry loads
     assert_tables_equal(got, tables)
     assert counts.tolist() == [2 * batch * width, 2 * batch * width]
 

@@ -15,31 +15,6 @@ from .plain import plain_tensors
 UNLIMITED_INITIAL_SLOTS = 256
 
 
-@dataclasses.dataclass
-class Lookup:
-    """Where a selection's blocks are, and the copy that may still be bringing the missing ones in.
-
-    slots: (B, H, U) the slot of each entry's block, -1 where unused.
-    loading: (B, H, U) bool, the entries whose blocks a side-stream copy is still writing into the
-        slot pool; None when every block is in place for whatever the caller launches next.
-    copied: the event that copy records (None once waited for, or without one).
-    in_flight: the load lists that copy reads, kept alive until it is waited for: the caching
-        allocator would otherwise hand their memory to the current stream's next allocation.
-    """
-
-    slots: torch.Tensor
-    loading: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-    in_flight: tuple[torch.Tensor, ...] = ()
-
-    def wait(self) -> None:
-        """Order the current stream's next launches after the copy (a device-side wait, no host
-        sync): from then on every slot holds its block. Idempotent."""
-        if self.copied is not None:
-            torch.cuda.current_stream(self.slots.device).wait_event(self.copied)
-            self.copied, self.in_flight = None, ()
-
-
 def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
     """Rows one lookup can serve when each of a row's `entries_per_row` selected blocks per partition
     may need its own slot (a lookup never evicts the blocks it uses itself)."""
@@ -159,57 +134,21 @@ class HbmBlockCache:
         cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
         where unused; the counters `counts()` reads are updated too.
         """
-        return self._lookup(block_ids, dram, first_partition, None).slots
-
-    @plain_tensors
-    def lookup_beside(
-        self,
-        block_ids: torch.Tensor,
-        dram: DramPool,
-        first_partition: int,
-        stream: torch.cuda.Stream,
-        copied: torch.cuda.Event,
-    ) -> Lookup:
-        """`lookup` whose copy of the misses runs on `stream` (a CUDA side stream) and records
-        `copied`, beside what the current stream runs next, which may read every slot but the
-        `loading` entries' at once. The caller calls `Lookup.wait()` before it reads those, and
-        before the next lookup (which records `copied` again)."""
-        return self._lookup(block_ids, dram, first_partition, (stream, copied))
-
-    def _lookup(
-        self,
-        block_ids: torch.Tensor,
-        dram: DramPool,
-        first_partition: int,
-        beside: tuple[torch.cuda.Stream, torch.cuda.Event] | None,
-    ) -> Lookup:
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
         self.prepare(tuple(block_ids.shape), dram, first_partition)
-        selection = block_ids.to(self.device).contiguous()
-        loading = None if beside is None else torch.empty(selection.shape, dtype=torch.bool, device=self.device)
-        flat_loading = loading
+        selection = block_ids.to(self.device)
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
-            flat_loading = None if loading is None else loading.view(1, 1, -1)
-        slots, load_ids, load_slots, load_counts = self.resolve(
-            selection, first_partition, self.tables, self._counts, flat_loading
-        )
+        slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
-            if beside is None:
-                self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
-                return Lookup(slots.view(block_ids.shape))
-            stream, copied = beside
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the lists are written there
-            with torch.cuda.stream(stream):
-                self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)
-                copied.record(stream)
-            return Lookup(slots.view(block_ids.shape), loading, copied, (load_ids, load_slots, load_counts))
+            self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
         except BaseException:
             # The tables already call the misses resident: forget them, or a later lookup would
             # hit slots that never received their blocks.
             lru.forget_(load_ids.view(-1), self.tables)
             raise
+        return slots.view(block_ids.shape)
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one

@@ -11,7 +11,7 @@ from ..config import SparseServeConfig
 from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
-from .block_cache import HbmBlockCache, Lookup
+from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
 from .grow import grown
 from .plain import plain_tensors
@@ -82,12 +82,6 @@ class TieredBlockStore:
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
-        # Made here, not at the first lookup: a CUDA-graph capture may be that lookup.
-        self._load_stream: torch.cuda.Stream | None = None
-        self._loads_copied: torch.cuda.Event | None = None
-        if self._loads_can_go_beside():
-            self._load_stream = torch.cuda.Stream(device, priority=-1)  # its few programs start first
-            self._loads_copied = torch.cuda.Event()
         meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
@@ -260,28 +254,6 @@ class TieredBlockStore:
         """
         self.wait_for_saves()
         return self.hbm.lookup(block_ids, self.dram, first_partition)
-
-    @plain_tensors
-    def fetch_beside(self, block_ids: torch.Tensor, first_partition: int = 0) -> Lookup:
-        """`fetch` whose misses load beside the caller's next launches, where that can help.
-
-        On CUDA with the pool in pinned host memory and FlashH2D loads, the copy of the misses runs
-        on a high-priority side stream: the caller may attend to the hits while PCIe brings the
-        misses in, and calls `Lookup.wait()` before it reads a `loading` entry's slot (and before
-        this store's next fetch). Elsewhere this is `fetch`, complete when it returns. Launches
-        only, no host sync; inside a CUDA-graph capture the side stream joins the capture.
-        """
-        if self._load_stream is None:
-            return Lookup(self.fetch(block_ids, first_partition))
-        self.wait_for_saves()
-        return self.hbm.lookup_beside(block_ids, self.dram, first_partition, self._load_stream, self._loads_copied)
-
-    def _loads_can_go_beside(self) -> bool:
-        """Loads beside the attention (`config.loads_beside`) need CUDA, a host pool behind the HBM
-        cache (PCIe is the wait they hide) and the one-launch gather (`transfer="copy"`, the
-        per-block baseline, stays as it is)."""
-        config = self.config
-        return config.loads_beside and self.device.type == "cuda" and config.offload and config.transfer == "kernel"
 
     def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
         """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for

@@ -24,7 +24,6 @@ on the host (`seqused_k` stays on the device; `max_seqlen_k` defaults to the tab
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from flash_attn.cute import flash_attn_varlen_func
@@ -53,9 +52,6 @@ def sparse_decode(
     tail_len: torch.Tensor,
     scaling: float,
     num_splits: int | None = None,
-    *,
-    loading: torch.Tensor | None = None,
-    await_loads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` with the loaded blocks attended by flash-attn-4's paged kernel.
 
@@ -68,15 +64,11 @@ def sparse_decode(
         tail_len: (B,) valid tokens of each tail block, 0..S.
         scaling: softmax scale.
         num_splits: chunks per fa4 entry; None = enough entries to give every SM one.
-        loading, await_loads: as in `reference.sparse_decode`; the loads are awaited first.
     Returns:
         (B, Hq, D) in the query's dtype. A row whose head sees no block and has an empty tail
         never occurs (decode always has the current token in the tail); it would give NaN, as
         the reference does.
     """
-    del loading  # fa4 attends to every block in one call: the loads are awaited first
-    if await_loads is not None:
-        await_loads()
     if query.dtype not in FA4_DTYPES:
         from . import triton_decode
 

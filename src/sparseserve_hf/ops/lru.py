@@ -86,11 +86,7 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_(
-    selection: torch.Tensor,
-    first_partition: int,
-    tables: LruTables,
-    counts: torch.Tensor,
-    loading: torch.Tensor | None = None,
+    selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
@@ -104,9 +100,6 @@ def resolve_(
         first_partition: the partition of head 0.
         tables: the cache's tables.
         counts: (2,) long, += (distinct blocks looked up, misses).
-        loading: optional (B, H, U) bool output, set True at every entry whose block this lookup
-            loads (each copy of a missing block, not only the first): the entries whose slots
-            receive their blocks only once the load lists are copied.
     Returns:
         slots: (B, H, U) the slot of each entry's block, -1 where unused.
         load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
@@ -127,8 +120,6 @@ def resolve_(
     resident = valid & (slots >= 0)
     first = first_copies(ids)
     hit, miss = first & resident, first & ~resident
-    if loading is not None:
-        loading.copy_((valid & ~resident).view(heads, batch, width).transpose(0, 1))
     tables.slot_tick[torch.where(resident, slots, dump_slot)] = now.expand(num_rows, num_entries)
     num_misses = miss.sum(1)  # (H,)
 
@@ -144,15 +135,15 @@ def resolve_(
     load_ids.scatter_(1, torch.where(miss, miss_rank, num_entries), ids)
     load_slots, load_ids = load_slots[:, :num_entries].contiguous(), load_ids[:, :num_entries].contiguous()
 
-    installing = load_ids >= 0
-    target = torch.where(installing, load_slots, dump_slot)
+    loading = load_ids >= 0
+    target = torch.where(loading, load_slots, dump_slot)
     evicted = tables.slot_block[target]
     # index_fill_, not `[...] = -1`: a Python scalar assigned through an index tensor is copied to
     # the device first, a host sync.
-    tables.block_slot.index_fill_(0, torch.where(installing & (evicted >= 0), evicted, dump_block).flatten(), -1)
+    tables.block_slot.index_fill_(0, torch.where(loading & (evicted >= 0), evicted, dump_block).flatten(), -1)
     tables.slot_block[target] = load_ids
     tables.slot_tick[target] = now.expand(num_rows, num_entries)
-    tables.block_slot[torch.where(installing, load_ids, dump_block)] = load_slots
+    tables.block_slot[torch.where(loading, load_ids, dump_block)] = load_slots
     resolved = torch.where(valid, tables.block_slot[safe_ids], -1).view(heads, batch, width).transpose(0, 1)
 
     _move_used_to_back_(tables, partitions, order, now)

@@ -8,8 +8,6 @@ Every op accumulates in fp32 and returns the input dtype where it returns activa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
@@ -256,9 +254,6 @@ def sparse_decode(
     tail_values: torch.Tensor,
     tail_len: torch.Tensor,
     scaling: float,
-    *,
-    loading: torch.Tensor | None = None,
-    await_loads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One decode token of attention over the blocks each KV head loaded plus each row's tail block.
 
@@ -272,16 +267,9 @@ def sparse_decode(
         tail_keys, tail_values: (B, Hkv, S, D) the partial block of each row (the newest tokens).
         tail_len: (B,) valid tokens in each tail block.
         scaling: softmax scale.
-        loading: (B, Hkv, U) bool, the entries whose blocks a copy is still writing into `pool`
-            (a lookup whose misses load beside the attention); None = every block is in place.
-        await_loads: orders what runs next after that copy (a device-side wait, no host sync);
-            called before any loading entry is read. A kernel may attend to the other entries
-            first; here it is simply called first.
     Returns:
         (B, Hq, D) in the query's dtype.
     """
-    if await_loads is not None:
-        await_loads()
     batch, num_q_heads, dim = query.shape
     num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
     group = num_q_heads // num_kv_heads

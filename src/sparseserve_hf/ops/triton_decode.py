@@ -6,17 +6,11 @@ tail block. The blocks are split over several programs per (row, KV head) so tha
 batch of a few rows still fills the GPU (flash-decoding); each program keeps an online softmax
 in fp32 and writes its partial (max, sum, accumulator); a second kernel merges the partials.
 The G query heads of a group ride the rows of one `tl.dot`, so a block is read once per group.
-
-While a lookup's misses are still being copied in from DRAM (on a side stream), the split
-programs attend to every other block first; once the copy is waited for, a second launch of the
-same split programs takes only the blocks it brought, into partials of their own, and the merge
-takes both. The attention over the hits thus runs beside the PCIe copy instead of after it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import triton
@@ -52,7 +46,6 @@ def _decode_split_kernel(
     q_ptr,
     pool_ptr,
     slots_ptr,
-    loading_ptr,
     mask_ptr,
     tail_k_ptr,
     tail_v_ptr,
@@ -72,8 +65,6 @@ def _decode_split_kernel(
     num_kv_heads,
     num_loaded,
     num_splits,
-    first_part,
-    num_parts,
     scaling,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -86,13 +77,9 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr,
     IEEE: tl.constexpr,
     MIN_PER_SPLIT: tl.constexpr,
-    LOADS: tl.constexpr,
 ):
     """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
-    one takes the tail block. Writes partials [b, h*G + g, first_part + split] of num_parts.
-
-    LOADS: 0 attends to every used entry; 1 skips the entries flagged in `loading` (blocks still
-    being copied in); 2 takes only those (launched with num_splits programs: no tail).
+    one takes the tail block. Writes partials [b, h*G + g, split].
 
     Selections hold their unused (-1) entries last, often most of U, and how many are used is known
     only here: each (row, KV head) cuts its used prefix into equal whole-tile ranges (at least
@@ -124,12 +111,6 @@ def _decode_split_kernel(
             u = first + t // S  # (T,) loaded-block index of each token
             slot = tl.load(slots_ptr + b * stride_sb + h * stride_sh + u, mask=u < end, other=-1).to(tl.int64)
             token_ok = slot >= 0
-            if LOADS != 0:
-                flag = tl.load(loading_ptr + b * stride_sb + h * stride_sh + u, mask=u < end, other=0)
-                if LOADS == 1:
-                    token_ok = token_ok & (flag == 0)
-                else:
-                    token_ok = token_ok & (flag != 0)
             base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
             kv_mask = token_ok[:, None] & d_ok[None, :]
             k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -152,7 +133,7 @@ def _decode_split_kernel(
         tail_k = tl.load(tail_k_ptr + tail_offsets, mask=tail_mask, other=0.0)
         tail_v = tl.load(tail_v_ptr + tail_offsets, mask=tail_mask, other=0.0)
         m, l, acc = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
-    part = (b * num_kv_heads * G + heads) * num_parts + first_part + split  # (BG,) partials are (B, Hq, parts)
+    part = (b * num_kv_heads * G + heads) * (num_splits + 1) + split  # (BG,) partials are (B, Hq, splits+1)
     tl.store(part_m_ptr + part, m, mask=g_ok)
     tl.store(part_l_ptr + part, l, mask=g_ok)
     tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
@@ -210,11 +191,8 @@ def sparse_decode(
     tail_len: torch.Tensor,
     scaling: float,
     num_splits: int | None = None,
-    *,
-    loading: torch.Tensor | None = None,
-    await_loads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """`reference.sparse_decode` as Triton launches (split-K partials, then their merge).
+    """`reference.sparse_decode` as two Triton launches (split-K partials, then their merge).
 
     Args:
         query: (B, Hq, D) fp16/bf16/fp32, last dim contiguous.
@@ -226,8 +204,6 @@ def sparse_decode(
         scaling: softmax scale.
         num_splits: programs per (row, KV head) sharing its used blocks (each takes at least a few
             blocks, so some may have none); None = enough to fill the GPU.
-        loading, await_loads: as in `reference.sparse_decode`. With `loading` the other blocks are
-            attended to before `await_loads()` and the loading ones in a second split launch after.
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
@@ -237,7 +213,6 @@ def sparse_decode(
     assert pool.is_contiguous() and pool.dtype == query.dtype == tail_keys.dtype == tail_values.dtype
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
-    assert loading is None or (loading.shape == slots.shape and await_loads is not None), "loading needs await_loads"
     slots = slots.contiguous()
     mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
     block_u = max(1, TILE_TOKENS // block_size)
@@ -245,42 +220,30 @@ def sparse_decode(
         num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
     else:
         num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
-    overlapped = loading is not None and num_splits > 0
-    num_parts = 2 * num_splits + 1 if overlapped else num_splits + 1  # [splits, tail, loading splits]
+    num_parts = num_splits + 1
     part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((batch, num_q_heads, num_parts, dim), dtype=torch.float32, device=query.device)
-    flags = loading.contiguous().view(torch.uint8) if overlapped else slots  # slots: unused pointer
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(max(dim, 16))  # tl.dot needs every side >= 16
-
-    def launch(programs: int, first_part: int, loads: int) -> None:
-        _decode_split_kernel[(batch * num_kv_heads, programs)](
-            query, pool, slots, flags, mask, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
-            query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
-            mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
-            num_kv_heads, num_loaded, num_splits, first_part, num_parts, scaling,
-            G=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            S=block_size,
-            D=dim,
-            BLOCK_D=block_d,
-            BLOCK_U=block_u,
-            BLOCK_LOADED=triton.next_power_of_2(max(num_loaded, 1)),
-            TAIL_TOKENS=max(16, block_size),
-            HAS_MASK=head_mask is not None,
-            IEEE=query.dtype == torch.float32,
-            MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
-            LOADS=loads,
-            num_warps=4,
-        )  # fmt: skip
-
-    if await_loads is not None and not overlapped:  # nothing to attend to beside the copy
-        await_loads()
-    launch(num_splits + 1, 0, 1 if overlapped else 0)
-    if overlapped:
-        await_loads()
-        launch(num_splits, num_splits + 1, 2)
+    _decode_split_kernel[(batch * num_kv_heads, num_parts)](
+        query, pool, slots, mask, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
+        query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
+        mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
+        num_kv_heads, num_loaded, num_splits, scaling,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        S=block_size,
+        D=dim,
+        BLOCK_D=block_d,
+        BLOCK_U=block_u,
+        BLOCK_LOADED=triton.next_power_of_2(max(num_loaded, 1)),
+        TAIL_TOKENS=max(16, block_size),
+        HAS_MASK=head_mask is not None,
+        IEEE=query.dtype == torch.float32,
+        MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
+        num_warps=4,
+    )  # fmt: skip
     out = torch.empty((batch, num_q_heads, dim), dtype=query.dtype, device=query.device)
     _decode_reduce_kernel[(batch * num_q_heads,)](
         part_m, part_l, part_acc, out, num_parts, D=dim, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_parts)

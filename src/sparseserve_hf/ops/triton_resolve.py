@@ -37,7 +37,6 @@ def _resolve_kernel(
     clock_ptr,
     counts_ptr,
     slots_ptr,
-    loading_ptr,
     load_ids_ptr,
     load_slots_ptr,
     load_counts_ptr,
@@ -48,11 +47,8 @@ def _resolve_kernel(
     stride_head,
     BLOCK: tl.constexpr,
     ONE_TILE: tl.constexpr,
-    HAS_LOADING: tl.constexpr,
 ):
     """Program h resolves head h's entries: entry e is ids[e // width, h, e % width].
-
-    HAS_LOADING: also flag, in `loading` (laid out as the ids), every entry whose block misses.
 
     ONE_TILE: the entries and the partition's slots each fit one BLOCK-wide tile (a decode step's
     lookup), so every value a later phase needs stays in registers instead of being read again.
@@ -65,15 +61,15 @@ def _resolve_kernel(
     lists = head.to(tl.int64) * num_entries
     if ONE_TILE:
         distinct_hits, num_misses = _resolve_one_tile(
-            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr, loading_ptr,
+            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
             load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, per_partition, width, stride_row, stride_head, BLOCK, HAS_LOADING,
+            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     else:
         distinct_hits, num_misses = _resolve_tiled(
-            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr, loading_ptr,
+            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
             load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, per_partition, width, stride_row, stride_head, BLOCK, HAS_LOADING,
+            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
     tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64), sem="relaxed")
@@ -88,7 +84,6 @@ def _resolve_one_tile(
     slot_tick_ptr,
     order_base,
     slots_ptr,
-    loading_ptr,
     load_ids_ptr,
     load_slots_ptr,
     clock,
@@ -100,7 +95,6 @@ def _resolve_one_tile(
     stride_row,
     stride_head,
     BLOCK: tl.constexpr,
-    HAS_LOADING: tl.constexpr,
 ):
     """The five phases over one tile of entries and one of slots; returns (distinct hits, misses).
 
@@ -121,9 +115,6 @@ def _resolve_one_tile(
     distinct_hits = tl.sum((hit & (before != clock)).to(tl.int32), axis=0)
     claim_code = lanes.to(tl.int64) - num_entries - 2
     tl.atomic_min(block_slot_ptr + ids, claim_code, mask=missing, sem="relaxed", scope="cta")
-    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
-    if HAS_LOADING:
-        tl.store(loading_ptr + out, missing.to(tl.int8), mask=inside)
     tl.debug_barrier()
 
     # 2. the claiming entries append their blocks, in row order
@@ -145,16 +136,17 @@ def _resolve_one_tile(
     tl.debug_barrier()
 
     # 4. install the loads, then the misses read their slots (hits keep theirs)
-    installing = lanes < num_misses
-    block = tl.load(load_ids_ptr + lanes, mask=installing, other=0, volatile=True)
-    target = tl.load(load_slots_ptr + lanes, mask=installing, other=0, volatile=True)
-    evicted = tl.load(slot_block_ptr + target, mask=installing, other=-1, volatile=True)
-    tl.store(block_slot_ptr + evicted, -1, mask=installing & (evicted >= 0))
-    tl.store(slot_block_ptr + target, block, mask=installing)
-    tl.store(slot_tick_ptr + target, clock, mask=installing)
-    tl.store(block_slot_ptr + block, target, mask=installing)
+    loading = lanes < num_misses
+    block = tl.load(load_ids_ptr + lanes, mask=loading, other=0, volatile=True)
+    target = tl.load(load_slots_ptr + lanes, mask=loading, other=0, volatile=True)
+    evicted = tl.load(slot_block_ptr + target, mask=loading, other=-1, volatile=True)
+    tl.store(block_slot_ptr + evicted, -1, mask=loading & (evicted >= 0))
+    tl.store(slot_block_ptr + target, block, mask=loading)
+    tl.store(slot_tick_ptr + target, clock, mask=loading)
+    tl.store(block_slot_ptr + block, target, mask=loading)
     tl.debug_barrier()
     slot = tl.where(missing, tl.load(block_slot_ptr + ids, mask=missing, other=-1, volatile=True), slot)
+    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
     # 5. the eviction order: kept slots compacted in place (every lane read it above), used slots by index
@@ -177,7 +169,6 @@ def _resolve_tiled(
     slot_tick_ptr,
     order_base,
     slots_ptr,
-    loading_ptr,
     load_ids_ptr,
     load_slots_ptr,
     clock,
@@ -189,7 +180,6 @@ def _resolve_tiled(
     stride_row,
     stride_head,
     BLOCK: tl.constexpr,
-    HAS_LOADING: tl.constexpr,
 ):
     """The five phases in BLOCK-wide tiles, for any sizes; returns (distinct hits, misses)."""
     lanes = tl.arange(0, BLOCK)
@@ -207,9 +197,6 @@ def _resolve_tiled(
         distinct_hits += tl.sum((hit & (before != clock)).to(tl.int32), axis=0)
         claim_code = entry.to(tl.int64) - num_entries - 2
         tl.atomic_min(block_slot_ptr + ids, claim_code, mask=valid & (slot < 0), sem="relaxed", scope="cta")
-        if HAS_LOADING:  # a claim of an earlier tile reads as negative too: still missing
-            out = (entry // width) * stride_row + head * stride_head + entry % width
-            tl.store(loading_ptr + out, (valid & (slot < 0)).to(tl.int8), mask=entry < num_entries)
     tl.debug_barrier()
 
     # 2. the claiming entries append their blocks, in row order
@@ -245,14 +232,14 @@ def _resolve_tiled(
     # 4. install the loads, then every entry reads its slot
     for start in range(0, num_entries, BLOCK):
         j = start + lanes
-        installing = j < num_misses
-        block = tl.load(load_ids_ptr + j, mask=installing, other=0, volatile=True)
-        slot = tl.load(load_slots_ptr + j, mask=installing, other=0, volatile=True)
-        evicted = tl.load(slot_block_ptr + slot, mask=installing, other=-1, volatile=True)
-        tl.store(block_slot_ptr + evicted, -1, mask=installing & (evicted >= 0))
-        tl.store(slot_block_ptr + slot, block, mask=installing)
-        tl.store(slot_tick_ptr + slot, clock, mask=installing)
-        tl.store(block_slot_ptr + block, slot, mask=installing)
+        loading = j < num_misses
+        block = tl.load(load_ids_ptr + j, mask=loading, other=0, volatile=True)
+        slot = tl.load(load_slots_ptr + j, mask=loading, other=0, volatile=True)
+        evicted = tl.load(slot_block_ptr + slot, mask=loading, other=-1, volatile=True)
+        tl.store(block_slot_ptr + evicted, -1, mask=loading & (evicted >= 0))
+        tl.store(slot_block_ptr + slot, block, mask=loading)
+        tl.store(slot_tick_ptr + slot, clock, mask=loading)
+        tl.store(block_slot_ptr + block, slot, mask=loading)
     tl.debug_barrier()
     for start in range(0, num_entries, BLOCK):
         entry = start + lanes
@@ -302,14 +289,12 @@ def resolve_(
     first_partition: int,
     tables: LruTables,
     counts: torch.Tensor,
-    loading: torch.Tensor | None = None,
     *,
     one_tile: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
-    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`);
-    fills `loading` ((B, H, U) bool, contiguous) when given.
+    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
     `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
     compare both with the spec).
     """
@@ -323,12 +308,9 @@ def resolve_(
     load_counts = ids.new_empty((heads,))
     block = min(MAX_TILE, triton.next_power_of_2(max(num_entries, per, 16)))
     fits = num_entries <= block and per <= block
-    assert loading is None or (loading.shape == ids.shape and loading.is_contiguous())
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, slots if loading is None else loading.view(torch.int8), load_ids, load_slots, load_counts,
-        num_entries, per, width, heads * width, width,
-        BLOCK=block, ONE_TILE=fits and one_tile, HAS_LOADING=loading is not None,
-        num_warps=max(4, min(16, block // 256)),
+        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
+        BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(16, block // 256)),
     )  # fmt: skip
     return slots, load_ids, load_slots, load_counts
