@@ -126,24 +126,30 @@ def measure_stock(args, device, dtype, shape: str, batch: int, context: int, pro
 
 
 def measure_static(args, device, dtype, shape: str, batch: int, context: int, prompt) -> dict[str, Any] | None:
-    """Stock's StaticCache filled with random KV, through `generate` (which compiles for it); None if it fails."""
+    """Stock's StaticCache filled with random KV, through `generate` (which compiles for it); None if it fails.
+
+    Compiled code holds the model it was traced from (its guards reference it): the compile caches
+    are reset afterwards, or its weights would stay allocated into the next system's peak."""
     try:
-        model = build_model(shape, "sdpa", device, dtype, context + args.new_tokens + 64)
-        text = model.config
-        cache = StaticCache(config=text, max_cache_len=context + args.new_tokens + 8)
-        kv_shape = (batch, text.num_key_value_heads, context, text.head_dim)
-        positions = {"cache_position": torch.arange(context, device=device)}
-        for layer_idx in range(text.num_hidden_layers):
-            keys = torch.randn(kv_shape, dtype=dtype, device=device)
-            cache.update(keys, torch.randn_like(keys), layer_idx, positions)
-        return {"system": "stock StaticCache (compiled)"} | decode_ms_per_step(
-            model, cache, prompt, args.new_tokens, device
-        )
+        return _static_row(args, device, dtype, shape, batch, context, prompt)
     except Exception as exc:  # noqa: BLE001  a baseline that cannot run is recorded as missing, with why
         print(f"stock static failed: {type(exc).__name__}: {exc}")
         return None
     finally:
+        torch._dynamo.reset()
         free_memory(device)
+
+
+def _static_row(args, device, dtype, shape: str, batch: int, context: int, prompt) -> dict[str, Any]:
+    model = build_model(shape, "sdpa", device, dtype, context + args.new_tokens + 64)
+    text = model.config
+    cache = StaticCache(config=text, max_cache_len=context + args.new_tokens + 8)
+    kv_shape = (batch, text.num_key_value_heads, context, text.head_dim)
+    positions = {"cache_position": torch.arange(context, device=device)}
+    for layer_idx in range(text.num_hidden_layers):
+        keys = torch.randn(kv_shape, dtype=dtype, device=device)
+        cache.update(keys, torch.randn_like(keys), layer_idx, positions)
+    return {"system": "stock StaticCache (compiled)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
 
 
 SYSTEMS = {
@@ -154,6 +160,8 @@ SYSTEMS = {
 
 
 def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: str, system: str) -> dict:
+    # What earlier systems left allocated counts in this one's peak: recorded, and ~0 when they freed it all.
+    left_gib = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     model = build_model(shape, "sparseserve", device, dtype, context + args.new_tokens + 64)
     from_model, layer_graphs = SYSTEMS[system]
     config = ours_config(model.config, dtype, batch, context, args, layer_graphs)
@@ -170,6 +178,7 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
     graphs, route = cache.store.layer_graphs, cache.generate_graphs
     row |= {
         "fill_s": fill_s,
+        "allocated_before_gib": left_gib,
         "hit_rate": stats["hit_rate"],
         "loaded_fraction": stats["loaded_fraction"],
         "loaded_tokens_per_kv_head": stats["loaded_tokens_per_kv_head"],
