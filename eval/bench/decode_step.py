@@ -6,10 +6,12 @@
 Llama-3-8B shape with random bf16 weights, B=16 rows of ~32K tokens (32576: with both locality
 blocks' steps the DRAM pool holds every block the run saves in exactly 64 GiB of pinned memory, a
 power of two as the caching host allocator rounds), `SparseServeConfig()` defaults except the HBM
-block cache (25% of the batch's dense KV) and the DRAM pool. Baselines in the same run, both warm:
-stock `model(...)` with SDPA and a `DynamicCache`, and stock's static path (a `StaticCache` and the
-model's compiled call, as `generate(cache_implementation="static")` runs it); `stock_best_ms` is
-the faster.
+block cache (25% of the batch's dense KV) and the DRAM pool. Baselines in the same run, all warm:
+stock `model(...)` with SDPA and a `DynamicCache` (the fastest of `--stock-windows` timed windows:
+its per-step concatenation of every layer's KV makes it move with the allocator's state), the same
+in a child process with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, and stock's static path
+(a `StaticCache` and the model's compiled call, as `generate(cache_implementation="static")` runs
+it); `stock_best_ms` is the fastest.
 
 The KV is random and written straight into the caches (`decode_step_setup`; no 16 x 32K
 prefill); tokens are the model's own greedy picks from a random start. The sparse step runs in
@@ -35,7 +37,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -90,6 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--breakdown-steps", type=int, default=8)
     parser.add_argument("--dense-steps", type=int, default=10)
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument(
+        "--stock-windows", type=int, default=3, help="timed windows of --dense-steps for stock's dynamic step; the fastest counts"
+    )
+    parser.add_argument(
+        "--no-stock-expandable",
+        dest="stock_expandable",
+        action="store_false",
+        help="skip stock's dynamic step under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a child process)",
+    )
+    parser.add_argument("--stock-only", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     parser.add_argument("--graph", action="store_true", help="also time the CUDA-graph step and check its tokens")
     parser.add_argument("--equal-context", type=int, default=4090, help="--graph token check: context per row")
     parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
@@ -129,15 +145,38 @@ def run_steps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[float, to
     return (time.perf_counter() - start) * 1e3 / max(steps, 1), tokens
 
 
-def measure_dense(args, device, dtype, shape: str) -> float:
+def measure_dense(args, device, dtype, shape: str) -> tuple[float, list[float]]:
+    """Stock's DynamicCache step, warm: (the fastest of `--stock-windows` timed windows, every window).
+
+    Its update concatenates each layer's whole KV every step, so its time depends on the caching
+    allocator's state and moves between windows and runs: best stock is its fastest window."""
     model = build_model(shape, "sdpa", device, dtype, args.context + 1024)
     cache = dense_cache(model, args.batch, args.context)
     tokens = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
     _, tokens = run_steps(model, cache, tokens, 4)
-    ms, _ = run_steps(model, cache, tokens, args.dense_steps)
+    windows = []
+    for _ in range(max(args.stock_windows, 1)):
+        ms, tokens = run_steps(model, cache, tokens, args.dense_steps)
+        windows.append(ms)
     del model, cache
     free_memory(device)
-    return ms
+    return min(windows), windows
+
+
+def measure_dense_expandable(args, argv: list[str]) -> float | None:
+    """Stock's DynamicCache step in a child process whose allocator maps expandable segments (the
+    setting must precede CUDA's first use): fewer cudaMalloc/cudaFree calls for the concatenations.
+    None when the child fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "stock.json")
+        child = [a for a in argv if a not in ("--graph",)] + ["--stock-only", "--skip-static", "--out", out]
+        env = os.environ | {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        done = subprocess.run([sys.executable, "-m", "eval.bench.decode_step", *child], env=env, check=False)
+        if done.returncode != 0 or not os.path.exists(out):
+            print(f"stock with expandable segments failed (exit {done.returncode})")
+            return None
+        with open(out) as f:
+            return json.load(f)["stock_dynamic_ms"]
 
 
 def measure_static(args, device, dtype, shape: str) -> float | None:
@@ -392,6 +431,7 @@ def floor_ms(sparse: dict[str, Any], bw: dict[str, float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
@@ -412,11 +452,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     config = replace(config, **config_overrides(args.overrides))
     _check_ram(config.dram_bytes)
+    if args.stock_only:
+        dense, windows = measure_dense(args, device, dtype, shape)
+        result = {"stock_dynamic_ms": dense, "stock_dynamic_windows_ms": windows}
+        write_json(args.out, result)
+        return result
     bw = bandwidths(device)
     free_memory(device)
-    dense = None if args.skip_dense else measure_dense(args, device, dtype, shape)
+    dense, windows = (None, None) if args.skip_dense else measure_dense(args, device, dtype, shape)
+    expandable = measure_dense_expandable(args, argv) if args.stock_expandable and not args.skip_dense else None
     static = None if args.skip_dense or args.skip_static else measure_static(args, device, dtype, shape)
-    stock = [ms for ms in (dense, static) if ms is not None]
+    stock = [ms for ms in (dense, expandable, static) if ms is not None]
     stock_best = min(stock) if stock else None
     sparse = measure_sparse(args, device, dtype, shape, config)
     blocks = {name: ratios(sparse[name], bw, stock_best, args.graph) for name in localities(args)}
@@ -425,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         **run_record(device),
         "stock_dynamic_ms": dense,
+        "stock_dynamic_windows_ms": windows,
+        "stock_dynamic_expandable_ms": expandable,
         "stock_static_ms": static,
         "stock_best_ms": stock_best,
         "shape": shape,
@@ -443,7 +491,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     columns = ["sparse_ms", "graph_ms", "floor_ms", "graph_step_over_floor", "speedup_vs_best_stock", "hit_rate"]
     columns += ["overlap_1step", "overlap_union12", "bookkeeping_us_per_layer", "metadata_read_us_per_layer"]
-    print(f"stock: dynamic {dense} ms, static {static} ms, best {stock_best} ms")
+    print(f"stock: dynamic {dense} ms (windows {windows}), expandable segments {expandable} ms, static {static} ms")
+    print(f"best stock {stock_best} ms")
     for name, block in blocks.items():
         print(name)
         print_table([block], [c for c in columns if c in block])

@@ -23,9 +23,12 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    for key in ("stock_dynamic_ms", "stock_static_ms", "stock_best_ms", "hbm_copy_gb_per_s", "pcie_h2d_gb_per_s"):
+    stock_keys = ("stock_dynamic_ms", "stock_dynamic_expandable_ms", "stock_static_ms")
+    for key in (*stock_keys, "stock_best_ms", "hbm_copy_gb_per_s", "pcie_h2d_gb_per_s"):
         assert result[key] > 0, key
-    assert result["stock_best_ms"] == min(result["stock_dynamic_ms"], result["stock_static_ms"])
+    assert result["stock_best_ms"] == min(result[key] for key in stock_keys)
+    windows = result["stock_dynamic_windows_ms"]
+    assert len(windows) == 3 and result["stock_dynamic_ms"] == min(windows)  # the fastest window counts
     assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
     assert result["config"]["metadata_dtype"] == "float8_e4m3fn"  # --set reached the config
     assert result["trace"]["sha256"] and 0 < result["trace"]["overlap_1step"] <= 1
