@@ -11,14 +11,16 @@ point, `generate`'s own per-step work included: (time of `generate` with N + 1 n
 with 1) / N, after a warm-up call of the same shapes; between calls the cache is cropped back.
 
 Systems, one after another in the same process: stock (`attn_implementation="sdpa"`,
-`DynamicCache`; `--static` adds its `StaticCache`, compiled, and best stock is the faster); ours
+`DynamicCache`, also in a child process under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`;
+`--static` adds its `StaticCache`, compiled; best stock is the fastest); ours
 with `SparseServeConfig()` and an HBM cache of 25% of the dense KV, three ways: `whole_step` (the
 README's `SparseServeCache(model, ...)`: each decode step of the whole model replayed as one CUDA
 graph), `layer_graphs` (a cache built from `model.config`: each sparse layer's attention replayed,
 the rest of the model eager) and `launched` (from the config, `layer_graphs=False`: op by op). Ours runs at
 real locality (blocks loaded follow the recorded selection trace) and with random KV (the random
-model's own selections) in blocks `real_locality` and `random_kv`. Peak HBM is
-`torch.cuda.max_memory_allocated` over each system's timed calls.
+model's own selections) in blocks `real_locality` and `random_kv`. Each system's ms/step is the
+fastest of `--windows` timed pairs of calls. Peak HBM is `torch.cuda.max_memory_allocated` over
+each system's timed calls.
 
 `--first-call`: a fresh process runs one real 32K prefill + 64 new tokens through a new
 SparseServeCache twice; the first call's time minus the second's is the first-call overhead
@@ -71,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--localities", default="real_locality,random_kv")
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--static", action="store_true", help="also stock's StaticCache (compiled)")
+    parser.add_argument("--windows", type=int, default=3, help="timed windows per system; the fastest counts")
+    parser.add_argument(
+        "--no-stock-expandable",
+        dest="stock_expandable",
+        action="store_false",
+        help="skip stock's DynamicCache under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a child process)",
+    )
+    parser.add_argument("--stock-child", default=None, help=argparse.SUPPRESS)  # a point name: its stock row
     parser.add_argument("--first-call", action="store_true", help="measure the first call of a new process")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -99,14 +109,22 @@ def crop_static(cache, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
-def decode_ms_per_step(model, cache, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict[str, Any]:
-    """Warm-up, then (generate(N + 1) - generate(1)) / N in ms, and the peak HBM of the timed calls."""
+def decode_ms_per_step(
+    model, cache, prompt: torch.Tensor, new_tokens: int, device: torch.device, windows: int = 1
+) -> dict[str, Any]:
+    """Warm-up, then (generate(N + 1) - generate(1)) / N in ms, the fastest of `windows` timed pairs
+    (every system alike: a stock DynamicCache's per-step concatenations make it move between
+    windows), and the peak HBM of the timed calls."""
     warm_s = generate_seconds(model, cache, prompt, new_tokens + 1)
     reset_peak(device)
-    one = generate_seconds(model, cache, prompt, 1)
-    full = generate_seconds(model, cache, prompt, new_tokens + 1)
+    steps_ms, full = [], 0.0
+    for _ in range(max(windows, 1)):
+        one = generate_seconds(model, cache, prompt, 1)
+        full = generate_seconds(model, cache, prompt, new_tokens + 1)
+        steps_ms.append((full - one) * 1e3 / new_tokens)
     return {
-        "decode_ms_per_step": (full - one) * 1e3 / new_tokens,
+        "decode_ms_per_step": min(steps_ms),
+        "windows_ms": steps_ms,
         "warmup_call_s": warm_s,
         "call_s": full,
         "peak_gib": peak_gib(device),
@@ -119,7 +137,8 @@ def decode_ms_per_step(model, cache, prompt: torch.Tensor, new_tokens: int, devi
 def measure_stock(args, device, dtype, shape: str, batch: int, context: int, prompt) -> dict[str, Any]:
     model = build_model(shape, "sdpa", device, dtype, context + args.new_tokens + 64)
     cache = dense_cache(model, batch, context)
-    row = {"system": "stock DynamicCache (sdpa)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
+    timing = decode_ms_per_step(model, cache, prompt, args.new_tokens, device, args.windows)
+    row = {"system": "stock DynamicCache (sdpa)"} | timing
     del model, cache
     free_memory(device)
     return row
@@ -149,7 +168,8 @@ def _static_row(args, device, dtype, shape: str, batch: int, context: int, promp
     for layer_idx in range(text.num_hidden_layers):
         keys = torch.randn(kv_shape, dtype=dtype, device=device)
         cache.update(keys, torch.randn_like(keys), layer_idx, positions)
-    return {"system": "stock StaticCache (compiled)"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
+    timing = decode_ms_per_step(model, cache, prompt, args.new_tokens, device, args.windows)
+    return {"system": "stock StaticCache (compiled)"} | timing
 
 
 SYSTEMS = {
@@ -173,7 +193,7 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
         trace = SelectionTrace.load(args.trace)
         text = model.config
         cache.store.selection_override = TraceReplay(trace, text.num_hidden_layers, text.num_key_value_heads, device)
-    row = {"system": f"ours, {system}"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device)
+    row = {"system": f"ours, {system}"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device, args.windows)
     stats = cache.stats()
     graphs, route = cache.store.layer_graphs, cache.generate_graphs
     row |= {
@@ -208,13 +228,30 @@ def ours_config(text, dtype, batch: int, context: int, args, layer_graphs: bool)
     )
 
 
-def measure_point(args, device, dtype, shape: str, batch: int, context: int) -> dict[str, Any]:
+def stock_expandable(args, name: str) -> dict[str, Any] | None:
+    """Stock's DynamicCache row in a child process whose allocator maps expandable segments (set
+    before CUDA's first use); None when the child fails."""
+    command = [sys.executable, "-m", "eval.bench.dropin", "--stock-child", name, "--windows", str(args.windows)]
+    command += ["--new-tokens", str(args.new_tokens)] + (["--dry-run"] if args.dry_run else [])
+    env = os.environ | {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=900)
+    if done.returncode != 0:
+        print(f"stock with expandable segments failed (exit {done.returncode}): {done.stderr[-500:]}")
+        return None
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return row | {"system": "stock DynamicCache (sdpa), expandable segments"}
+
+
+def measure_point(args, device, dtype, shape: str, name: str, batch: int, context: int) -> dict[str, Any]:
     vocab = 256 if args.dry_run else 128256
     prompt = torch.randint(1, vocab, (batch, context + 1), device=device)
     stock = measure_stock(args, device, dtype, shape, batch, context, prompt)
+    expandable = stock_expandable(args, name) if args.stock_expandable else None
     static = measure_static(args, device, dtype, shape, batch, context, prompt) if args.static else None
-    best = min([row for row in (stock, static) if row is not None], key=lambda row: row["decode_ms_per_step"])
-    point = {"batch": batch, "context": context, "stock": stock, "stock_static": static, "stock_best": best}
+    stocks = [row for row in (stock, expandable, static) if row is not None]
+    best = min(stocks, key=lambda row: row["decode_ms_per_step"])
+    point = {"batch": batch, "context": context, "stock": stock, "stock_expandable": expandable}
+    point |= {"stock_static": static, "stock_best": best}
     for block in args.localities.split(","):
         rows = {
             system: measure_ours(args, device, dtype, shape, batch, context, prompt, LOCALITIES[block], system)
@@ -269,16 +306,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(first_call_child(args, device, dtype, shape)))
         return {}
     points = DRY_POINTS if args.dry_run else POINTS
+    if args.stock_child:
+        batch, context = points[args.stock_child]
+        prompt = torch.randint(1, 256 if args.dry_run else 128256, (batch, context + 1), device=device)
+        print(json.dumps(measure_stock(args, device, dtype, shape, batch, context, prompt)))
+        return {}
     result = run_record(device) | {"workload": vars(args), "shape": shape, "dtype": str(dtype), "points": {}}
     for name in args.points.split(","):
-        result["points"][name] = measure_point(args, device, dtype, shape, *points[name])
+        result["points"][name] = measure_point(args, device, dtype, shape, name, *points[name])
     result |= headline(result["points"])
     if args.first_call:
         calls = result["first_call"] = first_call(args)
         result["first_call_overhead_s_32k"] = calls["warm_triton_cache"]["overhead_s"]
         result["first_call_overhead_s_32k_empty_triton_cache"] = calls["empty_triton_cache"]["overhead_s"]
     for name, point in result["points"].items():
-        rows = [point["stock"]] + [point[b][k] for b in LOCALITIES if b in point for k in SYSTEMS]
+        stocks = [point[k] for k in ("stock", "stock_expandable", "stock_static") if point.get(k) is not None]
+        rows = stocks + [point[b][k] for b in LOCALITIES if b in point for k in SYSTEMS]
         print(f"{name}: B={point['batch']} x {point['context']}")
         columns = ["system", "decode_ms_per_step", "vs_best_stock", "peak_gib", "hit_rate", "step_captures"]
         print_table(rows, columns + ["piece_captures"])

@@ -143,7 +143,10 @@ def test_dropin_dry_run_writes_the_target_keys_through_generate(tmp_path):
         assert isinstance(result[key], float), key
     assert "first_call_overhead_s_32k_empty_triton_cache" in result and "peak_hbm_vs_stock_128k" in result
     point = result["points"]["32k"]
-    assert point["stock_static"]["decode_ms_per_step"] > 0 and point["stock_best"]["decode_ms_per_step"] > 0
+    stocks = [point[k] for k in ("stock", "stock_expandable", "stock_static")]
+    assert all(row["decode_ms_per_step"] > 0 and len(row["windows_ms"]) == 3 for row in stocks)
+    assert point["stock_best"] == min(stocks, key=lambda row: row["decode_ms_per_step"])  # the fastest of three
+    assert point["stock"]["decode_ms_per_step"] == min(point["stock"]["windows_ms"])
     for block in ("real_locality", "random_kv"):
         rows = point[block]
         assert rows["launched"]["config"]["layer_graphs"] is False and rows["layer_graphs"]["config"]["layer_graphs"]
