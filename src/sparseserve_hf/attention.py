@@ -159,32 +159,38 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
 def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False) -> torch.Tensor:
     """The sparse decode of one layer: pick and fetch blocks, attend over them and the tails.
     q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`)."""
-    slots, head_mask = select_and_fetch(layer, q)
+    slots, head_mask, scales = select_and_fetch(layer, q)
     if trim:
-        slots, head_mask = used_columns(slots, head_mask)
+        slots, head_mask, scales = used_columns(slots, head_mask, scales)
     tail = layer.tail
     return layer.store.ops.sparse_decode(
-        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling
+        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
     )
 
 
-def used_columns(slots: torch.Tensor, head_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`slots` (B, Hkv, U) and `head_mask` (B, Hq, U) without the columns that are -1 in every row
+def used_columns(
+    slots: torch.Tensor, head_mask: torch.Tensor | None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`slots` (B, Hkv, U), `head_mask` (B, Hq, U) and `scales` (B, Hkv, U, 2) without the columns that are -1 in every row
     and head: the same attention without gathering, and multiplying by zero, blocks nobody loaded
     (a group union is G x K wide and mostly unused while rows are short). Its shape depends on the
     data, so only the eager CPU path takes it: there reading the mask back costs no sync, and no
     static (graph-mode) step runs it."""
     columns = (slots >= 0).flatten(0, 1).any(0).nonzero().flatten()  # (U',)
     if columns.numel() == slots.shape[-1]:
-        return slots, head_mask
-    return slots[..., columns], None if head_mask is None else head_mask[..., columns]
+        return slots, head_mask, scales
+    kept_scales = None if scales is None else scales[..., columns, :]
+    return slots[..., columns], None if head_mask is None else head_mask[..., columns], kept_scales
 
 
-def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def select_and_fetch(
+    layer: SparseServeLayer, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
-    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, and the
-    per-query-head mask (B, Hq, U) or None. Records the pick in `layer.last_pick` and what the
-    step reads in the store's load counters."""
+    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, the
+    per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they are
+    stored in 8 bits (else None). Records the pick in `layer.last_pick` and what the step reads
+    in the store's load counters."""
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
@@ -197,7 +203,7 @@ def select_and_fetch(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Te
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
-    return slots, head_mask
+    return slots, head_mask, store.entry_scales(block_ids)
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

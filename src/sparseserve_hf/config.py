@@ -9,6 +9,7 @@ from typing import Any
 
 METADATA_KINDS = ("quest", "cuboid", "hybrid")
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
+KV_DTYPES = ("auto", "float8_e4m3fn")
 HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
@@ -67,6 +68,13 @@ class SparseServeConfig:
             on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
             it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
             16-bit KV (docs/metadata.md measures what the rounding costs in selection).
+        kv_dtype: how full blocks are stored, in DRAM and in the HBM block cache: "auto" (the
+            default: the model's dtype, exactly) or "float8_e4m3fn" (one byte per value, each
+            head-block's keys and its values scaled by their own fp32 scale so that their largest
+            magnitude is 448): half the DRAM, PCIe bytes and HBM cache of 16-bit KV. Attention
+            dequantizes inside its kernel (and the dense past is dequantized when read back);
+            block metadata is computed from the unrounded keys; tail blocks keep the model's
+            dtype. Not with backend="flash" (fa4's paged kernel reads the pool as it is).
         selection: "query_head" (every query head selects its own blocks; a KV head
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
@@ -163,6 +171,7 @@ class SparseServeConfig:
     metadata: str = "hybrid"
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
+    kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
     hbm_cache_bytes: int | None = None
@@ -211,6 +220,12 @@ class SparseServeConfig:
                 f"got {self.metadata_sub_blocks}"
             )
         _check_choice("metadata_dtype", self.metadata_dtype, METADATA_DTYPES)
+        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        if self.kv_dtype != "auto" and self.backend == "flash":
+            raise NotImplementedError(
+                f"kv_dtype={self.kv_dtype!r} needs the Triton or torch decode attention (it dequantizes "
+                "each block); flash-attn-4's paged kernel reads the pool as stored: use backend='auto' or 'triton'"
+            )
         _check_choice("selection", self.selection, SELECTION_GRANULARITIES)
         _check_choice("group_aggregation", self.group_aggregation, GROUP_AGGREGATIONS)
         _check_choice("backend", self.backend, BACKENDS)

@@ -51,8 +51,9 @@ def test_batch_equals_stock_generate_one_by_one(llama, llama_sdpa):
         ),
         dict(max_batch=4, prefill_mode="chunked", max_inject_tokens=64, max_batch_tokens=40),
         dict(prefill_mode="full", admission=False, hbm_cache_bytes=2 * 24 * 2048),
+        dict(kv_dtype="float8_e4m3fn", max_batch=3, token_budget=64, hbm_cache_bytes=48 * 512, max_inject_tokens=60),
     ],
-    ids=["default", "segmented-small-cache", "chunked", "full-no-admission"],
+    ids=["default", "segmented-small-cache", "chunked", "full-no-admission", "fp8-kv"],
 )
 def test_small_budget_batch_equals_one_by_one(llama, overrides):
     """Budget 48 of up to 150 tokens: real selection. Rows join, sit out and leave; tokens must not move."""
@@ -65,7 +66,7 @@ def test_small_budget_batch_equals_one_by_one(llama, overrides):
     totals = gen.metrics()["totals"]
     assert totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
     if config.hbm_cache_bytes is not None:
-        assert totals["hbm_peak_bytes"] > 0 and gen.store.hbm.num_slots * 2048 <= config.hbm_cache_bytes
+        assert totals["hbm_peak_bytes"] > 0 and gen.store.hbm.num_slots * gen.store.block_bytes <= config.hbm_cache_bytes
     if config.admission and config.hbm_cache_bytes is not None:
         assert totals["sat_out"] > 0  # admission really left requests out of some iterations
         assert totals["admitted_working_set_peak_bytes"] <= config.hbm_cache_bytes
@@ -238,7 +239,7 @@ def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs, monke
     decode drops unused union columns, `attention.used_columns`: the GPU path does neither.)"""
     from sync_guard import forbid_host_syncs
 
-    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask: (slots, head_mask))
+    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales))
 
     steady = GRAPH_CONFIG | dict(
         max_batch=4, hbm_cache_bytes=2 * 400 * 2048, max_inject_tokens=600

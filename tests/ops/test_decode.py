@@ -112,3 +112,30 @@ def test_sparse_decode_llama_shape_on_the_gpu(dtype):
     inputs = decode_inputs(4, 8, 4, 32, 128, 64, dtype, masked=False)
     got, expected = run_both(inputs)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # the interpreter mis-handles bf16
+@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
+def test_sparse_decode_over_8bit_blocks_matches_reference(poisoned, dtype, masked):
+    """A pool of float8 blocks with per-block key/value scales, dequantized inside the kernel: the
+    kernel attends what the pool holds, dequantized in the query's dtype."""
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(3, 2, 4, 8, 16, 11, dtype, masked=masked)
+    stored, block_scales = reference.quantize_blocks(pool.float() * 3, torch.float8_e4m3fn)  # scales != 1
+    scales = block_scales[slots.clamp(min=0)]  # (B, Hkv, U, 2)
+    inputs = (query, stored, slots, head_mask, tail_k, tail_v, tail_len)
+    on_device = [x.to(DEVICE) if x is not None else None for x in inputs]
+    got = triton_decode.sparse_decode(*on_device, 0.3, num_splits=3, scales=scales.to(DEVICE))
+    assert got.dtype == dtype and not got.isnan().any()
+    dequantized = reference.dequantize_blocks(stored, block_scales, dtype)
+    expected = reference.sparse_decode(query, dequantized, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+
+
+def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, 9, torch.float32, masked=True)
+    stored, block_scales = reference.quantize_blocks(pool * 5, torch.float8_e4m3fn)
+    inputs = (query, stored, slots, head_mask, tail_k, tail_v, tail_len)
+    got = reference.sparse_decode(*inputs, 0.3, scales=block_scales[slots.clamp(min=0)])
+    dequantized = reference.dequantize_blocks(stored, block_scales, torch.float32)
+    expected = reference.sparse_decode(query, dequantized, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -117,3 +117,12 @@ def test_ablation_switch_defaults_and_round_trip():
     assert (config.offload, config.transfer, config.save_path) == (True, "kernel", "scatter")
     ablation = SparseServeConfig(offload=False, transfer="copy", dram_bytes=1 << 20)
     assert SparseServeConfig.from_dict(ablation.to_dict()) == ablation
+
+
+def test_kv_dtype_takes_float8_and_refuses_the_flash_backend():
+    assert SparseServeConfig().kv_dtype == "auto"
+    assert SparseServeConfig(kv_dtype="float8_e4m3fn").kv_dtype == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        SparseServeConfig(kv_dtype="int8")
+    with pytest.raises(NotImplementedError, match="kv_dtype"):
+        SparseServeConfig(kv_dtype="float8_e4m3fn", backend="flash")

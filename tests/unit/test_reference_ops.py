@@ -159,9 +159,31 @@ def test_dropping_the_columns_nobody_uses_keeps_the_attention(with_head_mask):
         torch.tensor([3, 8]),
         torch.randn(batch, q_heads, dim),
     )
-    kept, kept_mask = used_columns(slots, head_mask)
+    stored, block_scales = reference.quantize_blocks(pool, torch.float8_e4m3fn)
+    scales = block_scales[slots.clamp(min=0)]  # (B, Hkv, U, 2): trimmed along with the slots
+    kept, kept_mask, kept_scales = used_columns(slots, head_mask, scales)
     assert kept.shape[-1] == 6 and (kept >= 0).sum() == (slots >= 0).sum()  # columns 0-4 and 6
+    assert torch.equal(kept_scales, block_scales[kept.clamp(min=0)])
     args = (tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
     full = reference.sparse_decode(query, pool, slots, head_mask, *args)
     torch.testing.assert_close(reference.sparse_decode(query, pool, kept, kept_mask, *args), full)
+    full_8bit = reference.sparse_decode(query, stored, slots, head_mask, *args, scales=scales)
+    torch.testing.assert_close(reference.sparse_decode(query, stored, kept, kept_mask, *args, scales=kept_scales), full_8bit)
     assert used_columns(kept, kept_mask)[0] is kept  # nothing left to drop: the same tensors
+
+
+@pytest.mark.core
+def test_8bit_blocks_round_each_value_to_its_nearest_scaled_float8():
+    """Each block's keys and its values get their own scale; the largest magnitude comes back
+    exactly, every value within half a float8 step of itself, an all-zero part stays zero."""
+    blocks = torch.randn(5, 2, 8, 16) * torch.tensor([0.01, 1.0, 30.0, 1e3, 1.0]).view(5, 1, 1, 1)
+    blocks[4, 1] = 0.0
+    stored, scales = reference.quantize_blocks(blocks, torch.float8_e4m3fn)
+    assert stored.dtype == torch.float8_e4m3fn and stored.shape == blocks.shape and scales.shape == (5, 2)
+    assert scales[4, 1] == 1.0 and torch.equal(scales[:4], blocks[:4].abs().amax(dim=(-2, -1)) / 448)
+    back = reference.dequantize_blocks(stored, scales, torch.float32)
+    largest = blocks.abs().flatten(2).argmax(-1, keepdim=True)
+    torch.testing.assert_close(back.flatten(2).gather(-1, largest), blocks.flatten(2).gather(-1, largest))
+    step = torch.maximum(blocks.abs() * 2.0**-3, scales[..., None, None] * 2.0**-9)  # normal / subnormal spacing
+    assert ((back - blocks).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert torch.equal(back[4, 1], torch.zeros(8, 16))

@@ -130,16 +130,22 @@ class SparseServeCache(Cache):
         dram_bytes = self.config.dram_bytes
         if store is not None or dram_bytes is None:
             return
-        block_bytes = 2 * self.config.block_size * head_dim * _dtype_itemsize(getattr(self.model_config, "dtype", None))
+        block_bytes = 2 * self.config.block_size * head_dim * self._stored_itemsize(
+            _dtype_itemsize(getattr(self.model_config, "dtype", None))
+        )
         if dram_bytes < block_bytes:
             raise ValueError(f"dram_bytes={dram_bytes} holds no head-block of {block_bytes} bytes")
         if self.config.offload:
             check_host_bytes(dram_bytes, f"dram_bytes={dram_bytes}", "lower dram_bytes")
 
+    def _stored_itemsize(self, model_itemsize: int) -> int:
+        """Bytes per value of a stored block: one for 8-bit `kv_dtype`, else the model's."""
+        return 1 if self.config.kv_dtype != "auto" else model_itemsize
+
     def _check_hbm_cache(self, batch: int, itemsize: int) -> None:
         if self.config.hbm_cache_bytes is None:
             return
-        block_bytes = 2 * self.config.block_size * self.shape.head_dim * itemsize
+        block_bytes = 2 * self.config.block_size * self.shape.head_dim * self._stored_itemsize(itemsize)
         slots = self.config.hbm_cache_bytes // block_bytes
         partitions = self._slot.hbm_partitions
         per_head = selected_blocks_per_kv_head(self.model_config, self.config)

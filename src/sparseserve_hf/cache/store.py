@@ -74,7 +74,8 @@ class TieredBlockStore:
         self.config = config
         self.ops = block_copy.with_copy_transfers(ops) if config.transfer == "copy" else ops
         device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype  # the model's KV (what `update` receives and `read` returns)
+        self.kv_dtype = reference.kv_storage_dtype(config.kv_dtype, dtype)  # what full blocks are stored in
         self.device = device
         block_shape = (2, config.block_size, head_dim)
         self.dram, self.hbm = self._tiers(block_shape)
@@ -86,6 +87,9 @@ class TieredBlockStore:
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)
+        # (C, 2) fp32 key and value scales of each 8-bit DRAM block (`ops.reference.quantize_blocks`);
+        # None when blocks keep the model's dtype.
+        self.block_scales = None if self.kv_dtype == dtype else torch.ones((0, 2), dtype=torch.float32, device=device)
         self._stats = TransferStats()
         # Per HBM partition (sparse layer x KV head): what decode steps read (`ops.reference.account_loads`),
         # summed on the device; `load_summary` reads it.
@@ -109,14 +113,14 @@ class TieredBlockStore:
         """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
         config, device = self.config, self.device
         if not config.offload:
-            dram = DramPool(block_shape, self.dtype, config.dram_bytes, pin=False, device=device)
+            dram = DramPool(block_shape, self.kv_dtype, config.dram_bytes, pin=False, device=device)
             return dram, ResidentBlocks(dram)
-        dram = DramPool(block_shape, self.dtype, config.dram_bytes, pin=device.type == "cuda")
+        dram = DramPool(block_shape, self.kv_dtype, config.dram_bytes, pin=device.type == "cuda")
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes
         hbm = HbmBlockCache(
             num_slots,
             block_shape,
-            self.dtype,
+            self.kv_dtype,
             device,
             self.ops.gather_blocks,
             self.hbm_partitions,
@@ -163,18 +167,23 @@ class TieredBlockStore:
         self._track_capacity()
 
     def _write(self, blocks: torch.Tensor, ids: torch.Tensor, beside_compute: bool = False) -> torch.Tensor:
-        """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata; returns the ids on the device."""
+        """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata (and their
+        scales, for 8-bit blocks); returns the ids on the device."""
         self._track_capacity()
         device_ids = ids.to(self.device)  # one host-to-device copy of the ids, not one per use
+        stored = blocks
+        if self.block_scales is not None:
+            stored, scales = reference.quantize_blocks(blocks, self.kv_dtype)
+            self.block_scales[device_ids] = scales
         if self.saver is not None:
-            self.saver.save(blocks, self.dram.storage, ids)
+            self.saver.save(stored, self.dram.storage, ids)
         elif beside_compute and self._saves_can_go_beside():
-            self._scatter_beside(blocks, device_ids)
+            self._scatter_beside(stored, device_ids)
         else:
             # Ordered after any save still running beside: freed ids are handed out again, and the
             # older copy must not land on top of this one.
             self.wait_for_saves()
-            self.ops.scatter_blocks(blocks, self.dram.storage, device_ids)
+            self.ops.scatter_blocks(stored, self.dram.storage, device_ids)
         config = self.config
         self.metadata[device_ids] = self.ops.block_metadata(
             blocks[:, 0], config.metadata, config.sub_blocks, self.metadata.dtype
@@ -239,10 +248,19 @@ class TieredBlockStore:
         """(n, 2, S, D) blocks on the device, straight from DRAM (the dense path's past)."""
         self.wait_for_saves()
         ids = ids.reshape(-1).to(self.device)
-        out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.dtype, device=self.device)
+        out = torch.empty((ids.numel(), *self.dram.block_shape), dtype=self.kv_dtype, device=self.device)
         self.ops.gather_blocks(self.dram.storage, ids, out, torch.arange(ids.numel(), device=self.device))
         self._stats.dense_read_bytes += ids.numel() * self.block_bytes
+        if self.block_scales is not None:
+            out = reference.dequantize_blocks(out, self.block_scales[ids], self.dtype)
         return out
+
+    def entry_scales(self, block_ids: torch.Tensor) -> torch.Tensor | None:
+        """(..., 2) fp32 key and value scales of the DRAM blocks `block_ids` (-1 entries read block
+        0's), what attention over 8-bit blocks needs beside their slots; None for unscaled blocks."""
+        if self.block_scales is None:
+            return None
+        return self.block_scales[block_ids.clamp(min=0)]
 
     @plain_tensors
     def fetch(self, block_ids: torch.Tensor, first_partition: int = 0) -> torch.Tensor:
@@ -276,7 +294,8 @@ class TieredBlockStore:
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The store's tensors a captured decode step reads or writes by address."""
-        return {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals} | (
+        scales = {} if self.block_scales is None else {"block_scales": self.block_scales}
+        return {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals} | scales | (
             self.hbm.graph_tensors()
         )
 
@@ -382,6 +401,8 @@ class TieredBlockStore:
         if self.metadata.shape[0] < self.dram.capacity:  # the pool grew (or was just created)
             self._reallocations += 1
         self.metadata = grown(self.metadata, self.dram.capacity)
+        if self.block_scales is not None:
+            self.block_scales = grown(self.block_scales, self.dram.capacity, fill=1.0)
         self.hbm.track_blocks(self.dram.capacity)
 
 

@@ -9,6 +9,7 @@ import torch
 from ..cache.block_cache import rows_that_fit
 from ..cache.cache import hbm_partitions, selected_blocks_per_kv_head
 from ..config import SparseServeConfig
+from ..ops.reference import kv_storage_dtype
 
 
 class EngineSizes:
@@ -36,7 +37,9 @@ class EngineSizes:
         self.hbm_partitions = hbm_partitions(model_config, config, self.num_kv_heads)
         self.selected_per_kv_head = selected_blocks_per_kv_head(model_config, config)  # per decode row
         self.max_positions = getattr(text, "max_position_embeddings", None)
-        self.block_bytes = 2 * config.block_size * self.head_dim * dtype.itemsize
+        # A head-block as stored (in DRAM and the HBM block cache), in `config.kv_dtype`; the prefill's
+        # KV on the device keeps the model's dtype.
+        self.block_bytes = 2 * config.block_size * self.head_dim * kv_storage_dtype(config.kv_dtype, dtype).itemsize
         self.kv_bytes_per_token_layer = self.num_kv_heads * 2 * self.head_dim * dtype.itemsize
 
     @property

@@ -128,4 +128,5 @@ def _chunks(num: int, num_threads: int) -> list[slice]:
 def _scatter(pool: torch.Tensor, ids: torch.Tensor, staged: torch.Tensor, ready: torch.cuda.Event | None) -> None:
     if ready is not None:
         ready.synchronize()  # the D2H copy into staging has landed
-    pool.index_copy_(0, ids, staged)
+    # As bytes: the same copy for every dtype (CPU `index_copy_` has no 8-bit float kernel).
+    pool.view(torch.uint8).index_copy_(0, ids, staged.view(torch.uint8))

@@ -52,6 +52,8 @@ def sparse_decode(
     tail_len: torch.Tensor,
     scaling: float,
     num_splits: int | None = None,
+    *,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` with the loaded blocks attended by flash-attn-4's paged kernel.
 
@@ -64,11 +66,15 @@ def sparse_decode(
         tail_len: (B,) valid tokens of each tail block, 0..S.
         scaling: softmax scale.
         num_splits: chunks per fa4 entry; None = enough entries to give every SM one.
+        scales: must be None: fa4 reads the pool as stored (8-bit blocks are refused by the
+            config before they exist; this guards a direct call).
     Returns:
         (B, Hq, D) in the query's dtype. A row whose head sees no block and has an empty tail
         never occurs (decode always has the current token in the tail); it would give NaN, as
         the reference does.
     """
+    if scales is not None:
+        raise NotImplementedError("flash-attn-4 decode attends the pool as stored: 8-bit blocks need backend='triton'")
     if query.dtype not in FA4_DTYPES:
         from . import triton_decode
 

@@ -77,6 +77,28 @@ def to_metadata_dtype(metadata: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return metadata.to(dtype)
 
 
+def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype full blocks are stored in for `SparseServeConfig.kv_dtype` `name`: the model's
+    ("auto") or an 8-bit float (whose blocks carry scales: `quantize_blocks`)."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
+def quantize_blocks(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 2, S, D) blocks -> the same in the 8-bit float `dtype` and their (n, 2) fp32 scales.
+
+    Each block's keys and its values get their own scale, so that their largest magnitude becomes
+    the dtype's largest finite value (an all-zero part keeps scale 1); values are rounded to nearest.
+    `dequantize_blocks` inverts it up to that rounding."""
+    amax = blocks.detach().abs().amax(dim=(-2, -1)).float()  # (n, 2)
+    scales = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+    return to_metadata_dtype(blocks.float() / scales[..., None, None], dtype), scales
+
+
+def dequantize_blocks(stored: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(n, 2, S, D) 8-bit blocks and their (n, 2) scales -> (n, 2, S, D) in `dtype`."""
+    return (stored.float() * scales[..., None, None]).to(dtype)
+
+
 def metadata_sub_blocks(kind: str, num_vectors: int) -> int:
     """Sub-blocks per block of a (..., M, D) metadata tensor of `kind` (see `block_metadata`)."""
     if kind == "quest":
@@ -254,6 +276,8 @@ def sparse_decode(
     tail_values: torch.Tensor,
     tail_len: torch.Tensor,
     scaling: float,
+    *,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token of attention over the blocks each KV head loaded plus each row's tail block.
 
@@ -267,6 +291,8 @@ def sparse_decode(
         tail_keys, tail_values: (B, Hkv, S, D) the partial block of each row (the newest tokens).
         tail_len: (B,) valid tokens in each tail block.
         scaling: softmax scale.
+        scales: (B, Hkv, U, 2) fp32 key and value scales of each loaded block when the pool holds
+            8-bit blocks (`quantize_blocks`); None when it holds the query's dtype.
     Returns:
         (B, Hq, D) in the query's dtype.
     """
@@ -277,7 +303,10 @@ def sparse_decode(
     used = (slots >= 0)[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
     # Unused entries read slot 0 (clamped) and are zeroed, not just weighted by zero: a pool slot
     # may hold uninitialized memory (the device pool with offload=False), and 0 * NaN is NaN.
-    blocks = torch.where(used, pool[slots.clamp(min=0)], 0).float()  # (B, Hkv, U, 2, S, D)
+    blocks = pool[slots.clamp(min=0)].float()  # (B, Hkv, U, 2, S, D)
+    if scales is not None:
+        blocks = blocks * scales[..., None, None]
+    blocks = torch.where(used, blocks, 0)
     block_logits = torch.einsum("bhgd,bhusd->bhgus", q, blocks[:, :, :, 0]) * scaling  # (B, Hkv, G, U, S)
     attended = (slots >= 0)[:, :, None, :]  # (B, Hkv, 1, U)
     if head_mask is not None:

@@ -47,6 +47,7 @@ def _decode_split_kernel(
     pool_ptr,
     slots_ptr,
     mask_ptr,
+    scales_ptr,
     tail_k_ptr,
     tail_v_ptr,
     tail_len_ptr,
@@ -77,9 +78,13 @@ def _decode_split_kernel(
     HAS_MASK: tl.constexpr,
     IEEE: tl.constexpr,
     MIN_PER_SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
     one takes the tail block. Writes partials [b, h*G + g, split].
+
+    SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
+    laid out as the slots with a trailing 2.
 
     Selections hold their unused (-1) entries last, often most of U, and how many are used is known
     only here: each (row, KV head) cuts its used prefix into equal whole-tile ranges (at least
@@ -115,6 +120,12 @@ def _decode_split_kernel(
             kv_mask = token_ok[:, None] & d_ok[None, :]
             k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
+            if SCALED:  # 8-bit blocks: widen, scale, and attend in the query's dtype
+                entry = (b * stride_sb + h * stride_sh + u) * 2
+                k_scale = tl.load(scales_ptr + entry, mask=token_ok, other=0.0)
+                v_scale = tl.load(scales_ptr + entry + 1, mask=token_ok, other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             seen = g_ok[:, None] & token_ok[None, :]
             if HAS_MASK:
                 allowed = tl.load(
@@ -191,6 +202,8 @@ def sparse_decode(
     tail_len: torch.Tensor,
     scaling: float,
     num_splits: int | None = None,
+    *,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` as two Triton launches (split-K partials, then their merge).
 
@@ -204,17 +217,20 @@ def sparse_decode(
         scaling: softmax scale.
         num_splits: programs per (row, KV head) sharing its used blocks (each takes at least a few
             blocks, so some may have none); None = enough to fill the GPU.
+        scales: (B, Hkv, U, 2) fp32 key/value scales of each entry when `pool` holds 8-bit blocks.
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
     block_size = pool.shape[2]
-    assert pool.is_contiguous() and pool.dtype == query.dtype == tail_keys.dtype == tail_values.dtype
+    assert pool.is_contiguous() and query.dtype == tail_keys.dtype == tail_values.dtype
+    assert pool.dtype == query.dtype if scales is None else (pool.element_size() == 1 and scales.shape[:3] == slots.shape)
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
     mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
+    scale_table = scales.float().contiguous() if scales is not None else query  # query: unused pointer
     block_u = max(1, TILE_TOKENS // block_size)
     if num_splits is None:
         num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
@@ -227,7 +243,7 @@ def sparse_decode(
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(max(dim, 16))  # tl.dot needs every side >= 16
     _decode_split_kernel[(batch * num_kv_heads, num_parts)](
-        query, pool, slots, mask, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
+        query, pool, slots, mask, scale_table, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
         num_kv_heads, num_loaded, num_splits, scaling,
@@ -242,6 +258,7 @@ def sparse_decode(
         HAS_MASK=head_mask is not None,
         IEEE=query.dtype == torch.float32,
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
+        SCALED=scales is not None,
         num_warps=4,
     )  # fmt: skip
     out = torch.empty((batch, num_q_heads, dim), dtype=query.dtype, device=query.device)
