@@ -26,6 +26,7 @@ from sparseserve_hf.models import load_default
 VARIANTS = {  # name -> SparseServeConfig overrides (token_budget comes from --budgets)
     "query_head": dict(selection="query_head"),
     "group_union": dict(selection="group_union"),
+    "group_union_fp8_kv": dict(selection="group_union", kv_dtype="float8_e4m3fn"),
     "kv_head_max": dict(selection="kv_head", group_aggregation="max"),
     "kv_head_sum": dict(selection="kv_head", group_aggregation="sum"),
     "query_head_cuboid": dict(selection="query_head", metadata="cuboid"),
