@@ -48,9 +48,12 @@ class TieredBlockStore:
     `config.save_path="flash_d2h"`, through a `FlashD2HSaver` (one D2H copy + CPU-thread scatter).
     `config.transfer="copy"` swaps in one `copy_` per block for both. With `config.offload=False`
     the pool itself is on the device and `hbm` is a `ResidentBlocks`: every lookup hits.
+    With `config.kv_dtype` an 8-bit float, blocks are quantized as they are saved (`block_scales`
+    keeps each one's key and value scales on the device), move and sit in the caches as bytes,
+    and are dequantized by the decode kernel (`entry_scales`) and by `read`.
 
     Args:
-        config: the cache's SparseServeConfig (offload, transfer and save_path are read here).
+        config: the cache's SparseServeConfig (offload, transfer, save_path and kv_dtype are read here).
         ops: the backend op set.
         head_dim, dtype, device: of the model's KV.
         hbm_partitions: LRU partitions of a fixed-size HBM block cache: sparse layers x KV heads
