@@ -105,3 +105,29 @@ def test_cuda_pinned_empty_is_page_locked_and_copies_both_ways():
     back.copy_(device, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, host)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_8bit_kv_decodes_alike_on_every_route_and_close_to_model_dtype_kv(dtype):
+    """kv_dtype float8: the pinned pool and the HBM cache hold 8-bit blocks, the Triton kernel
+    dequantizes them; whole-step replays, layer pieces and launched kernels give the same tokens."""
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2).to("cuda", dtype)
+    ids = random_ids(3, 250).cuda()
+    config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=1 << 20, kv_dtype="float8_e4m3fn")
+    routed = SparseServeCache(model, config)
+    got = greedy(model, ids, routed, max_new_tokens=40)
+    assert routed.store.dram.storage.dtype == routed.store.hbm.pool.dtype == torch.float8_e4m3fn
+    assert routed.store.dram.storage.is_pinned() and routed.generate_graphs.runner.num_captures >= 1
+    for layer_graphs in (True, False):
+        plain = SparseServeCache(model.config, replace(config, layer_graphs=layer_graphs))
+        assert torch.equal(got, greedy(model, ids, plain, max_new_tokens=40)), layer_graphs
+    fed = torch.cat((ids, got[:, :-1]), dim=1)  # the 8-bit run's tokens, teacher-forced through both
+    logits = {}
+    for kv_dtype in ("auto", "float8_e4m3fn"):
+        cache = SparseServeCache(model.config, replace(config, kv_dtype=kv_dtype))
+        with torch.no_grad():
+            model(fed[:, :250], past_key_values=cache)
+            steps = [model(fed[:, t : t + 1], past_key_values=cache).logits[:, -1].float() for t in range(250, 289)]
+        logits[kv_dtype] = torch.stack(steps)
+    error = (logits["float8_e4m3fn"] - logits["auto"]).abs().mean() / logits["auto"].std()
+    assert 0 < error <= 0.02
