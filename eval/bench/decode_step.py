@@ -75,6 +75,7 @@ from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.ops.reference import kv_storage_dtype
 
 GIB = 1 << 30
 GRAPH_WARMUP = 3  # graph steps before timing; the first one captures
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dram_bytes=dram_bytes(args, block_size, shape, dtype), backend="auto", max_batch=args.batch,
     )  # fmt: skip
     config = replace(config, **config_overrides(args.overrides))
+    stored = kv_storage_dtype(config.kv_dtype, dtype)  # 8-bit blocks need half the pool
+    config = replace(config, dram_bytes=dram_bytes(args, config.block_size, shape, stored))
     _check_ram(config.dram_bytes)
     if args.stock_only:
         dense, windows = measure_dense(args, device, dtype, shape)
