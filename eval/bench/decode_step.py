@@ -98,7 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dense-steps", type=int, default=10)
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument(
-        "--stock-windows", type=int, default=3, help="timed windows of --dense-steps for stock's dynamic step; the fastest counts"
+        "--stock-windows",
+        type=int,
+        default=3,
+        help="timed windows of --dense-steps for stock's dynamic step; the fastest counts",
     )
     parser.add_argument(
         "--no-stock-expandable",

@@ -193,7 +193,9 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
         trace = SelectionTrace.load(args.trace)
         text = model.config
         cache.store.selection_override = TraceReplay(trace, text.num_hidden_layers, text.num_key_value_heads, device)
-    row = {"system": f"ours, {system}"} | decode_ms_per_step(model, cache, prompt, args.new_tokens, device, args.windows)
+    row = {"system": f"ours, {system}"} | decode_ms_per_step(
+        model, cache, prompt, args.new_tokens, device, args.windows
+    )
     stats = cache.stats()
     graphs, route = cache.store.layer_graphs, cache.generate_graphs
     row |= {

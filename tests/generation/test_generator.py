@@ -66,7 +66,9 @@ def test_small_budget_batch_equals_one_by_one(llama, overrides):
     totals = gen.metrics()["totals"]
     assert totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
     if config.hbm_cache_bytes is not None:
-        assert totals["hbm_peak_bytes"] > 0 and gen.store.hbm.num_slots * gen.store.block_bytes <= config.hbm_cache_bytes
+        assert (
+            totals["hbm_peak_bytes"] > 0 and gen.store.hbm.num_slots * gen.store.block_bytes <= config.hbm_cache_bytes
+        )
     if config.admission and config.hbm_cache_bytes is not None:
         assert totals["sat_out"] > 0  # admission really left requests out of some iterations
         assert totals["admitted_working_set_peak_bytes"] <= config.hbm_cache_bytes
@@ -239,7 +241,9 @@ def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs, monke
     decode drops unused union columns, `attention.used_columns`: the GPU path does neither.)"""
     from sync_guard import forbid_host_syncs
 
-    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales))
+    monkeypatch.setattr(
+        "sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales)
+    )
 
     steady = GRAPH_CONFIG | dict(
         max_batch=4, hbm_cache_bytes=2 * 400 * 2048, max_inject_tokens=600

@@ -58,7 +58,9 @@ def decode_step(stack: DecoderStack, cache: SparseServeCache, tokens: torch.Tens
 def test_steady_decode_step_runs_no_data_dependent_op_on_cpu(monkeypatch):
     stack, cache, tokens = prefilled("cpu", "torch")
     cache.store.hbm.gather_blocks = fixed_shape_gather
-    monkeypatch.setattr("sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales))
+    monkeypatch.setattr(
+        "sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales)
+    )
     with torch.no_grad():
         tokens = decode_step(stack, cache, tokens, PROMPT)  # the first step after prefill reads tail lengths
         for step in range(1, 4):

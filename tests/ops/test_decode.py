@@ -132,7 +132,9 @@ def test_sparse_decode_over_8bit_blocks_matches_reference(poisoned, dtype, maske
 
 
 def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
-    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, 9, torch.float32, masked=True)
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(
+        2, 2, 4, 8, 16, 9, torch.float32, masked=True
+    )
     stored, block_scales = reference.quantize_blocks(pool * 5, torch.float8_e4m3fn)
     inputs = (query, stored, slots, head_mask, tail_k, tail_v, tail_len)
     got = reference.sparse_decode(*inputs, 0.3, scales=block_scales[slots.clamp(min=0)])

@@ -168,7 +168,9 @@ def test_dropping_the_columns_nobody_uses_keeps_the_attention(with_head_mask):
     full = reference.sparse_decode(query, pool, slots, head_mask, *args)
     torch.testing.assert_close(reference.sparse_decode(query, pool, kept, kept_mask, *args), full)
     full_8bit = reference.sparse_decode(query, stored, slots, head_mask, *args, scales=scales)
-    torch.testing.assert_close(reference.sparse_decode(query, stored, kept, kept_mask, *args, scales=kept_scales), full_8bit)
+    torch.testing.assert_close(
+        reference.sparse_decode(query, stored, kept, kept_mask, *args, scales=kept_scales), full_8bit
+    )
     assert used_columns(kept, kept_mask)[0] is kept  # nothing left to drop: the same tensors
 
 

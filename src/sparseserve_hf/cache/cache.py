@@ -130,8 +130,11 @@ class SparseServeCache(Cache):
         dram_bytes = self.config.dram_bytes
         if store is not None or dram_bytes is None:
             return
-        block_bytes = 2 * self.config.block_size * head_dim * self._stored_itemsize(
-            _dtype_itemsize(getattr(self.model_config, "dtype", None))
+        block_bytes = (
+            2
+            * self.config.block_size
+            * head_dim
+            * self._stored_itemsize(_dtype_itemsize(getattr(self.model_config, "dtype", None)))
         )
         if dram_bytes < block_bytes:
             raise ValueError(f"dram_bytes={dram_bytes} holds no head-block of {block_bytes} bytes")

@@ -225,7 +225,9 @@ def sparse_decode(
     num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
     block_size = pool.shape[2]
     assert pool.is_contiguous() and query.dtype == tail_keys.dtype == tail_values.dtype
-    assert pool.dtype == query.dtype if scales is None else (pool.element_size() == 1 and scales.shape[:3] == slots.shape)
+    assert (
+        pool.dtype == query.dtype if scales is None else (pool.element_size() == 1 and scales.shape[:3] == slots.shape)
+    )
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
