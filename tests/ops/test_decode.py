@@ -114,7 +114,7 @@ def test_sparse_decode_llama_shape_on_the_gpu(dtype):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # the interpreter mis-handles bf16
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
 def test_sparse_decode_over_8bit_blocks_matches_reference(poisoned, dtype, masked):
     """A pool of float8 blocks with per-block key/value scales, dequantized inside the kernel: the
