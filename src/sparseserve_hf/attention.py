@@ -203,7 +203,9 @@ def select_and_fetch(
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
-    return slots, head_mask, store.entry_scales(block_ids)
+    # 8-bit blocks: each entry's key and value scales, gathered by DRAM id (-1 entries read block 0's, unused)
+    scales = None if store.block_scales is None else store.block_scales[block_ids.clamp(min=0)]  # (B, Hkv, U, 2)
+    return slots, head_mask, scales
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

@@ -50,7 +50,7 @@ class TieredBlockStore:
     the pool itself is on the device and `hbm` is a `ResidentBlocks`: every lookup hits.
     With `config.kv_dtype` an 8-bit float, blocks are quantized as they are saved (`block_scales`
     keeps each one's key and value scales on the device), move and sit in the caches as bytes,
-    and are dequantized by the decode kernel (`entry_scales`) and by `read`.
+    and are dequantized by the decode kernel (given each entry's scales) and by `read`.
 
     Args:
         config: the cache's SparseServeConfig (offload, transfer, save_path and kv_dtype are read here).
@@ -257,13 +257,6 @@ class TieredBlockStore:
         if self.block_scales is not None:
             out = reference.dequantize_blocks(out, self.block_scales[ids], self.dtype)
         return out
-
-    def entry_scales(self, block_ids: torch.Tensor) -> torch.Tensor | None:
-        """(..., 2) fp32 key and value scales of the DRAM blocks `block_ids` (-1 entries read block
-        0's), what attention over 8-bit blocks needs beside their slots; None for unscaled blocks."""
-        if self.block_scales is None:
-            return None
-        return self.block_scales[block_ids.clamp(min=0)]
 
     @plain_tensors
     def fetch(self, block_ids: torch.Tensor, first_partition: int = 0) -> torch.Tensor:
