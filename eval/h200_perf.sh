@@ -29,6 +29,8 @@
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
+#   fp8kv       8-bit KV (kv_dtype=float8_e4m3fn): the decode kernel and drop-in GPU tests, then the real-locality
+#               step with 8-bit blocks and with model-dtype blocks in the same call (fp8_decode_vs_bf16)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -81,6 +83,13 @@ case $part in
       | tee "$out/decode_step.log" | tail -25
     python -m eval.bench.decode_step --graph --locality real --skip-static --set metadata_dtype=float8_e4m3fn \
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
+  fp8kv)
+    python -m pytest -q -p no:cacheprovider tests/ops/test_decode.py tests/integration/test_cuda.py \
+      tests/integration/test_fp8_kv.py 2>&1 | tee "$out/gpu_pytest_fp8kv.log" | tail -5
+    python -m eval.bench.decode_step --graph --locality real --skip-static --set kv_dtype=float8_e4m3fn \
+      --out "$out/decode_step_fp8_kv.json" 2>&1 | tee "$out/decode_step_fp8_kv.log" | tail -12
+    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
+      --out "$out/decode_step_bf16_kv.json" 2>&1 | tee "$out/decode_step_bf16_kv.log" | tail -12 ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
