@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from eval.bench.common import (
     timed_generate,
     write_json,
 )
+from eval.bench.decode_step import config_overrides
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeCache, SparseServeConfig
@@ -81,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip stock's DynamicCache under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a child process)",
     )
     parser.add_argument("--stock-child", default=None, help=argparse.SUPPRESS)  # a point name: its stock row
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a SparseServeConfig field for ours (repeatable), e.g. kv_dtype=float8_e4m3fn",
+    )
     parser.add_argument("--first-call", action="store_true", help="measure the first call of a new process")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -221,13 +230,14 @@ def ours_config(text, dtype, batch: int, context: int, args, layer_graphs: bool)
     a DRAM pool sized for the context and the new tokens (pinned once, before the clock)."""
     per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * dtype.itemsize
     dense_kv = per_token * batch * context
-    return SparseServeConfig(
+    config = SparseServeConfig(
         hbm_cache_bytes=max(int(dense_kv * args.hbm_cache_fraction), 1 << 20),
         dram_bytes=per_token * batch * (context + args.new_tokens + 64 * 2) + (1 << 26),
         max_batch=batch,
         layer_graphs=layer_graphs,
         **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),
     )
+    return replace(config, **config_overrides(args.overrides))
 
 
 def stock_expandable(args, name: str) -> dict[str, Any] | None:
@@ -291,6 +301,7 @@ def first_call(args) -> dict[str, Any]:
         for name in ("empty_triton_cache", "warm_triton_cache"):
             command = [sys.executable, "-m", "eval.bench.dropin", "--first-call-child"]
             command += ["--new-tokens", str(args.new_tokens)] + (["--dry-run"] if args.dry_run else [])
+            command += [arg for setting in args.overrides for arg in ("--set", setting)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=900)
             out[name] = json.loads(done.stdout.strip().splitlines()[-1])
     return out

@@ -156,6 +156,17 @@ def test_dropin_dry_run_writes_the_target_keys_through_generate(tmp_path):
             assert row["decode_ms_per_step"] > 0 and 0 < row["loaded_fraction"] <= 1
 
 
+def test_dropin_set_reaches_our_config(tmp_path):
+    out = tmp_path / "dropin.json"
+    run_module(
+        "eval.bench.dropin", "--dry-run", "--points", "32k", "--localities", "real_locality", "--windows", "1",
+        "--no-stock-expandable", "--set", "kv_dtype=float8_e4m3fn", "--out", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["points"]["32k"]["real_locality"]
+    assert {row["config"]["kv_dtype"] for row in rows.values()} == {"float8_e4m3fn"}
+    assert all(row["decode_ms_per_step"] > 0 and len(row["windows_ms"]) == 1 for row in rows.values())
+
+
 def test_multi_gpu_dry_run_serves_each_engines_share(tmp_path):
     out = tmp_path / "multi_gpu.json"
     run_module("eval.bench.multi_gpu", "--dry-run", "--out", str(out))
