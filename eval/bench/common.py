@@ -7,6 +7,7 @@ kernels under TRITON_INTERPRET=1 without a GPU) so the scripts are tested on CPU
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -20,6 +21,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from eval.common import parse_variant
+
+# A child process's allocator setting (it must precede CUDA's first use): stock's DynamicCache,
+# which allocates a larger KV tensor per layer every step, maps and unmaps less under it.
+EXPANDABLE_SEGMENTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def add_config_overrides(parser: argparse.ArgumentParser, example: str) -> None:
+    """The repeatable `--set FIELD=VALUE` option (into `args.overrides`; `config_overrides` reads it)."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"a SparseServeConfig field other than the defaults (repeatable), e.g. {example}",
+    )
+
+
+def config_overrides(settings: list[str]) -> dict[str, Any]:
+    """`--set` FIELD=VALUE options -> SparseServeConfig overrides (validated; ValueError names a bad one)."""
+    if not settings:
+        return {}
+    return parse_variant(":".join(("set", *settings)))[1]
+
+
+def json_child(module: str, args: list[str], env: dict[str, str], check: bool = False) -> Any:
+    """`python -m module *args` in a fresh process with `env` added: the JSON its last stdout line
+    holds. A failed child raises with `check`, else prints why and gives None."""
+    command = [sys.executable, "-m", module, *args]
+    done = subprocess.run(command, env=os.environ | env, capture_output=True, text=True, check=check, timeout=900)
+    if done.returncode != 0:
+        print(f"{module} {' '.join(args)} failed (exit {done.returncode}): {done.stderr[-500:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def prepare_triton(device: torch.device) -> None:

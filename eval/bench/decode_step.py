@@ -39,9 +39,7 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -49,8 +47,12 @@ from typing import Any
 import torch
 
 from eval.bench.common import (
+    EXPANDABLE_SEGMENTS,
+    add_config_overrides,
+    config_overrides,
     free_memory,
     graph_ms,
+    json_child,
     pick_device,
     prepare_triton,
     print_table,
@@ -70,7 +72,6 @@ from eval.bench.selection_trace import (
     overlaps,
     sha256,
 )
-from eval.common import parse_variant
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
@@ -114,14 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--equal-context", type=int, default=4090, help="--graph token check: context per row")
     parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
     parser.add_argument("--out", default=None, help="JSON output path")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a SparseServeConfig field other than the defaults (repeatable), e.g. metadata_dtype=float8_e4m3fn",
-    )
+    add_config_overrides(parser, "metadata_dtype=float8_e4m3fn")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -167,20 +161,11 @@ def measure_dense(args, device, dtype, shape: str) -> tuple[float, list[float]]:
     return min(windows), windows
 
 
-def measure_dense_expandable(args, argv: list[str]) -> float | None:
-    """Stock's DynamicCache step in a child process whose allocator maps expandable segments (the
-    setting must precede CUDA's first use): fewer cudaMalloc/cudaFree calls for the concatenations.
-    None when the child fails."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "stock.json")
-        child = [a for a in argv if a not in ("--graph",)] + ["--stock-only", "--skip-static", "--out", out]
-        env = os.environ | {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-        done = subprocess.run([sys.executable, "-m", "eval.bench.decode_step", *child], env=env, check=False)
-        if done.returncode != 0 or not os.path.exists(out):
-            print(f"stock with expandable segments failed (exit {done.returncode})")
-            return None
-        with open(out) as f:
-            return json.load(f)["stock_dynamic_ms"]
+def measure_dense_expandable(argv: list[str]) -> float | None:
+    """Stock's DynamicCache step in a child process under expandable segments; None when it fails."""
+    child = [a for a in argv if a != "--graph"] + ["--stock-only", "--skip-static"]
+    result = json_child("eval.bench.decode_step", child, EXPANDABLE_SEGMENTS)
+    return None if result is None else result["stock_dynamic_ms"]
 
 
 def measure_static(args, device, dtype, shape: str) -> float | None:
@@ -458,15 +443,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stored = kv_storage_dtype(config.kv_dtype, dtype)  # 8-bit blocks need half the pool
     config = replace(config, dram_bytes=dram_bytes(args, config.block_size, shape, stored))
     _check_ram(config.dram_bytes)
-    if args.stock_only:
+    if args.stock_only:  # the child of `measure_dense_expandable`: its result is its last stdout line
         dense, windows = measure_dense(args, device, dtype, shape)
         result = {"stock_dynamic_ms": dense, "stock_dynamic_windows_ms": windows}
-        write_json(args.out, result)
+        print(json.dumps(result))
         return result
     bw = bandwidths(device)
     free_memory(device)
     dense, windows = (None, None) if args.skip_dense else measure_dense(args, device, dtype, shape)
-    expandable = measure_dense_expandable(args, argv) if args.stock_expandable and not args.skip_dense else None
+    expandable = measure_dense_expandable(argv) if args.stock_expandable and not args.skip_dense else None
     static = None if args.skip_dense or args.skip_static else measure_static(args, device, dtype, shape)
     stock = [ms for ms in (dense, expandable, static) if ms is not None]
     stock_best = min(stock) if stock else None
@@ -524,13 +509,6 @@ def ratios(block: dict[str, Any], bw: dict[str, float], stock_best: float | None
     if graph:
         out["graph_step_over_floor"] = block["graph_ms"] / floor
     return out
-
-
-def config_overrides(settings: list[str]) -> dict[str, Any]:
-    """`--set` FIELD=VALUE options -> SparseServeConfig overrides (validated; ValueError names a bad one)."""
-    if not settings:
-        return {}
-    return parse_variant(":".join(("set", *settings)))[1]
 
 
 def localities(args) -> list[str]:

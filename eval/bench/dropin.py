@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -46,8 +43,12 @@ import torch
 from transformers import StaticCache
 
 from eval.bench.common import (
+    EXPANDABLE_SEGMENTS,
+    add_config_overrides,
     bench_setup,
+    config_overrides,
     free_memory,
+    json_child,
     peak_gib,
     print_table,
     reset_peak,
@@ -55,7 +56,6 @@ from eval.bench.common import (
     timed_generate,
     write_json,
 )
-from eval.bench.decode_step import config_overrides
 from eval.bench.decode_step_setup import build_model, dense_cache, sparse_cache
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeCache, SparseServeConfig
@@ -82,14 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip stock's DynamicCache under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a child process)",
     )
     parser.add_argument("--stock-child", default=None, help=argparse.SUPPRESS)  # a point name: its stock row
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a SparseServeConfig field for ours (repeatable), e.g. kv_dtype=float8_e4m3fn",
-    )
+    add_config_overrides(parser, "kv_dtype=float8_e4m3fn (ours only)")
     parser.add_argument("--first-call", action="store_true", help="measure the first call of a new process")
     parser.add_argument("--first-call-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -241,17 +234,10 @@ def ours_config(text, dtype, batch: int, context: int, args, layer_graphs: bool)
 
 
 def stock_expandable(args, name: str) -> dict[str, Any] | None:
-    """Stock's DynamicCache row in a child process whose allocator maps expandable segments (set
-    before CUDA's first use); None when the child fails."""
-    command = [sys.executable, "-m", "eval.bench.dropin", "--stock-child", name, "--windows", str(args.windows)]
-    command += ["--new-tokens", str(args.new_tokens)] + (["--dry-run"] if args.dry_run else [])
-    env = os.environ | {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=900)
-    if done.returncode != 0:
-        print(f"stock with expandable segments failed (exit {done.returncode}): {done.stderr[-500:]}")
-        return None
-    row = json.loads(done.stdout.strip().splitlines()[-1])
-    return row | {"system": "stock DynamicCache (sdpa), expandable segments"}
+    """Stock's DynamicCache row in a child process under expandable segments; None when it fails."""
+    child = ["--stock-child", name, "--windows", str(args.windows), "--new-tokens", str(args.new_tokens)]
+    row = json_child("eval.bench.dropin", child + (["--dry-run"] if args.dry_run else []), EXPANDABLE_SEGMENTS)
+    return None if row is None else row | {"system": "stock DynamicCache (sdpa), expandable segments"}
 
 
 def measure_point(args, device, dtype, shape: str, name: str, batch: int, context: int) -> dict[str, Any]:
@@ -297,13 +283,10 @@ def first_call(args) -> dict[str, Any]:
     """Two fresh processes over one new Triton cache directory: empty, then filled by the first."""
     out = {}
     with tempfile.TemporaryDirectory() as triton_cache:
-        env = os.environ | {"TRITON_CACHE_DIR": triton_cache}
         for name in ("empty_triton_cache", "warm_triton_cache"):
-            command = [sys.executable, "-m", "eval.bench.dropin", "--first-call-child"]
-            command += ["--new-tokens", str(args.new_tokens)] + (["--dry-run"] if args.dry_run else [])
-            command += [arg for setting in args.overrides for arg in ("--set", setting)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=900)
-            out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+            child = ["--first-call-child", "--new-tokens", str(args.new_tokens)]
+            child += (["--dry-run"] if args.dry_run else []) + [a for s in args.overrides for a in ("--set", s)]
+            out[name] = json_child("eval.bench.dropin", child, {"TRITON_CACHE_DIR": triton_cache}, check=True)
     return out
 
 

@@ -130,20 +130,16 @@ class SparseServeCache(Cache):
         dram_bytes = self.config.dram_bytes
         if store is not None or dram_bytes is None:
             return
-        block_bytes = (
-            2
-            * self.config.block_size
-            * head_dim
-            * self._stored_itemsize(_dtype_itemsize(getattr(self.model_config, "dtype", None)))
-        )
+        itemsize = self._stored_itemsize(_dtype_itemsize(getattr(self.model_config, "dtype", None)))
+        block_bytes = 2 * self.config.block_size * head_dim * itemsize
         if dram_bytes < block_bytes:
             raise ValueError(f"dram_bytes={dram_bytes} holds no head-block of {block_bytes} bytes")
         if self.config.offload:
             check_host_bytes(dram_bytes, f"dram_bytes={dram_bytes}", "lower dram_bytes")
 
     def _stored_itemsize(self, model_itemsize: int) -> int:
-        """Bytes per value of a stored block: one for 8-bit `kv_dtype`, else the model's."""
-        return 1 if self.config.kv_dtype != "auto" else model_itemsize
+        """Bytes per value of a stored block: `kv_dtype`'s, or the model's where it is "auto"."""
+        return model_itemsize if self.config.kv_dtype == "auto" else getattr(torch, self.config.kv_dtype).itemsize
 
     def _check_hbm_cache(self, batch: int, itemsize: int) -> None:
         if self.config.hbm_cache_bytes is None:

@@ -290,12 +290,10 @@ class TieredBlockStore:
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The store's tensors a captured decode step reads or writes by address."""
-        scales = {} if self.block_scales is None else {"block_scales": self.block_scales}
-        return (
-            {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals}
-            | scales
-            | (self.hbm.graph_tensors())
-        )
+        own = {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals}
+        if self.block_scales is not None:
+            own["block_scales"] = self.block_scales
+        return own | self.hbm.graph_tensors()
 
     @property
     @plain_tensors
