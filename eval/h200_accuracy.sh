@@ -19,6 +19,8 @@
 #                budget) at 320 and 512: the two at equal loaded tokens (~1/16 of the context)
 #   8k_metadata_dtype  8K, the four tasks: the default (8-bit metadata on the H200) against the same
 #                selector with metadata in the KV dtype (bf16), at 256 and 512
+#   8k_fp8_kv    8K, the four tasks: the default with 8-bit KV blocks (`kv_dtype=float8_e4m3fn`) against
+#                the same selector with model-dtype blocks, at 256 and 512 (the `fp8` block of accuracy.json)
 #   Next (not run yet):
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
 #   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
@@ -51,6 +53,9 @@ case $part in
   8k_metadata_dtype)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --variant kv_metadata:metadata_dtype=kv "${common[@]}" --out "$out/ruler_8k_metadata_dtype" ;;
+  8k_fp8_kv)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+      --variant fp8_kv:kv_dtype=float8_e4m3fn "${common[@]}" --out "$out/ruler_8k_fp8_kv" ;;
   8k_loaded)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
@@ -67,5 +72,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv)" >&2; exit 2 ;;
 esac

@@ -61,8 +61,8 @@ from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceRepl
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 
 GIB = 1 << 30
-POINTS = {"32k": (4, 32576), "128k": (2, 130944)}  # name -> (batch, context); the tail keeps room
-DRY_POINTS = {"32k": (2, 200), "128k": (1, 400)}
+POINTS = {"32k": (4, 32576), "128k": (2, 130944), "256k": (1, 262016)}  # name -> (batch, context); the tail keeps room
+DRY_POINTS = {"32k": (2, 200), "128k": (1, 400), "256k": (1, 600)}
 LOCALITIES = {"real_locality": "real", "random_kv": "random"}
 
 
