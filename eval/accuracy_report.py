@@ -27,7 +27,8 @@ from eval.t7 import families_with_loads, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
 DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig (see --rename)
-T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
+T7_TARGETS = {16: 0.99, 32: 0.97}
+FP8_FAMILY = "fp8_kv"  # methods "fp8_kv_<budget>": the default config with kv_dtype=float8_e4m3fn  # context / budget -> minimum ratio to dense
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -112,6 +113,28 @@ def ruler_report(rows: list[dict]) -> dict:
     return report
 
 
+def variant_vs_default(folder: Path, family: str) -> dict:
+    """One run's `family` (e.g. 8-bit KV blocks) against the default selector at the same budgets, in
+    that run: {budget: mean family score / mean default score} over the tasks dense solves, with
+    both families' ratios to dense beside it."""
+    report = ruler_report(read_rows(folder))
+    scores = report["score"]
+    out: dict = {"run": folder.name, "lengths": {}}
+    for length, detail in report["lengths"].items():
+        tasks, to_dense = detail["tasks_in_ratio"], detail["ratio_to_dense"]
+        budgets = [b for b in to_dense.get(family, {}) if b in to_dense.get(DEFAULT_FAMILY, {})]
+        ratios = {}
+        for b in budgets:
+            default = sum(scores[t][f"{DEFAULT_FAMILY}_{b}"] for t in tasks)
+            ratios[b] = round(sum(scores[t][f"{family}_{b}"] for t in tasks) / default, 4) if default else None
+        out["lengths"][length] = {
+            "tasks_in_ratio": tasks,
+            f"ratio_to_{DEFAULT_FAMILY}": ratios,
+            "ratio_to_dense": {family: to_dense.get(family, {}), DEFAULT_FAMILY: to_dense.get(DEFAULT_FAMILY, {})},
+        }
+    return out
+
+
 def t7_verdict(ratios: dict[str, float], length: int) -> dict[str, dict]:
     """For each target fraction (1/16, 1/32) of `length`: the budget, its ratio and whether it meets the target."""
     verdict = {}
@@ -123,9 +146,17 @@ def t7_verdict(ratios: dict[str, float], length: int) -> dict[str, dict]:
     return verdict
 
 
-def build(ruler_folders: list[Path], longbench_folders: list[Path], renames: dict[str, str] | None = None) -> dict:
+def build(
+    ruler_folders: list[Path],
+    longbench_folders: list[Path],
+    renames: dict[str, str] | None = None,
+    fp8_folder: Path | None = None,
+) -> dict:
     """The whole report as one JSON-able dict."""
     report: dict = {"min_dense_score": MIN_DENSE_SCORE}
+    if fp8_folder is not None:
+        fp8 = variant_vs_default(fp8_folder, FP8_FAMILY)
+        report["fp8"] = fp8 | {"ratio_to_bf16": fp8["lengths"].get("8192", {}).get(f"ratio_to_{DEFAULT_FAMILY}", {})}
     if ruler_folders:
         ruler = ruler_report(merge(ruler_folders, renames))
         report["ruler"] = ruler
@@ -167,12 +198,29 @@ def markdown(report: dict, command: str) -> str:
         lines += _loaded_t7_lines(report.get("t7_by_family", {}))
     if "longbench" in report:
         lines += _score_table("LongBench", report["longbench"]["score"])
+    lines += _fp8_lines(report.get("fp8"))
     for key in ("ruler_meta", "longbench_meta"):
         for meta in report.get(key, []):
             if "command" in meta:
                 lines.append(f"- `{meta['command']}` on {meta.get('device')} ({meta.get('dtype')}), "
                              f"{meta.get('seconds')} s" + (f": {meta['note']}" if "note" in meta else ""))  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _fp8_lines(block: dict | None) -> list[str]:
+    """8-bit KV blocks against model-dtype blocks, same selector and budget, one run."""
+    if not block:
+        return []
+    lines = [(f"**8-bit KV blocks** (`{FP8_FAMILY}`, run `{block['run']}`) against the default selector with "
+              "model-dtype blocks in the same run, at the same nominal budget:"), "",
+             f"| length | budget | {FP8_FAMILY} / dense | {DEFAULT_FAMILY} / dense | {FP8_FAMILY} / {DEFAULT_FAMILY} |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for length, detail in block["lengths"].items():
+        to_dense = detail["ratio_to_dense"]
+        for budget, ratio in detail[f"ratio_to_{DEFAULT_FAMILY}"].items():
+            lines.append(f"| {length} | {budget} | {to_dense[FP8_FAMILY][budget]} | "
+                         f"{to_dense[DEFAULT_FAMILY][budget]} | {ratio} |")  # fmt: skip
+    return lines + [""]
 
 
 def _loaded_t7_lines(blocks: dict[str, dict]) -> list[str]:
@@ -280,11 +328,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--note", action="append", default=[], help="a line for the report (e.g. how samples were built)"
     )
+    parser.add_argument(
+        "--fp8", type=Path, default=None, help=f"a RULER run with the {FP8_FAMILY} family beside the default"
+    )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
     args = parser.parse_args(argv)
-    if not args.ruler and not args.longbench:
-        raise ValueError("give at least one --ruler or --longbench folder")
-    report = build(args.ruler, args.longbench, parse_renames(args.rename))
+    if not args.ruler and not args.longbench and args.fp8 is None:
+        raise ValueError("give at least one --ruler, --longbench or --fp8 folder")
+    report = build(args.ruler, args.longbench, parse_renames(args.rename), args.fp8)
     command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = command
     report["notes"] = args.note

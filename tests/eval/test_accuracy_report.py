@@ -46,10 +46,26 @@ def test_longbench_only_and_bad_input(tmp_path):
     report = accuracy_report.main(["--longbench", str(tmp_path / "lb"), "--out", str(tmp_path)])
     assert report["longbench"]["score"]["multi_news"] == {"dense": 25.0, "sparse_2048": 25.0}
     assert "ratio_to_dense_8k" not in report
-    with pytest.raises(ValueError, match="--ruler or --longbench"):
+    with pytest.raises(ValueError, match="--ruler, --longbench or --fp8"):
         accuracy_report.main(["--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="samples.jsonl"):
         accuracy_report.main(["--ruler", str(tmp_path / "missing"), "--out", str(tmp_path)])
+
+
+def test_fp8_block_compares_the_variant_with_the_default_of_its_own_run(tmp_path):
+    rows = _rows("niah@8192", {"dense": [100, 100], "sparse_256": [100, 50], "fp8_kv_256": [100, 0]})
+    rows += _rows("qa@8192", {"dense": [50, 50], "sparse_256": [50, 50], "fp8_kv_256": [50, 50]})
+    rows += _rows("cwe@8192", {"dense": [0, 0], "sparse_256": [0, 0], "fp8_kv_256": [100, 100]})  # dense 0: out
+    _write(tmp_path / "fp8run", rows)
+    _write(tmp_path / "lb", _rows("multi_news", {"dense": [20], "sparse_2048": [25]}))
+    report = accuracy_report.main(["--longbench", str(tmp_path / "lb"), "--fp8", str(tmp_path / "fp8run"),
+                                   "--out", str(tmp_path)])  # fmt: skip
+    # kept: niah, qa (dense mean 75); sparse (75 + 50) / 2 = 62.5; fp8 (50 + 50) / 2 = 50 -> 0.8
+    assert report["fp8"]["ratio_to_bf16"] == {"256": 0.8}
+    detail = report["fp8"]["lengths"]["8192"]
+    assert detail["tasks_in_ratio"] == ["niah@8192", "qa@8192"]
+    assert detail["ratio_to_dense"] == {"fp8_kv": {"256": 0.6667}, "sparse": {"256": 0.8333}}
+    assert "| 8192 | 256 | 0.6667 | 0.8333 | 0.8 |" in (tmp_path / "accuracy.md").read_text()
 
 
 def test_rename_swaps_families_at_once(tmp_path):
