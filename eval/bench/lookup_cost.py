@@ -5,7 +5,8 @@
 Llama-3-8B's shape: 8 KV heads, each loading the union of its 4 query heads' 62 top-k blocks
 (U = 248 entries per row), one LRU partition per (layer, KV head). Per (rows B, slots per
 partition Pp): the tensor spec (`ops.lru.resolve_`, a chain of small kernels) and the fused
-kernel (`ops.triton_resolve.resolve_`, one program per KV head). Each case is warmed with its
+kernel (`ops.triton_resolve.resolve_`, one program per KV head; also forced to its tiled loop,
+and with tiles up to 8192 wide). Each case is warmed with its
 own ids first, so the timed lookups hit: the victim scan and the order's upkeep still run in
 full. Microseconds per replay (the median of `graph_ms`); on CPU (the script's test) one
 plain call of the tensor spec.
@@ -13,6 +14,7 @@ plain call of the tensor spec.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -21,7 +23,7 @@ from eval.bench.common import graph_ms, run_record, time_ms
 from sparseserve_hf.ops import lru
 
 KV_HEADS, LAYERS, ENTRIES_PER_ROW = 8, 32, 248
-CASES = ((16, 4072), (4, 1024), (1, 4096))  # B, Pp
+CASES = ((16, 4072), (16, 8144), (4, 1024), (1, 4096))  # B, Pp (8144: 8-bit blocks in the same bytes)
 
 
 def replay_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -53,6 +55,8 @@ def resolvers_for(device: torch.device) -> dict[str, Callable]:
         from sparseserve_hf.ops import triton_resolve  # triton: GPU only here
 
         out["fused kernel"] = triton_resolve.resolve_
+        out["fused, tiled"] = functools.partial(triton_resolve.resolve_, one_tile=False)
+        out["fused, 8192-wide tile"] = functools.partial(triton_resolve.resolve_, max_tile=8192)
     return out
 
 

@@ -104,10 +104,11 @@ def test_kernel_with_strided_wide_selection_and_full_partition():
     assert counts.tolist() == [2 * batch * width, 2 * batch * width]
 
 
-def test_repeated_lookups_over_a_partition_wider_than_one_tile():
-    """Evictions and the eviction order's rewrite over a partition of more slots than one tile
-    (4096): the victims' scan and the order's compaction then run in several chunks, over tables
-    that earlier lookups filled."""
+@pytest.mark.parametrize("max_tile", [4096, 8192], ids=["tiled", "one_wide_tile"])
+def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
+    """Evictions and the eviction order's rewrite over a partition of more slots than one 4096-wide
+    tile: the victims' scan and the order's compaction then run in several chunks (or in one
+    8192-wide tile), over tables that earlier lookups filled."""
     heads, per, batch, width, step_count = 2, 4300, 3, 700, 6  # full from step 3 on: evictions
     num_blocks = heads * 9000
     want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
@@ -117,7 +118,7 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile():
     for step in range(step_count):
         ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
         want_out = lru.resolve_(ids, 0, want, want_counts)
-        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts)
+        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts, max_tile=max_tile)
         for a, b in zip(got_out, want_out):
             assert torch.equal(a.cpu(), b), step
         assert_tables_equal(got, want)

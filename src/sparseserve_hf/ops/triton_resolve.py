@@ -291,12 +291,13 @@ def resolve_(
     counts: torch.Tensor,
     *,
     one_tile: bool = True,
+    max_tile: int = MAX_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
     Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
     `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
-    compare both with the spec).
+    compare both with the spec). `max_tile`: the widest tile (a power of two) one program holds.
     """
     batch, heads, width = ids.shape
     ids = ids.contiguous()
@@ -306,7 +307,7 @@ def resolve_(
     load_ids = ids.new_empty((heads, num_entries))
     load_slots = ids.new_empty((heads, num_entries))
     load_counts = ids.new_empty((heads,))
-    block = min(MAX_TILE, triton.next_power_of_2(max(num_entries, per, 16)))
+    block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
     fits = num_entries <= block and per <= block
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
