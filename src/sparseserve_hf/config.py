@@ -154,6 +154,12 @@ class SparseServeConfig:
             from Python bounds a step at a few rows. Needs every layer sparse (no `dense_layers`,
             no sliding-window layers) and transfer="kernel"; forwards it cannot replay exactly
             run eagerly as before. No effect on a cache built from a config.
+        fused_norms: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
+            runs the model's RMSNorms (Llama's, and the families that copy it) as one fused kernel
+            each instead of eager PyTorch's eight small ones. The arithmetic is the same but for
+            the order of the mean square's additions, so it is not bit-exact against the model's
+            own norm: off by default, which keeps the replayed step's tokens equal to the eager
+            path's. Outside the captured step the model runs its own norms.
         prefix_caching: the `Generator` keeps the full KV blocks of earlier requests' prompts (and
             their outputs) in the DRAM pool, addressed by the tokens before and in each block
             (`cache.prefix_index`), and a new request whose prompt starts with cached blocks
@@ -190,6 +196,7 @@ class SparseServeConfig:
     layer_graphs: bool = True
     generate_graphs: bool = True
     prefix_caching: bool = False
+    fused_norms: bool = False
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -277,6 +284,7 @@ class SparseServeConfig:
             _check_bool("cuda_graphs", self.cuda_graphs)
         _check_bool("layer_graphs", self.layer_graphs)
         _check_bool("generate_graphs", self.generate_graphs)
+        _check_bool("fused_norms", self.fused_norms)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return
         needs = []  # pools may grow (captured again when they move); these a captured step cannot follow

@@ -34,6 +34,7 @@ from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
 from .cache.plain import plain_tensors
 from .compat import cache_kwarg
+from .fused_norms import fusable_norms, fuse, unfuse
 from .ops import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class DecodeGraphRunner:
         self._state: tuple | None = None  # what the captured graphs point at (`TieredBlockStore.graph_state`)
         self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
         self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+        self._norms = fusable_norms(model) if cache.config.fused_norms else []  # fused only inside the step
 
     @plain_tensors  # a caller under inference_mode must not leave inference tensors in the captured inputs
     def start(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -241,9 +243,13 @@ class DecodeGraphRunner:
         """What a graph captures: one forward at fixed shapes, greedy pick fed back. Returns (B, V) logits."""
         for layer in self.layers:
             layer.caller_owns_tails = True  # the pre-step rolled full tails: commits only append
+        if self._norms:
+            fuse(self._norms, self.cache.store.ops.rms_norm)
         try:
             logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
         finally:
+            if self._norms:
+                unfuse(self._norms)
             for layer in self.layers:
                 layer.caller_owns_tails = False
         self._ids.copy_(logits.argmax(-1, keepdim=True))

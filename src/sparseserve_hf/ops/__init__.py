@@ -42,6 +42,7 @@ class BlockOps:
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
     account_loads: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor]  # the model's own norms in a captured step (`config.fused_norms`)
 
 
 TORCH_OPS = BlockOps(
@@ -57,6 +58,7 @@ TORCH_OPS = BlockOps(
     scatter_blocks=reference.scatter_blocks,
     resolve_blocks=lru.resolve_,
     account_loads=reference.account_loads,
+    rms_norm=reference.rms_norm,
 )
 
 
@@ -153,6 +155,7 @@ def _triton_ops() -> BlockOps:
     from . import (  # import triton: only here
         triton_account,
         triton_decode,
+        triton_norm,
         triton_resolve,
         triton_score,
         triton_select,
@@ -171,6 +174,7 @@ def _triton_ops() -> BlockOps:
         scatter_blocks=triton_transfer.scatter_blocks,
         resolve_blocks=triton_resolve.resolve_,
         account_loads=triton_account.account_loads,
+        rms_norm=triton_norm.rms_norm,
     )
 
 

@@ -464,3 +464,11 @@ def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: to
     """
     keep = dst_ids >= 0
     pool_dst[dst_ids[keep].to(pool_dst.device)] = src_blocks[keep.to(src_blocks.device)].to(pool_dst.device)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, op for op: the mean square in float32, the normalized row cast back to the
+    input's dtype, then scaled by `weight` (the result in their promoted dtype). (..., H) -> (..., H)."""
+    normed = hidden.to(torch.float32)
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(hidden.dtype)
