@@ -211,3 +211,40 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
     loads = [cache.stats() for cache in (runner.cache, reference.cache)]
     for key in LOAD_SUMMARY_KEYS:
         assert loads[0][key] == pytest.approx(loads[1][key]), key
+
+
+def test_fused_norms_run_the_backends_norm_inside_the_step_only(llama):
+    """With `fused_norms` every RMSNorm of the step goes through the op set's `rms_norm` (the
+    reference here: Llama's norm bit for bit, so the tokens stay the eager path's), and the model
+    has its own norms back after each step."""
+    config = replace(static_config(), fused_norms=True)
+    reference = EagerReference(llama, config)
+    runner = started_runner(llama, config)
+    calls = []
+
+    def counted(hidden, weight, eps):
+        calls.append(hidden.shape)
+        return runner_ops.rms_norm(hidden, weight, eps)
+
+    runner_ops = runner.cache.store.ops
+    runner.cache.store.ops = replace(runner_ops, rms_norm=counted)
+    norms = 2 * llama.config.num_hidden_layers + 1  # two per decoder layer, the final one
+    for step in range(6):
+        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+        assert len(calls) == norms * (step + 1)
+        assert all("forward" not in module.__dict__ for module in llama.modules())
+    assert calls[0] == (3, 1, llama.config.hidden_size)
+    plain = started_runner(llama, static_config())  # off by default: the model's own norms
+    plain.cache.store.ops = replace(plain.cache.store.ops, rms_norm=counted)
+    plain.step()
+    assert len(calls) == norms * 6
+
+
+def test_only_llamas_rms_norm_is_fused():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from sparseserve_hf.fused_norms import fusable_norms
+
+    model = torch.nn.ModuleList([Qwen3RMSNorm(8), Gemma3RMSNorm(8), torch.nn.LayerNorm(8)])
+    assert fusable_norms(model) == [model[0]]
