@@ -154,6 +154,11 @@ class SparseServeConfig:
             from Python bounds a step at a few rows. Needs every layer sparse (no `dense_layers`,
             no sliding-window layers) and transfer="kernel"; forwards it cannot replay exactly
             run eagerly as before. No effect on a cache built from a config.
+        fused_rope: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
+            with the "triton" or "flash" backend rotates q and k with one fused kernel per layer
+            (`fused_ops`) instead of eager PyTorch's ten, bit for bit the model's own rotary
+            embedding (Llama's, and the families that copy it). An ablation switch: off only
+            to measure what it saves.
         fused_norms: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
             runs the model's RMSNorms (Llama's, and the families that copy it) as one fused kernel
             each instead of eager PyTorch's eight small ones. The arithmetic is the same but for
@@ -196,6 +201,7 @@ class SparseServeConfig:
     layer_graphs: bool = True
     generate_graphs: bool = True
     prefix_caching: bool = False
+    fused_rope: bool = True
     fused_norms: bool = False
 
     def __post_init__(self) -> None:
@@ -284,6 +290,7 @@ class SparseServeConfig:
             _check_bool("cuda_graphs", self.cuda_graphs)
         _check_bool("layer_graphs", self.layer_graphs)
         _check_bool("generate_graphs", self.generate_graphs)
+        _check_bool("fused_rope", self.fused_rope)
         _check_bool("fused_norms", self.fused_norms)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return

@@ -34,7 +34,7 @@ from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
 from .cache.plain import plain_tensors
 from .compat import cache_kwarg
-from .fused_norms import fusable_norms, fuse, unfuse
+from .fused_ops import FusedModelOps
 from .ops import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ class DecodeGraphRunner:
         self._state: tuple | None = None  # what the captured graphs point at (`TieredBlockStore.graph_state`)
         self._ids: torch.Tensor | None = None  # (B, 1) static inputs, set by `start`
         self._kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
-        self._norms = fusable_norms(model) if cache.config.fused_norms else []  # fused only inside the step
+        self._fused: FusedModelOps | None = None  # the model's ops the static step runs fused, set by `start`
+        self._fused_checked = False
 
     @plain_tensors  # a caller under inference_mode must not leave inference tensors in the captured inputs
     def start(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -174,6 +175,11 @@ class DecodeGraphRunner:
         device = layer.tail.device
         if positions is None:
             positions = layer.row_lengths()
+        if not self._fused_checked:  # the store (and its op set) exists once the cache holds rows
+            ops, config = self.cache.store.ops, self.cache.config
+            rope = ops.rope if config.fused_rope else None
+            self._fused = FusedModelOps(self.model, ops.rms_norm, rope, config.fused_norms) or None
+            self._fused_checked = True
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()
         host = torch.cat((layer.tail_len.long(), layer.num_blocks.long(), self._positions.flatten())).tolist()
@@ -243,13 +249,13 @@ class DecodeGraphRunner:
         """What a graph captures: one forward at fixed shapes, greedy pick fed back. Returns (B, V) logits."""
         for layer in self.layers:
             layer.caller_owns_tails = True  # the pre-step rolled full tails: commits only append
-        if self._norms:
-            fuse(self._norms, self.cache.store.ops.rms_norm)
+        if self._fused is not None:
+            self._fused.enter()
         try:
             logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
         finally:
-            if self._norms:
-                unfuse(self._norms)
+            if self._fused is not None:
+                self._fused.exit()
             for layer in self.layers:
                 layer.caller_owns_tails = False
         self._ids.copy_(logits.argmax(-1, keepdim=True))

@@ -9,6 +9,8 @@ advances by hand after a replay. tests/integration/test_decode_graph.py runs rea
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import replace
 from unittest import mock
 
@@ -16,12 +18,14 @@ import pytest
 import torch
 from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
 from test_sync_free_decode import fixed_shape_gather
+from transformers.models.llama import modeling_llama
 
 from fake_graphs import FakeGraphs
-from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf import SparseServeCache, SparseServeConfig, fused_ops
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner, graph_obstacle, table_width
+from sparseserve_hf.ops import reference
 from sync_guard import forbid_host_syncs
 from tiny_models import random_ids, tiny_model
 
@@ -213,38 +217,50 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
         assert loads[0][key] == pytest.approx(loads[1][key]), key
 
 
-def test_fused_norms_run_the_backends_norm_inside_the_step_only(llama):
-    """With `fused_norms` every RMSNorm of the step goes through the op set's `rms_norm` (the
-    reference here: Llama's norm bit for bit, so the tokens stay the eager path's), and the model
-    has its own norms back after each step."""
-    config = replace(static_config(), fused_norms=True)
-    reference = EagerReference(llama, config)
-    runner = started_runner(llama, config)
-    calls = []
+def test_fused_ops_run_inside_the_step_only(llama):
+    """The op set's `rope` (and with `fused_norms` its `rms_norm`) runs for every rotary embedding
+    (and RMSNorm) of the static step; here both are the references, Llama's own ops bit for bit, so
+    the tokens stay the eager path's. Outside the step the model runs its own ops."""
+    calls = {"rope": 0, "rms_norm": 0}
 
-    def counted(hidden, weight, eps):
-        calls.append(hidden.shape)
-        return runner_ops.rms_norm(hidden, weight, eps)
+    def counted(name, op):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return op(*args, **kwargs)
 
-    runner_ops = runner.cache.store.ops
-    runner.cache.store.ops = replace(runner_ops, rms_norm=counted)
-    norms = 2 * llama.config.num_hidden_layers + 1  # two per decoder layer, the final one
+        return run
+
+    own_rope, runners = modeling_llama.apply_rotary_pos_emb, []
+    for fused_norms in (True, False):
+        config = replace(static_config(), fused_norms=fused_norms)
+        cache, tokens = batch_cache(llama, config)
+        ops = cache.store.ops
+        cache.store.ops = replace(ops, rope=counted("rope", reference.rope), rms_norm=counted("rms_norm", ops.rms_norm))
+        runners.append(DecodeGraphRunner(llama, cache, capture=False))
+        runners[-1].start(tokens)
+    eager = EagerReference(llama, static_config())
+    layers = llama.config.num_hidden_layers
     for step in range(6):
-        assert torch.equal(runner.step(), reference.step()), f"step {step}"
-        assert len(calls) == norms * (step + 1)
+        want = eager.step()  # the model's own ops: counts nothing
+        assert torch.equal(runners[0].step(), want), f"step {step}"
+        assert calls == {"rope": layers * (step + 1), "rms_norm": (2 * layers + 1) * (step + 1)}
         assert all("forward" not in module.__dict__ for module in llama.modules())
-    assert calls[0] == (3, 1, llama.config.hidden_size)
-    plain = started_runner(llama, static_config())  # off by default: the model's own norms
-    plain.cache.store.ops = replace(plain.cache.store.ops, rms_norm=counted)
-    plain.step()
-    assert len(calls) == norms * 6
+        assert modeling_llama.apply_rotary_pos_emb is own_rope  # the module's own function again
+    runners[1].step()  # fused_norms off: the rotary embedding only
+    assert calls == {"rope": layers * 7, "rms_norm": (2 * layers + 1) * 6}
 
 
-def test_only_llamas_rms_norm_is_fused():
+def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from sparseserve_hf.fused_norms import fusable_norms
-
     model = torch.nn.ModuleList([Qwen3RMSNorm(8), Gemma3RMSNorm(8), torch.nn.LayerNorm(8)])
-    assert fusable_norms(model) == [model[0]]
+    assert fused_ops.fusable_norms(model) == [model[0]]
+    assert fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False).rope is not None
+
+    home = types.ModuleType("partial_rotary_modeling")  # a family whose rotary embedding is its own
+    home.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+    attention = type("PartialAttention", (torch.nn.Module,), {"__module__": home.__name__})
+    with mock.patch.dict(sys.modules, {home.__name__: home}):
+        model = torch.nn.ModuleList([attention(), tiny_model("llama")])
+        assert fused_ops.FusedModelOps(model, reference.rms_norm, reference.rope, False).rope is None

@@ -100,6 +100,7 @@ def test_frozen_and_round_trips_through_dict():
     [
         (dict(offload="no"), "offload"),
         (dict(fused_norms=1), "fused_norms"),
+        (dict(fused_rope="yes"), "fused_rope"),
         (dict(transfer="memcpy"), "transfer"),
         (dict(save_path="d2h"), "save_path"),
         (dict(offload=False, hbm_cache_bytes=1 << 20), "hbm_cache_bytes"),  # no block cache without offload

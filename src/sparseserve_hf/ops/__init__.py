@@ -42,7 +42,8 @@ class BlockOps:
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
     account_loads: Callable[..., None]
-    rms_norm: Callable[..., torch.Tensor]  # the model's own norms in a captured step (`config.fused_norms`)
+    rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec
 
 
 TORCH_OPS = BlockOps(
@@ -59,6 +60,7 @@ TORCH_OPS = BlockOps(
     resolve_blocks=lru.resolve_,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
+    rope=None,
 )
 
 
@@ -157,6 +159,7 @@ def _triton_ops() -> BlockOps:
         triton_decode,
         triton_norm,
         triton_resolve,
+        triton_rope,
         triton_score,
         triton_select,
         triton_transfer,
@@ -175,6 +178,7 @@ def _triton_ops() -> BlockOps:
         resolve_blocks=triton_resolve.resolve_,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,
+        rope=triton_rope.rope,
     )
 
 

@@ -472,3 +472,15 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     normed = hidden.to(torch.float32)
     normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(hidden.dtype)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary embedding, op for op: x * cos + rotate_half(x) * sin for q (B, Hq, T, D) and
+    k (B, Hk, T, D), with cos and sin (B, T, D) broadcast over the heads."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,128 @@
+"""The model's own small ops, fused, inside a captured decode step.
+
+Eager transformers runs a decode layer's RMSNorms as eight kernels each and its rotary embedding
+as ten; in a step of a few KiB per row each of those is launch and latency. While the
+`DecodeGraphRunner` runs its static step (the one a CUDA graph captures) it swaps in the op
+set's fused versions, and only then:
+- the rotary embedding (`ops.rope`, `config.fused_rope`, bit for bit the model's): the defining module's
+  `apply_rotary_pos_emb`, where it is Llama's function instruction for instruction, is wrapped
+  while a step runs (counted, so steps on several threads share one wrapper): the wrapper takes
+  the fused path on the threads running a step, for the calls it computes exactly
+  (`rope_fusable`), and otherwise calls the function it wraps;
+- the RMSNorms (`ops.rms_norm`, `config.fused_norms`: equal up to the mean's rounding), as an
+  instance `forward` of each module whose forward is Llama's RMSNorm, removed after the step.
+Any other norm or embedding (Gemma's `1 + weight`, a LayerNorm, partial rotary) keeps its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+from transformers.models.llama import modeling_llama
+
+_active = threading.local()  # .rope: the fused rotary embedding this thread's step runs, or absent
+_lock = threading.Lock()
+_wrapped: dict[object, list] = {}  # module -> [its own apply_rotary_pos_emb, steps inside] while wrapped
+
+
+def _code_of(function: Callable) -> tuple | None:
+    """What identifies a function's instructions (None for a callable without Python code)."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
+
+
+LLAMA_RMS_NORM = _code_of(modeling_llama.LlamaRMSNorm.forward)
+LLAMA_ROPE = _code_of(modeling_llama.apply_rotary_pos_emb)
+
+
+def fusable_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose forward is Llama's RMSNorm (`weight`, `variance_epsilon`)."""
+    return [module for module in model.modules() if _code_of(type(module).forward) == LLAMA_RMS_NORM]
+
+
+def rope_fusable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:
+    """Whether the fused rotary embedding computes this call: (B, H, T, D) q and k, (B, T, D) cos and
+    sin, one dtype and device, unit stride along D, D a power of two."""
+    if not (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and unsqueeze_dim == 1):
+        return False
+    width = q.shape[-1]
+    return (
+        len({q.dtype, k.dtype, cos.dtype, sin.dtype}) == 1
+        and len({q.device, k.device, cos.device, sin.device}) == 1
+        and width >= 2
+        and width & (width - 1) == 0
+        and k.shape[-1] == cos.shape[-1] == sin.shape[-1] == width
+        and all(t.stride(-1) == 1 for t in (q, k, cos, sin))
+    )
+
+
+class FusedModelOps:
+    """The fused ops one runner's static step uses on `model` (see the module docstring).
+
+    Args:
+        model: the causal LM.
+        rms_norm: the op set's `rms_norm`, used when `norms` is True.
+        rope: the op set's `rope`, or None (the torch reference set: the model's own is the spec).
+        norms: fuse the RMSNorms (`config.fused_norms`).
+    """
+
+    def __init__(self, model: torch.nn.Module, rms_norm: Callable, rope: Callable | None, norms: bool) -> None:
+        self.norms = fusable_norms(model) if norms else []
+        self.rms_norm = rms_norm
+        self.homes = _llama_rope_homes(model) if rope is not None else []
+        self.rope = rope if self.homes else None
+
+    def __bool__(self) -> bool:
+        return bool(self.norms) or self.rope is not None
+
+    def enter(self) -> None:
+        """Before the step's forward: this thread's calls take the fused ops."""
+        if self.rope is not None:
+            _active.rope = self.rope
+            with _lock:
+                for home in self.homes:
+                    entry = _wrapped.setdefault(home, [home.apply_rotary_pos_emb, 0])
+                    if entry[1] == 0:
+                        home.apply_rotary_pos_emb = _fused_when_active(entry[0])
+                    entry[1] += 1
+        for module in self.norms:
+            module.forward = functools.partial(self.rms_norm, weight=module.weight, eps=module.variance_epsilon)
+
+    def exit(self) -> None:
+        """After it: the model's own ops again (the module's own function once no step is inside)."""
+        if self.rope is not None:
+            _active.rope = None
+            with _lock:
+                for home in self.homes:
+                    entry = _wrapped[home]
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        home.apply_rotary_pos_emb = entry[0]
+                        del _wrapped[home]
+        for module in self.norms:
+            module.__dict__.pop("forward", None)
+
+
+def _llama_rope_homes(model: torch.nn.Module) -> list:
+    """The modules defining `model`'s attention classes, when every one's `apply_rotary_pos_emb` is
+    Llama's (else none: a step fuses all of its rotary embeddings or none)."""
+    homes = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("Attention")}
+    own = [_wrapped[home][0] if home in _wrapped else getattr(home, "apply_rotary_pos_emb", None) for home in homes]
+    return list(homes) if homes and all(_code_of(f) == LLAMA_ROPE for f in own) else []
+
+
+def _fused_when_active(own: Callable) -> Callable:
+    """`own` (Llama's `apply_rotary_pos_emb`), taking the fused path inside a step that asked for it."""
+
+    @functools.wraps(own)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        fused = getattr(_active, "rope", None)
+        if fused is not None and rope_fusable(q, k, cos, sin, unsqueeze_dim):
+            return fused(q, k, cos, sin)
+        return own(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
