@@ -12,11 +12,15 @@ set's fused versions, and only then:
 - the RMSNorms (`ops.rms_norm`, `config.fused_norms`: equal up to the mean's rounding), as an
   instance `forward` of each module whose forward is Llama's RMSNorm, removed after the step.
 Any other norm or embedding (Gemma's `1 + weight`, a LayerNorm, partial rotary) keeps its own.
+Each fused op first runs once on the model's device and dtype against the model's own op (the
+rotary embedding must match bit for bit, the norm to within rounding); one that fails or differs
+is left out, with a warning, and the step runs the model's op.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 from transformers.models.llama import modeling_llama
 
+logger = logging.getLogger(__name__)
 _active = threading.local()  # .rope: the fused rotary embedding this thread's step runs, or absent
 _lock = threading.Lock()
 _wrapped: dict[object, list] = {}  # module -> [its own apply_rotary_pos_emb, steps inside] while wrapped
@@ -72,8 +77,12 @@ class FusedModelOps:
 
     def __init__(self, model: torch.nn.Module, rms_norm: Callable, rope: Callable | None, norms: bool) -> None:
         self.norms = fusable_norms(model) if norms else []
+        if self.norms and not _checked("rms_norm", lambda: _norm_agrees(rms_norm, self.norms[0])):
+            self.norms = []
         self.rms_norm = rms_norm
         self.homes = _llama_rope_homes(model) if rope is not None else []
+        if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model)):
+            self.homes = []
         self.rope = rope if self.homes else None
 
     def __bool__(self) -> bool:
@@ -105,6 +114,41 @@ class FusedModelOps:
                         del _wrapped[home]
         for module in self.norms:
             module.__dict__.pop("forward", None)
+
+
+def _checked(name: str, agrees: Callable[[], bool]) -> bool:
+    """Whether the fused op `name` runs and agrees with the model's own (a warning when not)."""
+    try:
+        if agrees():
+            return True
+        reason = "its result differs from the model's own"
+    except Exception as exc:  # noqa: BLE001  a kernel that cannot run here: the model's op instead
+        reason = f"{type(exc).__name__}: {exc}"
+    logger.warning("the fused %s is not used (%s); decode steps run the model's own", name, reason)
+    return False
+
+
+def _rope_agrees(rope: Callable, model: torch.nn.Module) -> bool:
+    """The fused rotary embedding equals Llama's bit for bit on a small decode-shaped input in the
+    model's dtype, on its device, at its head size."""
+    config, weight = model.config, next(model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype, device = weight.dtype, weight.device
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 4, head_dim, generator=gen).to(device, dtype).transpose(1, 2)  # as the module makes it
+    k = torch.randn(3, 1, 2, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    angles = torch.rand(3, 1, head_dim // 2, generator=gen).repeat(1, 1, 2) * 50
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    return all(torch.equal(a, b) for a, b in zip(rope(q, k, cos, sin), want))
+
+
+def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
+    """The fused RMSNorm is within rounding of the module's own on a small decode-shaped input."""
+    hidden = torch.randn(3, 1, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(norm.weight.device, norm.weight.dtype)
+    got, want = rms_norm(hidden, norm.weight, norm.variance_epsilon), type(norm).forward(norm, hidden)
+    return got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def _llama_rope_homes(model: torch.nn.Module) -> list:

@@ -237,7 +237,9 @@ def test_fused_ops_run_inside_the_step_only(llama):
         ops = cache.store.ops
         cache.store.ops = replace(ops, rope=counted("rope", reference.rope), rms_norm=counted("rms_norm", ops.rms_norm))
         runners.append(DecodeGraphRunner(llama, cache, capture=False))
-        runners[-1].start(tokens)
+        runners[-1].start(tokens)  # first tries each fused op against the model's own
+    assert calls == {"rope": 2, "rms_norm": 1}
+    calls.update(rope=0, rms_norm=0)
     eager = EagerReference(llama, static_config())
     layers = llama.config.num_hidden_layers
     for step in range(6):
@@ -264,3 +266,22 @@ def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
     with mock.patch.dict(sys.modules, {home.__name__: home}):
         model = torch.nn.ModuleList([attention(), tiny_model("llama")])
         assert fused_ops.FusedModelOps(model, reference.rms_norm, reference.rope, False).rope is None
+
+
+def test_a_fused_op_that_differs_or_fails_is_left_out_with_a_warning(llama, caplog):
+    def off_by_a_bit(q, k, cos, sin):
+        q_out, k_out = reference.rope(q, k, cos, sin)
+        return q_out.nextafter(q_out + 1), k_out
+
+    def broken(hidden, weight, eps):
+        raise RuntimeError("no kernel for this device")
+
+    cache, tokens = batch_cache(llama, replace(static_config(), fused_norms=True))
+    cache.store.ops = replace(cache.store.ops, rope=off_by_a_bit, rms_norm=broken)
+    runner = DecodeGraphRunner(llama, cache, capture=False)
+    with caplog.at_level("WARNING", logger="sparseserve_hf.fused_ops"):
+        runner.start(tokens)
+    assert runner._fused is None
+    assert "fused rope is not used (its result differs" in caplog.text
+    assert "fused rms_norm is not used (RuntimeError: no kernel for this device)" in caplog.text
+    assert torch.equal(runner.step(), EagerReference(llama, static_config()).step())
