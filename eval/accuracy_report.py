@@ -27,8 +27,8 @@ from eval.t7 import families_with_loads, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
 DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig (see --rename)
-T7_TARGETS = {16: 0.99, 32: 0.97}
-FP8_FAMILY = "fp8_kv"  # methods "fp8_kv_<budget>": the default config with kv_dtype=float8_e4m3fn  # context / budget -> minimum ratio to dense
+T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
+FP8_FAMILY = "fp8_kv"  # methods "fp8_kv_<budget>": the default config with kv_dtype=float8_e4m3fn
 
 
 def read_rows(folder: Path) -> list[dict]:

@@ -73,15 +73,18 @@ class FusedModelOps:
         rms_norm: the op set's `rms_norm`, used when `norms` is True.
         rope: the op set's `rope`, or None (the torch reference set: the model's own is the spec).
         norms: fuse the RMSNorms (`config.fused_norms`).
+        head_dim: D of the model's attention (the cache's model shape), for the rotary embedding's check.
     """
 
-    def __init__(self, model: torch.nn.Module, rms_norm: Callable, rope: Callable | None, norms: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, rms_norm: Callable, rope: Callable | None, norms: bool, head_dim: int
+    ) -> None:
         self.norms = fusable_norms(model) if norms else []
         if self.norms and not _checked("rms_norm", lambda: _norm_agrees(rms_norm, self.norms[0])):
             self.norms = []
         self.rms_norm = rms_norm
         self.homes = _llama_rope_homes(model) if rope is not None else []
-        if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model)):
+        if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model, head_dim)):
             self.homes = []
         self.rope = rope if self.homes else None
 
@@ -128,11 +131,10 @@ def _checked(name: str, agrees: Callable[[], bool]) -> bool:
     return False
 
 
-def _rope_agrees(rope: Callable, model: torch.nn.Module) -> bool:
+def _rope_agrees(rope: Callable, model: torch.nn.Module, head_dim: int) -> bool:
     """The fused rotary embedding equals Llama's bit for bit on a small decode-shaped input in the
     model's dtype, on its device, at its head size."""
-    config, weight = model.config, next(model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weight = next(model.parameters())
     dtype, device = weight.dtype, weight.device
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 1, 4, head_dim, generator=gen).to(device, dtype).transpose(1, 2)  # as the module makes it

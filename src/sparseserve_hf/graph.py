@@ -178,7 +178,8 @@ class DecodeGraphRunner:
         if not self._fused_checked:  # the store (and its op set) exists once the cache holds rows
             ops, config = self.cache.store.ops, self.cache.config
             rope = ops.rope if config.fused_rope else None
-            self._fused = FusedModelOps(self.model, ops.rms_norm, rope, config.fused_norms) or None
+            head_dim = self.cache.shape.head_dim
+            self._fused = FusedModelOps(self.model, ops.rms_norm, rope, config.fused_norms, head_dim) or None
             self._fused_checked = True
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()

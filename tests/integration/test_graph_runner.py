@@ -27,7 +27,7 @@ from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner, graph_obstacle, table_width
 from sparseserve_hf.ops import reference
 from sync_guard import forbid_host_syncs
-from tiny_models import random_ids, tiny_model
+from tiny_models import HEAD_DIM, random_ids, tiny_model
 
 STEPS = 40  # each row's tail fills twice or more (rows start 16, 6 and 16 tokens into their tail)
 
@@ -258,14 +258,17 @@ def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
 
     model = torch.nn.ModuleList([Qwen3RMSNorm(8), Gemma3RMSNorm(8), torch.nn.LayerNorm(8)])
     assert fused_ops.fusable_norms(model) == [model[0]]
-    assert fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False).rope is not None
+    assert (
+        fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False, HEAD_DIM).rope
+        is not None
+    )
 
     home = types.ModuleType("partial_rotary_modeling")  # a family whose rotary embedding is its own
     home.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
     attention = type("PartialAttention", (torch.nn.Module,), {"__module__": home.__name__})
     with mock.patch.dict(sys.modules, {home.__name__: home}):
         model = torch.nn.ModuleList([attention(), tiny_model("llama")])
-        assert fused_ops.FusedModelOps(model, reference.rms_norm, reference.rope, False).rope is None
+        assert fused_ops.FusedModelOps(model, reference.rms_norm, reference.rope, False, HEAD_DIM).rope is None
 
 
 def test_a_fused_op_that_differs_or_fails_is_left_out_with_a_warning(llama, caplog):
