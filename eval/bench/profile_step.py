@@ -1,7 +1,11 @@
-"""Where one sparse decode step's GPU time goes, kernel by kernel (torch.profiler over eager steps).
+"""Where one sparse decode step's GPU time goes, kernel by kernel (torch.profiler over decode steps).
 
     python -m eval.bench.profile_step --out eval/results/profile_step.md     # H200: ~2 min
+    python -m eval.bench.profile_step --graph --out eval/results/profile_graph_step.md
     python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
+
+`--graph` profiles the step users run fastest: `graph.DecodeGraphRunner`'s CUDA-graph replays (on
+CPU its static step, eagerly), fused ops included; without it, eager steps of `model(...)`.
 
 The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the
 default config with an HBM cache of 25% of the dense KV), cut to a few layers: every layer runs
@@ -23,6 +27,7 @@ from eval.bench.decode_step_setup import build_model, sparse_cache
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.graph import DecodeGraphRunner
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -33,6 +38,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--graph", action="store_true", help="profile DecodeGraphRunner replays")
+    parser.add_argument("--fused-norms", action="store_true", help="SparseServeConfig(fused_norms=True)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     device = pick_device(args.dry_run)
@@ -45,7 +52,11 @@ def main(argv: list[str] | None = None) -> str:
     dense_kv = 2 * args.layers * text.num_key_value_heads * text.head_dim * dtype.itemsize * args.batch * args.context
     budget = {"token_budget": 64} if args.dry_run else {}  # the tiny shapes' context is 200 tokens
     config = SparseServeConfig(
-        block_size=block_size, hbm_cache_bytes=max(dense_kv // 4, 1 << 20), max_batch=args.batch, **budget
+        block_size=block_size,
+        hbm_cache_bytes=max(dense_kv // 4, 1 << 20),
+        max_batch=args.batch,
+        fused_norms=args.fused_norms,
+        **budget,
     )
     cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=4)
     cache.store.selection_override = TraceReplay(
@@ -56,6 +67,13 @@ def main(argv: list[str] | None = None) -> str:
 
     def step(tokens):
         return model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
+
+    if args.graph:
+        runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
+        runner.start(tokens)
+
+        def step(tokens):  # noqa: F811  the runner feeds its own greedy picks back
+            return runner.step()
 
     with torch.no_grad():
         for _ in range(12):  # warm the LRU and the kernels
@@ -71,7 +89,9 @@ def main(argv: list[str] | None = None) -> str:
             sync(device)
     report = kernel_table(prof, args.steps * args.layers, device)
     header = f"# One sparse decode layer, kernel by kernel\n\n{run_record(device)}\n\n"
-    text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} steps\n\n"
+    mode = "CUDA-graph replays" if args.graph else "eager steps"
+    text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} {mode}"
+    text_out += f", fused_norms={args.fused_norms}\n\n"
     text_out += miss_line(cache.store.stats, args.steps * args.layers) + report
     print(text_out)
     if args.out:
