@@ -141,3 +141,62 @@ def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
     dequantized = reference.dequantize_blocks(stored, block_scales, torch.float32)
     expected = reference.sparse_decode(query, dequantized, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def read_through_inputs(dtype, masked, hit_rate=0.5, seed=0):
+    """A DRAM pool, a selection of its ids (B=3, Hkv=2, U=11, holes), an HBM pool holding a random
+    part of the selected blocks, and the same selection with every block resident (the spec)."""
+    generator = torch.Generator().manual_seed(seed)
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(3, 2, 4, 8, 16, 11, dtype, masked=masked)
+    dram, block_ids = pool, slots  # the spec's pool and slots are the DRAM pool and its ids
+    resident = (torch.rand(block_ids.shape, generator=generator) < hit_rate) & (block_ids >= 0)
+    hbm = torch.full((block_ids.numel() + 2, *pool.shape[1:]), float("nan")).to(dtype)  # never read unless hit
+    hbm_slots = torch.where(resident, torch.randperm(hbm.shape[0])[: block_ids.numel()].view(block_ids.shape), -1)
+    hbm[hbm_slots[resident]] = dram[block_ids[resident]]
+    spec = (query, dram, block_ids, head_mask, tail_k, tail_v, tail_len)
+    through = (query, hbm, hbm_slots, head_mask, tail_k, tail_v, tail_len)
+    return spec, through, dram, block_ids
+
+
+@pytest.mark.parametrize("hit_rate", [0.0, 0.5, 1.0])
+def test_reference_reading_through_misses_equals_attention_over_resident_blocks(hit_rate):
+    spec, through, dram, block_ids = read_through_inputs(torch.float32, masked=True, hit_rate=hit_rate)
+    expected = reference.sparse_decode(*spec, 0.3)
+    got = reference.sparse_decode(*through, 0.3, dram=dram, block_ids=block_ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
+def test_kernel_reads_misses_through_from_dram(poisoned, dtype, masked):
+    spec, through, dram, block_ids = read_through_inputs(dtype, masked=masked)
+    expected = reference.sparse_decode(*spec, 0.3)
+    on_device = [x.to(DEVICE) if x is not None else None for x in through]
+    dram_on_host = pinned(dram)
+    got = triton_decode.sparse_decode(*on_device, 0.3, num_splits=3, dram=dram_on_host, block_ids=block_ids.to(DEVICE))
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+
+
+def test_kernel_reads_8bit_misses_through_with_their_scales(poisoned):
+    spec, through, dram, block_ids = read_through_inputs(torch.float16, masked=False)
+    stored, block_scales = reference.quantize_blocks(dram.float() * 3, torch.float8_e4m3fn)
+    hbm, hbm_slots = through[1], through[2]
+    hbm_stored = torch.zeros(hbm.shape, dtype=torch.float8_e4m3fn)
+    resident = hbm_slots >= 0
+    hbm_stored[hbm_slots[resident]] = stored[block_ids[resident]]
+    scales = block_scales[block_ids.clamp(min=0)]
+    query, _, _, head_mask, tail_k, tail_v, tail_len = through
+    inputs = (query, hbm_stored, hbm_slots, head_mask, tail_k, tail_v, tail_len)
+    on_device = [x.to(DEVICE) if x is not None else None for x in inputs]
+    got = triton_decode.sparse_decode(
+        *on_device, 0.3, num_splits=2, scales=scales.to(DEVICE), dram=pinned(stored), block_ids=block_ids.to(DEVICE)
+    )
+    dequantized = reference.dequantize_blocks(stored, block_scales, torch.float16)
+    expected = reference.sparse_decode(query, dequantized, block_ids, head_mask, tail_k, tail_v, tail_len, 0.3)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
+
+
+def pinned(pool: torch.Tensor) -> torch.Tensor:
+    """The DRAM pool as the kernel meets it: in pinned host memory on a GPU (read through UVA)."""
+    return pool.pin_memory() if DEVICE.type == "cuda" else pool
