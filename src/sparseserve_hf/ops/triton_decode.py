@@ -21,7 +21,6 @@ import triton.language as tl
 TILE_TOKENS = 64  # tokens per inner iteration: 2 blocks of 32 (16 KiB of bf16 K+V at D=128)
 MIN_BLOCKS_PER_SPLIT = 4  # fewer makes the partials' write + reduce cost more than the split gains
 PROGRAMS_PER_SM = 4
-MISS_PROGRAMS = 4  # programs per (row, KV head) reading its missed blocks from DRAM, reading through
 
 
 @triton.jit
@@ -42,31 +41,6 @@ def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
-
-
-@triton.jit
-def _attend_blocks(
-    q, block_base, token_ok, entry, u, m, l, acc, scaling, t, d, d_ok, g_ok, heads,
-    mask_row_ptr, stride_mh, scales_ptr,
-    S: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
-):  # fmt: skip
-    """One tile of T = BLOCK_U * S tokens, whole blocks: block_base (T,) points at each token's
-    (2, S, D) block, token_ok (T,) says which tokens count, entry / u (T,) their selection entry
-    (scales) and column (head mask). Returns the updated online-softmax state."""
-    base = block_base + (t % S) * D
-    kv_mask = token_ok[:, None] & d_ok[None, :]
-    k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
-    if SCALED:  # 8-bit blocks: widen, scale, and attend in the query's dtype
-        k_scale = tl.load(scales_ptr + entry * 2, mask=token_ok, other=0.0)
-        v_scale = tl.load(scales_ptr + entry * 2 + 1, mask=token_ok, other=0.0)
-        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-    seen = g_ok[:, None] & token_ok[None, :]
-    if HAS_MASK:
-        allowed = tl.load(mask_row_ptr + heads[:, None] * stride_mh + u[None, :], mask=seen, other=0)
-        seen = seen & (allowed != 0)
-    return _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
 
 
 @triton.jit
@@ -96,7 +70,6 @@ def _decode_split_kernel(
     num_kv_heads,
     num_loaded,
     num_splits,
-    num_miss_programs,
     scaling,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -111,17 +84,12 @@ def _decode_split_kernel(
     MIN_PER_SPLIT: tl.constexpr,
     SCALED: tl.constexpr,
 ):
-    """Grid (B * Hkv, num_splits + 1 + num_miss_programs): programs < num_splits share the row's
-    resident blocks, the next one takes the tail block, the last ones its misses. Writes partials
-    [b, h*G + g, program].
+    """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
+    one takes the tail block. Writes partials [b, h*G + g, split].
 
-    An entry is used where its id (`ids_ptr`, laid out as the slots) is >= 0. A resident entry (slot
-    >= 0) is read from its HBM slot by a split program. A miss (slot -1) is read from `dram_ptr` at its
-    id (pinned host memory: PCIe) by miss program j, which takes the misses whose rank among the
-    row's misses is j modulo num_miss_programs: a row's misses cluster (its newest and newly picked
-    blocks), and a program reads host memory at one CTA's PCIe rate, so spreading them over their own
-    programs lets their PCIe reads overlap the resident blocks' HBM reads instead of lengthening a
-    few split programs. Without read-through the caller passes the slots as the ids (no misses).
+    An entry is used where its id (`ids_ptr`, laid out as the slots) is >= 0; it is read from its
+    HBM slot, or from `dram_ptr` at its id where its slot is -1 (reading through a miss). Without
+    read-through the caller passes the slots as the ids and the pool as the DRAM.
 
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
@@ -143,26 +111,43 @@ def _decode_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    row = b * stride_sb + h * stride_sh  # the row's first entry (slots, ids and scales share the layout)
-    mask_row_ptr = mask_ptr + b * stride_mb
-    t = tl.arange(0, BLOCK_U * S)
     if split < num_splits:
         entries = tl.arange(0, BLOCK_LOADED)
-        row_ids = tl.load(ids_ptr + row + entries, mask=entries < num_loaded, other=-1)
+        row_ids = tl.load(ids_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
         used_end = tl.max(tl.where(row_ids >= 0, entries + 1, 0), axis=0)
         per_split = tl.maximum(tl.cdiv(used_end, num_splits), MIN_PER_SPLIT)
         per_split = tl.cdiv(per_split, BLOCK_U) * BLOCK_U  # whole tiles
         start = split * per_split
         end = tl.minimum(start + per_split, used_end)
+        t = tl.arange(0, BLOCK_U * S)
         for first in range(start, end, BLOCK_U):
             u = first + t // S  # (T,) loaded-block index of each token
-            slot = tl.load(slots_ptr + row + u, mask=u < end, other=-1).to(tl.int64)
-            m, l, acc = _attend_blocks(
-                q, pool_ptr + slot * (2 * S * D), slot >= 0, row + u, u, m, l, acc, scaling, t, d, d_ok, g_ok,
-                heads, mask_row_ptr, stride_mh, scales_ptr, S, D, HAS_MASK, IEEE, SCALED,
-            )  # fmt: skip
-    elif split == num_splits:
-        # Names differ from the other branches: Triton needs a name bound in several branches to keep one type.
+            entry = b * stride_sb + h * stride_sh + u
+            slot = tl.load(slots_ptr + entry, mask=u < end, other=-1).to(tl.int64)
+            block = tl.load(ids_ptr + entry, mask=u < end, other=-1).to(tl.int64)
+            token_ok = block >= 0
+            # (T,) pools are (P, 2, S, D) and (C, 2, S, D): a hit reads HBM, a miss its DRAM block
+            block_base = tl.where(slot >= 0, pool_ptr + slot * (2 * S * D), dram_ptr + block * (2 * S * D))
+            base = block_base + (t % S) * D
+            kv_mask = token_ok[:, None] & d_ok[None, :]
+            k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
+            if SCALED:  # 8-bit blocks: widen, scale, and attend in the query's dtype
+                k_scale = tl.load(scales_ptr + entry * 2, mask=token_ok, other=0.0)
+                v_scale = tl.load(scales_ptr + entry * 2 + 1, mask=token_ok, other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            seen = g_ok[:, None] & token_ok[None, :]
+            if HAS_MASK:
+                allowed = tl.load(
+                    mask_ptr + b * stride_mb + heads[:, None] * stride_mh + u[None, :],
+                    mask=g_ok[:, None] & (u < end)[None, :],
+                    other=0,
+                )
+                seen = seen & (allowed != 0)
+            m, l, acc = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
+    else:
+        # Names differ from the branch above: Triton needs a name bound in both branches to keep one type.
         tail_t = tl.arange(0, TAIL_TOKENS)
         tail_ok = tail_t < tl.load(tail_len_ptr + b)
         tail_offsets = b * stride_tb + h * stride_th + tail_t[:, None] * stride_ts + d[None, :]
@@ -170,29 +155,7 @@ def _decode_split_kernel(
         tail_k = tl.load(tail_k_ptr + tail_offsets, mask=tail_mask, other=0.0)
         tail_v = tl.load(tail_v_ptr + tail_offsets, mask=tail_mask, other=0.0)
         m, l, acc = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
-    else:
-        miss_entries = tl.arange(0, BLOCK_LOADED)
-        in_row = miss_entries < num_loaded
-        miss_ids = tl.load(ids_ptr + row + miss_entries, mask=in_row, other=-1)
-        miss_slots = tl.load(slots_ptr + row + miss_entries, mask=in_row, other=0)
-        missing = (miss_ids >= 0) & (miss_slots < 0)
-        miss_rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        mine = missing & (miss_rank % num_miss_programs == split - num_splits - 1)
-        mine_rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-        count = tl.sum(mine.to(tl.int32), axis=0)
-        for miss_first in range(0, count, BLOCK_U):
-            target = miss_first + t // S  # (T,) which of this program's misses each token reads
-            match = mine[None, :] & (mine_rank[None, :] == target[:, None])  # (T, BLOCK_LOADED)
-            miss_u = tl.max(tl.where(match, miss_entries[None, :], -1), axis=1)  # (T,) its column, -1 past the last
-            miss_ok = miss_u >= 0
-            miss_u = tl.maximum(miss_u, 0)
-            miss_block = tl.load(ids_ptr + row + miss_u, mask=miss_ok, other=0).to(tl.int64)
-            m, l, acc = _attend_blocks(
-                q, dram_ptr + miss_block * (2 * S * D), miss_ok, row + miss_u, miss_u, m, l, acc, scaling, t, d,
-                d_ok, g_ok, heads, mask_row_ptr, stride_mh, scales_ptr, S, D, HAS_MASK, IEEE, SCALED,
-            )  # fmt: skip
-    num_parts = num_splits + 1 + num_miss_programs
-    part = (b * num_kv_heads * G + heads) * num_parts + split  # (BG,) partials are (B, Hq, parts)
+    part = (b * num_kv_heads * G + heads) * (num_splits + 1) + split  # (BG,) partials are (B, Hq, splits+1)
     tl.store(part_m_ptr + part, m, mask=g_ok)
     tl.store(part_l_ptr + part, l, mask=g_ok)
     tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
@@ -284,7 +247,6 @@ def sparse_decode(
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
-    num_miss_programs = MISS_PROGRAMS if dram is not None and num_loaded else 0
     if dram is None:  # every used entry is a hit: its slot stands for its id
         dram, block_ids = pool, slots
     assert dram.is_contiguous() and dram.dtype == pool.dtype and block_ids.shape == slots.shape
@@ -296,7 +258,7 @@ def sparse_decode(
         num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
     else:
         num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
-    num_parts = num_splits + 1 + num_miss_programs
+    num_parts = num_splits + 1
     part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((batch, num_q_heads, num_parts, dim), dtype=torch.float32, device=query.device)
@@ -306,7 +268,7 @@ def sparse_decode(
         query, pool, slots, dram, block_ids, mask, scale_table, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
-        num_kv_heads, num_loaded, num_splits, num_miss_programs, scaling,
+        num_kv_heads, num_loaded, num_splits, scaling,
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         S=block_size,
