@@ -35,7 +35,7 @@ def one_case(batch: int, per: int, device: torch.device, resolvers: dict[str, Ca
     partitions = LAYERS * KV_HEADS
     blocks_per_head = 2 * per  # a row's DRAM blocks per (layer, head): twice what its partition holds
     tables = lru.empty_tables(partitions, per, partitions * blocks_per_head, device)
-    counts = torch.zeros(3, dtype=torch.long, device=device)
+    counts = torch.zeros(2, dtype=torch.long, device=device)
     local = torch.stack(
         [torch.randperm(blocks_per_head, device=device)[: batch * ENTRIES_PER_ROW] for _ in range(KV_HEADS)]
     )

@@ -77,7 +77,7 @@ def arm(mp: pytest.MonkeyPatch, gen: Generator, site: str, fault: Fault, layer: 
     """Put `fault` on `site` of `gen` through `mp` (undone when `mp` is).
 
     Sites: "layer" (decoder layer `layer`'s forward), "head" (the LM head: "nan" poisons logits),
-    "save" / "fetch" (the store's DRAM save and its HBM cache's block lookup, patched on the instance),
+    "save" / "fetch" (the store's DRAM save and HBM block fetch, patched on the instance),
     "sampler" (the sampler the Generator calls).
     """
     if site == "layer":
@@ -85,10 +85,8 @@ def arm(mp: pytest.MonkeyPatch, gen: Generator, site: str, fault: Fault, layer: 
         mp.setattr(target, "forward", fault.wrap(target.forward))
     elif site == "head":
         mp.setattr(gen.model.lm_head, "forward", fault.wrap(gen.model.lm_head.forward))
-    elif site == "save":
-        mp.setattr(gen.store, "save", fault.wrap(gen.store.save))
-    elif site == "fetch":
-        mp.setattr(gen.store.hbm, "lookup", fault.wrap(gen.store.hbm.lookup))
+    elif site in ("save", "fetch"):
+        mp.setattr(gen.store, site, fault.wrap(getattr(gen.store, site)))
     elif site == "sampler":
         mp.setattr(generator_module, "sample_next", fault.wrap(generator_module.sample_next))
     else:

@@ -106,12 +106,8 @@ def test_copy_transfers_move_each_block_with_its_own_copy(llama):
     assert copy_cache.store.ops.gather_blocks is block_copy.gather_blocks
     assert copy_cache.store.ops.scatter_blocks is block_copy.scatter_blocks
     assert kernel_cache.store.ops.gather_blocks is not block_copy.gather_blocks
-    stats, kernel_stats = copy_cache.stats(), kernel_cache.stats()
-    # The same lookups; the kernel path also reads each miss through from DRAM (attention beside
-    # the lookup), the copy ablation loads every miss before attending.
-    assert stats | {"h2d_bytes": 0} == kernel_stats | {"h2d_bytes": 0}
-    assert kernel_stats["h2d_bytes"] == (stats["misses"] + stats["blocks_loaded"]) * BLOCK_BYTES
-    assert stats["h2d_bytes"] == stats["blocks_loaded"] * BLOCK_BYTES
+    stats = copy_cache.stats()
+    assert stats == kernel_cache.stats()
     saved, loaded, read = stats["d2h_bytes"], stats["h2d_bytes"], stats["dense_read_bytes"]
     moved = (saved + loaded + read) // BLOCK_BYTES
     assert saved > 0 and loaded > 0

@@ -101,7 +101,7 @@ def test_a_decode_step_failing_after_its_commit_is_undone_in_every_layer(llama, 
         llama(ids, past_key_values=cache)
     before = state(cache)
     # The first decode step: layer 0 commits and attends, layer 1 commits, then its block fetch fails.
-    monkeypatch.setattr(cache.store.hbm, "lookup", fail_on_call(cache.store.hbm.lookup, 2))
+    monkeypatch.setattr(cache.store, "fetch", fail_on_call(cache.store.fetch, 2))
     with pytest.raises(Fault), torch.no_grad():
         llama(random_ids(1, 1, seed=4), past_key_values=cache)
     assert state(cache) == before

@@ -90,8 +90,7 @@ def test_every_byte_count_is_one_byte_per_value(llama):
         counts[kv_dtype] = cache.stats()
     plain, fp8 = counts["auto"], counts[FP8]
     assert fp8["dram_bytes"] * 4 == plain["dram_bytes"] > 0  # fp32 model: 4 bytes a value, 1 in fp8
-    assert fp8["h2d_bytes"] == (fp8["misses"] + fp8["blocks_loaded"]) * 2 * SIZE * 16  # read through + loaded
-    assert fp8["misses"] == plain["misses"] > 0 and fp8["blocks_loaded"] == plain["blocks_loaded"]
+    assert fp8["h2d_bytes"] == fp8["misses"] * 2 * SIZE * 16 and fp8["misses"] == plain["misses"] > 0
     assert fp8["hbm_block_cache_bytes"] * 4 == plain["hbm_block_cache_bytes"]
 
 

@@ -53,9 +53,7 @@ def test_small_hbm_cache_changes_transfers_not_tokens(llama):
     )  # 2 layers x 4 heads x 3 blocks
     assert torch.equal(greedy(llama, ids, roomy, max_new_tokens=30), greedy(llama, ids, tight, max_new_tokens=30))
     for stats in (roomy.stats(), tight.stats()):
-        # each miss crosses PCIe to attention (read through from DRAM), and again if it is loaded
-        assert stats["h2d_bytes"] == (stats["misses"] + stats["blocks_loaded"]) * 2 * 16 * 16 * 4
-        assert 0 < stats["blocks_loaded"] <= stats["misses"]
+        assert stats["h2d_bytes"] == stats["misses"] * 2 * 16 * 16 * 4
         assert stats["hits"] + stats["misses"] == stats["blocks_selected"]
     assert tight.stats()["misses"] > roomy.stats()["misses"]
     assert tight.stats()["hbm_block_cache_bytes"] <= 2 * 4 * 3 * 2 * 16 * 16 * 4

@@ -424,9 +424,7 @@ class SparseServeCache(Cache):
         Keys: hbm_bytes (block cache + metadata + tail blocks + dense layers' KV on the device),
         its parts hbm_block_cache_bytes, hbm_metadata_bytes, hbm_tail_bytes, hbm_dense_layer_bytes;
         dram_bytes (host blocks in use); hits, misses, hit_rate (over blocks looked up in the HBM
-        cache); blocks_loaded (misses copied into the HBM cache); h2d_bytes (head-block bytes over
-        PCIe: the loaded blocks, and the misses decode attention read straight from DRAM where it
-        reads through, `TieredBlockStore.reads_through`); d2h_bytes (blocks saved to DRAM);
+        cache); h2d_bytes (== misses x head-block bytes); d2h_bytes (blocks saved to DRAM);
         with offload=False every live block counts in hbm_block_cache_bytes, none in dram_bytes,
         and every lookup hits (no h2d_bytes, no d2h_bytes);
         blocks_selected (unique head-blocks selected, summed over layers and steps);
@@ -457,7 +455,6 @@ class SparseServeCache(Cache):
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "blocks_loaded": counters.blocks_loaded if counters else 0,
             "h2d_bytes": counters.h2d_bytes if counters else 0,
             "d2h_bytes": counters.d2h_bytes if counters else 0,
             "blocks_selected": counters.blocks_selected if counters else 0,

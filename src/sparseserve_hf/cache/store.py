@@ -21,7 +21,7 @@ from .resident import ResidentBlocks
 # Reading through, one lookup loads at most this many misses per row into each HBM partition: a
 # real model's selection misses ~1 block per row and KV head per step (most of its new blocks come
 # from the window), while selections that move every step would otherwise cross PCIe twice.
-LOADS_PER_ROW = 16
+LOADS_PER_ROW = 4
 LOAD_SUMMARY_KEYS = (
     "decode_steps",
     "loaded_tokens_per_kv_head",
@@ -315,13 +315,13 @@ class TieredBlockStore:
         side = self._lookup_stream
         if main is not None:
             side.wait_stream(main)  # the selection is written there
+        with torch.cuda.stream(side) if main is not None else contextlib.nullcontext():
+            if beside is not None:
+                beside()
+            self.hbm.lookup(block_ids, self.dram, first_partition, max_loads=max_loads)
         try:
-            with torch.cuda.stream(side) if main is not None else contextlib.nullcontext():
-                if beside is not None:
-                    beside()
-                self.hbm.lookup(block_ids, self.dram, first_partition, max_loads=max_loads)
             yield slots
-        finally:  # joined even when the lookup or the attention fails: nothing runs on unordered
+        finally:
             if main is not None:
                 main.wait_stream(side)
 
