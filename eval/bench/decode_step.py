@@ -23,10 +23,9 @@ two blocks on one cache:
 Each block reports `overlap_1step` / `overlap_union12` of the selections it ran, ms/step eager
 (`sparse_ms`) and as CUDA-graph replays (`graph_ms`, `graph.DecodeGraphRunner`), the hit rate,
 the floor ((weights + loaded KV + metadata bytes) / HBM copy bandwidth + missed-block bytes /
-PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's bookkeeping as graph replays beside
-its metadata read time: what attention waits for (`bookkeeping_us_per_layer`: scoring, selection,
-the resident blocks' slots; the lookup itself runs beside the attention kernel, which reads the
-misses from DRAM) and selection + lookup one after the other (`bookkeeping_serial_us_per_layer`), and a breakdown from an instrumented eager pass (CUDA events around scoring,
+PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's selection +
+lookup (`attention.select_and_fetch`) as a graph replay (`bookkeeping_us_per_layer`) beside its
+metadata read time, and a breakdown from an instrumented eager pass (CUDA events around scoring,
 top-k, table lookup, FlashH2D transfer, attention; `other` = projections, MLPs, launches).
 
 `--graph` also checks the graph's tokens: a 4-layer model of the same shape, three caches with
@@ -74,7 +73,7 @@ from eval.bench.selection_trace import (
     sha256,
 )
 from sparseserve_hf import SparseServeConfig
-from sparseserve_hf.attention import select_blocks
+from sparseserve_hf.attention import select_and_fetch
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
 from sparseserve_hf.ops.reference import kv_storage_dtype
@@ -299,8 +298,8 @@ def selection_overlaps(model, cache, tokens: torch.Tensor, steps: int) -> tuple[
 
 
 def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
-    """Per layer, as graph replays: what attention waits for (scoring, selection, the slots of the
-    resident blocks) and that plus the lookup with no attention beside it; the layer's metadata bytes."""
+    """Per layer: selection + lookup (`select_and_fetch`, scoring to slots, misses loaded) as a graph
+    replay, and the time the layer's metadata takes to read at the measured copy bandwidth."""
     layer = cache.layers[len(cache.layers) // 2]
     num_q_heads = cache.layers[0].tail.shape[1] * _group(cache)
     query = torch.randn(
@@ -308,26 +307,10 @@ def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
     )  # (B, Hq, D)
     store = layer.store
     meta_bytes = int((layer.block_ids >= 0).sum()) * store.metadata[:1].numel() * store.metadata.element_size()
-
-    def before_attention() -> torch.Tensor:
-        block_ids = select_blocks(layer, query)[0]
-        return (
-            store.hbm.resident_slots(block_ids, store.dram, layer.first_partition)
-            if store.reads_through
-            else store.fetch(block_ids, layer.first_partition)
-        )
-
-    def serial() -> torch.Tensor:
-        block_ids, valid = select_blocks(layer, query)[:2]
-        store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)
-        with store.fetching(block_ids, layer.first_partition) as slots:
-            return slots
-
-    replay_ms, serial_ms = graph_ms(before_attention, device), graph_ms(serial, device)
-    eager_ms = time_ms(serial, device)
+    replay_ms = graph_ms(lambda: select_and_fetch(layer, query), device)
+    eager_ms = time_ms(lambda: select_and_fetch(layer, query), device)
     return {
         "bookkeeping_us_per_layer": None if replay_ms is None else replay_ms * 1e3,
-        "bookkeeping_serial_us_per_layer": None if serial_ms is None else serial_ms * 1e3,
         "bookkeeping_eager_us_per_layer": eager_ms * 1e3,
         "metadata_bytes_per_layer": meta_bytes,
     }

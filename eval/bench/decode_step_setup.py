@@ -135,10 +135,9 @@ class RegionTimer:
 def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None]:
     """Time the sparse decode path's parts: scoring, top-k, table lookup (+ transfer), attention.
 
-    Reading through, the lookup ("fetch", "transfer") runs on a side stream beside attention: its
-    time overlaps attention's instead of adding to it. Returns a callable that takes the timers out again.
+    Returns a callable that takes the timers out again.
     """
-    ops, lookup, gather = store.ops, store.hbm.lookup, store.hbm.gather_blocks
+    ops, fetch, gather = store.ops, store.fetch, store.hbm.gather_blocks
     store.ops = replace(
         ops,
         score_table=timer.wrap("scoring", ops.score_table),
@@ -148,12 +147,12 @@ def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None
         aggregate_group_scores=timer.wrap("topk", ops.aggregate_group_scores),
         sparse_decode=timer.wrap("attention", ops.sparse_decode),
     )
-    store.hbm.lookup = timer.wrap("fetch", store.hbm.lookup)  # table lookup + the FlashH2D launch
+    store.fetch = timer.wrap("fetch", store.fetch)  # table lookup + the FlashH2D launch
     store.hbm.gather_blocks = timer.wrap("transfer", store.hbm.gather_blocks)
 
     def restore() -> None:
         store.ops, store.hbm.gather_blocks = ops, gather
-        del store.hbm.lookup  # the instance attribute shadowed the method
-        assert store.hbm.lookup.__func__ is lookup.__func__
+        del store.fetch  # the instance attribute shadowed the method
+        assert store.fetch.__func__ is fetch.__func__
 
     return restore

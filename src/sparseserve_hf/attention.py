@@ -157,49 +157,40 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
 
 
 def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False) -> torch.Tensor:
-    """The sparse decode of one layer: pick blocks, look them up, attend over them and the tails.
-    q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`).
-
-    Reading through (`TieredBlockStore.fetching`), the lookup runs beside the attention kernel,
-    which reads the misses straight from DRAM."""
-    store = layer.store
-    block_ids, valid, head_mask, scales = select_blocks(layer, q)
-    count_loads = functools.partial(store.account, layer.first_partition, valid, layer.num_blocks, layer.tail_len)
-    with store.fetching(block_ids, layer.first_partition, beside=count_loads) as slots:
-        if trim:
-            slots, block_ids, head_mask, scales = used_columns(slots, block_ids, head_mask, scales)
-        through = {"dram": store.dram.storage, "block_ids": block_ids} if store.reads_through else {}
-        tail = layer.tail
-        return store.ops.sparse_decode(
-            q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
-            scales=scales, **through,
-        )  # fmt: skip
+    """The sparse decode of one layer: pick and fetch blocks, attend over them and the tails.
+    q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`)."""
+    slots, head_mask, scales = select_and_fetch(layer, q)
+    if trim:
+        slots, head_mask, scales = used_columns(slots, head_mask, scales)
+    tail = layer.tail
+    return layer.store.ops.sparse_decode(
+        q, layer.store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
+    )
 
 
 def used_columns(
-    slots: torch.Tensor, block_ids: torch.Tensor, head_mask: torch.Tensor | None, scales: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`slots` and `block_ids` (B, Hkv, U), `head_mask` (B, Hq, U) and `scales` (B, Hkv, U, 2) without
-    the columns no row and head uses (id -1 everywhere): the same attention without gathering, and
-    multiplying by zero, blocks nobody loaded (a group union is G x K wide and mostly unused while
-    rows are short). Its shape depends on the data, so only the eager CPU path takes it: there
-    reading the ids back costs no sync, and no static (graph-mode) step runs it."""
-    columns = (block_ids >= 0).flatten(0, 1).any(0).nonzero().flatten()  # (U',)
-    if columns.numel() == block_ids.shape[-1]:
-        return slots, block_ids, head_mask, scales
+    slots: torch.Tensor, head_mask: torch.Tensor | None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`slots` (B, Hkv, U), `head_mask` (B, Hq, U) and `scales` (B, Hkv, U, 2) without the columns that are -1 in every row
+    and head: the same attention without gathering, and multiplying by zero, blocks nobody loaded
+    (a group union is G x K wide and mostly unused while rows are short). Its shape depends on the
+    data, so only the eager CPU path takes it: there reading the mask back costs no sync, and no
+    static (graph-mode) step runs it."""
+    columns = (slots >= 0).flatten(0, 1).any(0).nonzero().flatten()  # (U',)
+    if columns.numel() == slots.shape[-1]:
+        return slots, head_mask, scales
     kept_scales = None if scales is None else scales[..., columns, :]
-    kept_mask = None if head_mask is None else head_mask[..., columns]
-    return slots[..., columns], block_ids[..., columns], kept_mask, kept_scales
+    return slots[..., columns], None if head_mask is None else head_mask[..., columns], kept_scales
 
 
-def select_blocks(
+def select_and_fetch(
     layer: SparseServeLayer, q: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The decode step's selection for one layer: score the row's blocks and pick them. q (B, Hq, D).
-
-    Returns the DRAM ids each KV head loads (B, Hkv, U), -1 unused, their validity (B, Hkv, U),
-    the per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they
-    are stored in 8 bits (else None). Records the pick in `layer.last_pick`."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
+    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, the
+    per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they are
+    stored in 8 bits (else None). Records the pick in `layer.last_pick` and what the step reads
+    in the store's load counters."""
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
@@ -208,11 +199,13 @@ def select_blocks(
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
+    store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
+    slots = store.fetch(block_ids, layer.first_partition)
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
     # 8-bit blocks: each entry's key and value scales, gathered by DRAM id (-1 entries read block 0's, unused)
     scales = None if store.block_scales is None else store.block_scales[block_ids.clamp(min=0)]  # (B, Hkv, U, 2)
-    return block_ids, valid, head_mask, scales
+    return slots, head_mask, scales
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

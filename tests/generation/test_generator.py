@@ -242,7 +242,7 @@ def test_a_decode_iteration_reads_the_device_back_once(llama, cuda_graphs, monke
     from sync_guard import forbid_host_syncs
 
     monkeypatch.setattr(
-        "sparseserve_hf.attention.used_columns", lambda slots, ids, head_mask, scales: (slots, ids, head_mask, scales)
+        "sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales)
     )
 
     steady = GRAPH_CONFIG | dict(

@@ -59,7 +59,7 @@ def test_steady_decode_step_runs_no_data_dependent_op_on_cpu(monkeypatch):
     stack, cache, tokens = prefilled("cpu", "torch")
     cache.store.hbm.gather_blocks = fixed_shape_gather
     monkeypatch.setattr(
-        "sparseserve_hf.attention.used_columns", lambda slots, ids, head_mask, scales: (slots, ids, head_mask, scales)
+        "sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales)
     )
     with torch.no_grad():
         tokens = decode_step(stack, cache, tokens, PROMPT)  # the first step after prefill reads tail lengths

@@ -41,21 +41,20 @@ def assert_tables_equal(got: lru.LruTables, want: lru.LruTables) -> None:
         assert torch.equal(a, b), field.name
 
 
-@pytest.mark.parametrize("max_loads", [None, 3], ids=["all_loads", "three_loads"])
 @pytest.mark.parametrize("one_tile", [True, False], ids=["one_tile", "tiled"])  # both kernels at the same sizes
 @pytest.mark.parametrize("batch,heads,width,partitions,per", [(3, 2, 5, 4, 24), (1, 3, 37, 3, 40), (4, 1, 9, 2, 64)])
-def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, one_tile, max_loads):
+def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, one_tile):
     gen = torch.Generator().manual_seed(batch * 100 + width)
     num_blocks = 40 * partitions
     want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
     got = copy_tables(want, DEVICE)
-    want_counts, got_counts = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long, device=DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
     for step in range(25):
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
-        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, max_loads)
+        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
         k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
-            ids.to(DEVICE), first, got, got_counts, one_tile=one_tile, max_loads=max_loads
+            ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
         )
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
@@ -76,7 +75,7 @@ def test_a_lookup_that_fills_a_partition_over_several_steps(one_tile):
     num_blocks = heads * 200
     want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
     got = copy_tables(want, DEVICE)
-    want_counts, got_counts = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long, device=DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
     gen = torch.Generator().manual_seed(3)
     for step in range(8):
         ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
@@ -96,13 +95,13 @@ def test_kernel_with_strided_wide_selection_and_full_partition():
     ids = torch.stack([torch.randperm(5000, generator=gen)[: batch * width] + h * 5000 for h in range(heads)], 1)
     ids = ids.view(batch, width, heads).transpose(1, 2)  # (B, H, U), not contiguous
     got = copy_tables(tables, DEVICE)
-    counts, got_counts = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long, device=DEVICE)
+    counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
     want = lru.resolve_(ids, 0, tables, counts)
     out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts)
     for a, b in zip(out, want):
         assert torch.equal(a.cpu(), b)
     assert_tables_equal(got, tables)
-    assert counts.tolist() == [2 * batch * width] * 3
+    assert counts.tolist() == [2 * batch * width, 2 * batch * width]
 
 
 @pytest.mark.parametrize("max_tile", [4096, 8192], ids=["tiled", "one_wide_tile"])
@@ -114,7 +113,7 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
     num_blocks = heads * 9000
     want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
     got = copy_tables(want, DEVICE)
-    want_counts, got_counts = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long, device=DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
     gen = torch.Generator().manual_seed(11)
     for step in range(step_count):
         ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)

@@ -82,9 +82,9 @@ def test_partitions_keep_each_heads_blocks_apart():
     cache.track_blocks(pool.capacity)
     cache.lookup(torch.tensor([[[0, 1], [10, 11]]]), pool, 2)  # heads 0, 1 -> partitions 2, 3
     cache.lookup(torch.tensor([[[-1, -1], [12, 13]]]), pool, 2)
-    assert cache.counts() == (6, 6, 6)
+    assert cache.counts() == (6, 6)
     slots = cache.lookup(torch.tensor([[[1, 0], [13, -1]]]), pool, 2)
-    assert cache.counts() == (3, 0, 0)  # 0 and 1 survived head 1's misses
+    assert cache.counts() == (3, 0)  # 0 and 1 survived head 1's misses
     assert torch.equal(cache.pool[slots[0, 0]], blocks[[1, 0]]) and slots[0, 0].min() >= 4
     with pytest.raises(ValueError, match="partitions 3..4"):
         cache.lookup(torch.tensor([[[0], [1]]]), pool, 3)

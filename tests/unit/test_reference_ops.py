@@ -159,26 +159,19 @@ def test_dropping_the_columns_nobody_uses_keeps_the_attention(with_head_mask):
         torch.tensor([3, 8]),
         torch.randn(batch, q_heads, dim),
     )
-    ids = slots  # `pool` is the DRAM pool and, for the blocks that hit, the HBM cache (slot = id)
-    slots = torch.where(ids % 2 == 0, ids, -1)  # odd ids miss: attention reads them through from DRAM
     stored, block_scales = reference.quantize_blocks(pool, torch.float8_e4m3fn)
-    scales = block_scales[ids.clamp(min=0)]  # (B, Hkv, U, 2): trimmed along with the slots
-    kept, kept_ids, kept_mask, kept_scales = used_columns(slots, ids, head_mask, scales)
-    assert kept_ids.shape[-1] == 6 and (kept_ids >= 0).sum() == (ids >= 0).sum()  # columns 0-4 and 6
-    assert torch.equal(kept_scales, block_scales[kept_ids.clamp(min=0)])
-    assert torch.equal(kept >= 0, (kept_ids >= 0) & (kept_ids % 2 == 0))
+    scales = block_scales[slots.clamp(min=0)]  # (B, Hkv, U, 2): trimmed along with the slots
+    kept, kept_mask, kept_scales = used_columns(slots, head_mask, scales)
+    assert kept.shape[-1] == 6 and (kept >= 0).sum() == (slots >= 0).sum()  # columns 0-4 and 6
+    assert torch.equal(kept_scales, block_scales[kept.clamp(min=0)])
     args = (tail[:, :, 0], tail[:, :, 1], tail_len, 0.25)
-    full = reference.sparse_decode(query, pool, slots, head_mask, *args, dram=pool, block_ids=ids)
-    trimmed = reference.sparse_decode(query, pool, kept, kept_mask, *args, dram=pool, block_ids=kept_ids)
-    torch.testing.assert_close(trimmed, full)
-    full_8bit = reference.sparse_decode(
-        query, stored, slots, head_mask, *args, scales=scales, dram=stored, block_ids=ids
+    full = reference.sparse_decode(query, pool, slots, head_mask, *args)
+    torch.testing.assert_close(reference.sparse_decode(query, pool, kept, kept_mask, *args), full)
+    full_8bit = reference.sparse_decode(query, stored, slots, head_mask, *args, scales=scales)
+    torch.testing.assert_close(
+        reference.sparse_decode(query, stored, kept, kept_mask, *args, scales=kept_scales), full_8bit
     )
-    trimmed_8bit = reference.sparse_decode(
-        query, stored, kept, kept_mask, *args, scales=kept_scales, dram=stored, block_ids=kept_ids
-    )
-    torch.testing.assert_close(trimmed_8bit, full_8bit)
-    assert used_columns(kept, kept_ids, kept_mask)[0] is kept  # nothing left to drop: the same tensors
+    assert used_columns(kept, kept_mask)[0] is kept  # nothing left to drop: the same tensors
 
 
 @pytest.mark.core

@@ -70,7 +70,7 @@ class HbmBlockCache:
             )
         self.pool = torch.zeros((self.num_partitions * per, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
         self.tables = lru.empty_tables(self.num_partitions, per, 0, device)
-        self._counts = torch.zeros(3, dtype=torch.long, device=device)  # blocks looked up, misses, loaded
+        self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
         self.reallocations = 0  # times the pool or a table was reallocated (see TieredBlockStore.epoch)
 
     @property
@@ -127,15 +127,12 @@ class HbmBlockCache:
             )
 
     @plain_tensors
-    def lookup(
-        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, max_loads: int | None = None
-    ) -> torch.Tensor:
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
         """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
         KV head h's blocks live in partition `first_partition + h` (all in the one partition of a
         cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
-        where unused; the counters `counts()` reads are updated too. `max_loads`: load at most
-        this many misses per partition (the first ones, `ops.lru`); the rest keep slot -1.
+        where unused; the counters `counts()` reads are updated too.
         """
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
@@ -143,9 +140,7 @@ class HbmBlockCache:
         selection = block_ids.to(self.device)
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
-        slots, load_ids, load_slots, load_counts = self.resolve(
-            selection, first_partition, self.tables, self._counts, max_loads=max_loads
-        )
+        slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
         except BaseException:
@@ -154,14 +149,6 @@ class HbmBlockCache:
             lru.forget_(load_ids.view(-1), self.tables)
             raise
         return slots.view(block_ids.shape)
-
-    @plain_tensors  # `prepare` may grow an unlimited cache: its new tables must be plain tensors
-    def resident_slots(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
-        """The slots of `block_ids` (B, H, U) already resident, -1 for misses and unused entries:
-        what attention reads from HBM while the lookup itself runs beside it. Runs `prepare` first
-        (the lookup that follows may not grow the tables under it); changes no residency."""
-        self.prepare(tuple(block_ids.shape), dram, first_partition)
-        return torch.where(block_ids >= 0, self.tables.block_slot[block_ids.clamp(min=0)], -1)
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one
@@ -184,11 +171,11 @@ class HbmBlockCache:
         return {"hbm_pool": self.pool, "lookup_counts": self._counts} | tables
 
     @plain_tensors
-    def counts(self) -> tuple[int, int, int]:
-        """(blocks looked up, misses, misses loaded) since the last call, then zeroed: the one place that syncs."""
-        looked_up, misses, loaded = self._counts.tolist()
+    def counts(self) -> tuple[int, int]:
+        """(blocks looked up, misses) since the last call, then zeroed: the one place that syncs."""
+        looked_up, misses = self._counts.tolist()
         self._counts.zero_()  # in place: a captured decode step (CUDA graph) keeps adding into this very tensor
-        return looked_up, misses, loaded
+        return looked_up, misses
 
     @plain_tensors
     def invalidate(self, block_ids: torch.Tensor) -> None:

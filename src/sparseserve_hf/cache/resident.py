@@ -69,8 +69,8 @@ class ResidentBlocks:
         return {"hbm_pool": self.pool, "lookup_counts": self._looked_up}
 
     @plain_tensors
-    def counts(self) -> tuple[int, int, int]:
-        """(distinct blocks looked up, misses = 0, loaded = 0) since the last call, then zeroed."""
+    def counts(self) -> tuple[int, int]:
+        """(distinct blocks looked up, misses = 0) since the last call, then zeroed."""
         looked_up = int(self._looked_up)
         self._looked_up.zero_()
-        return looked_up, 0, 0
+        return looked_up, 0

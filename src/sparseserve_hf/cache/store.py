@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +17,6 @@ from .grow import grown
 from .plain import plain_tensors
 from .resident import ResidentBlocks
 
-# Reading through, one lookup loads at most this many misses per row into each HBM partition: a
-# real model's selection misses ~1 block per row and KV head per step (most of its new blocks come
-# from the window), while selections that move every step would otherwise cross PCIe twice.
-LOADS_PER_ROW = 4
 LOAD_SUMMARY_KEYS = (
     "decode_steps",
     "loaded_tokens_per_kv_head",
@@ -38,7 +33,6 @@ class TransferStats:
 
     hits: int = 0
     misses: int = 0
-    blocks_loaded: int = 0  # misses loaded into the HBM cache (reading through, at most `max_loads` per lookup)
     blocks_selected: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -54,8 +48,6 @@ class TieredBlockStore:
     `config.save_path="flash_d2h"`, through a `FlashD2HSaver` (one D2H copy + CPU-thread scatter).
     `config.transfer="copy"` swaps in one `copy_` per block for both. With `config.offload=False`
     the pool itself is on the device and `hbm` is a `ResidentBlocks`: every lookup hits.
-    Decode attention reads through the cache where its kernel can read the DRAM pool (`reads_through`):
-    a miss is attended straight from DRAM while the lookup runs beside it (`fetching`).
     With `config.kv_dtype` an 8-bit float, blocks are quantized as they are saved (`block_scales`
     keeps each one's key and value scales on the device), move and sit in the caches as bytes,
     and are dequantized by the decode kernel (given each entry's scales) and by `read`.
@@ -91,15 +83,6 @@ class TieredBlockStore:
         block_shape = (2, config.block_size, head_dim)
         self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
-        # Decode attention reads misses straight from the DRAM pool: the Triton kernel through UVA (or
-        # on the CPU under the interpreter), the reference where both pools are on the CPU. Not with
-        # flash-attn-4 (it reads HBM pages only), nor in the transfer="copy" ablation (slow transfers).
-        self.reads_through = (
-            config.offload
-            and config.transfer == "kernel"
-            and (self.ops.name == "triton" or (self.ops.name == "torch" and device.type == "cpu"))
-        )
-        self._lookup_stream: torch.cuda.Stream | None = None  # made by the first lookup beside attention
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
@@ -286,45 +269,6 @@ class TieredBlockStore:
         self.wait_for_saves()
         return self.hbm.lookup(block_ids, self.dram, first_partition)
 
-    @contextlib.contextmanager
-    def fetching(
-        self, block_ids: torch.Tensor, first_partition: int = 0, beside: Callable[[], None] | None = None
-    ) -> Iterator[torch.Tensor]:
-        """Slots to attend a selection (B, Hkv, U) over, inside the `with` block (-1 = unused).
-
-        Without read-through the lookup runs first and every used entry has its slot. Reading
-        through (`reads_through`), the slots are those of the blocks already resident and -1 where
-        a block misses (attention reads it from `dram.storage` at its id). The lookup itself (the
-        LRU's update, victims, the misses loaded for later steps, at most `LOADS_PER_ROW` per row
-        and partition) runs beside attention: on CUDA on a high-priority side stream that the
-        current stream waits for when the block ends, elsewhere first. It never evicts a slot the
-        selection uses, so attention reads the same data either way. `beside`: more work that may
-        run with it (the load counters). Launches only, no host sync.
-        """
-        self.wait_for_saves()
-        if not self.reads_through:
-            if beside is not None:
-                beside()
-            yield self.hbm.lookup(block_ids, self.dram, first_partition)
-            return
-        slots = self.hbm.resident_slots(block_ids, self.dram, first_partition)
-        max_loads = None if self.hbm.unlimited else LOADS_PER_ROW * block_ids.shape[0]
-        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if main is not None and self._lookup_stream is None:
-            self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
-        side = self._lookup_stream
-        if main is not None:
-            side.wait_stream(main)  # the selection is written there
-        with torch.cuda.stream(side) if main is not None else contextlib.nullcontext():
-            if beside is not None:
-                beside()
-            self.hbm.lookup(block_ids, self.dram, first_partition, max_loads=max_loads)
-        try:
-            yield slots
-        finally:
-            if main is not None:
-                main.wait_stream(side)
-
     def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
         """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for
         asynchronous saves, check and grow the device cache (a captured fetch runs no Python)."""
@@ -355,13 +299,11 @@ class TieredBlockStore:
     @plain_tensors
     def stats(self) -> TransferStats:
         """The counters; reading them folds in the device-side lookup counters (one host sync)."""
-        looked_up, misses, loaded = self.hbm.counts()
+        looked_up, misses = self.hbm.counts()
         self._stats.blocks_selected += looked_up
         self._stats.misses += misses
         self._stats.hits += looked_up - misses
-        self._stats.blocks_loaded += loaded
-        read_by_attention = misses if self.reads_through else 0  # each miss crosses PCIe, and again if loaded
-        self._stats.h2d_bytes += (loaded + read_by_attention) * self.block_bytes
+        self._stats.h2d_bytes += misses * self.block_bytes
         return self._stats
 
     @stats.setter

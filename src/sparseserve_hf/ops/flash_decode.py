@@ -54,8 +54,6 @@ def sparse_decode(
     num_splits: int | None = None,
     *,
     scales: torch.Tensor | None = None,
-    dram: torch.Tensor | None = None,
-    block_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` with the loaded blocks attended by flash-attn-4's paged kernel.
 
@@ -70,8 +68,6 @@ def sparse_decode(
         num_splits: chunks per fa4 entry; None = enough entries to give every SM one.
         scales: must be None: fa4 reads the pool as stored (8-bit blocks are refused by the
             config before they exist; this guards a direct call).
-        dram, block_ids: must be None: fa4 reads HBM pages only (a store with this backend never
-            reads through; this guards a direct call).
     Returns:
         (B, Hq, D) in the query's dtype. A row whose head sees no block and has an empty tail
         never occurs (decode always has the current token in the tail); it would give NaN, as
@@ -79,10 +75,6 @@ def sparse_decode(
     """
     if scales is not None:
         raise NotImplementedError("flash-attn-4 decode attends the pool as stored: 8-bit blocks need backend='triton'")
-    if dram is not None or block_ids is not None:
-        raise NotImplementedError(
-            "flash-attn-4 decode reads HBM pages only: reading misses from DRAM needs backend='triton'"
-        )
     if query.dtype not in FA4_DTYPES:
         from . import triton_decode
 

@@ -12,8 +12,6 @@ per row:
 - hits come from `block_slot`; their slots are marked used now (`slot_tick = clock`);
 - the j-th missing block, in order of first appearance, takes the j-th slot of the partition's
   eviction order ((last use, slot) ascending, free slots first) that this lookup does not use;
-  with a load limit L only the first L missing blocks are loaded, the others stay where they are
-  (a caller that reads misses straight from DRAM bounds what one lookup moves this way);
 - the partition's eviction order is kept sorted without a sort: the slots used now move to its
   back, by slot index; the others keep their relative order.
 Every intermediate has a shape known from the inputs' shapes (no `.item()`, `nonzero`, boolean
@@ -88,11 +86,7 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_(
-    selection: torch.Tensor,
-    first_partition: int,
-    tables: LruTables,
-    counts: torch.Tensor,
-    max_loads: int | None = None,
+    selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
@@ -105,13 +99,12 @@ def resolve_(
         selection: (B, H, U) long DRAM ids, -1 = unused.
         first_partition: the partition of head 0.
         tables: the cache's tables.
-        counts: (3,) long, += (distinct blocks looked up, misses, blocks loaded).
-        max_loads: load at most this many misses per head (the first ones); None loads them all.
+        counts: (2,) long, += (distinct blocks looked up, misses).
     Returns:
-        slots: (B, H, U) the slot of each entry's block, -1 where unused or missed and not loaded.
-        load_ids, load_slots: (H, E) per head the DRAM ids and slots of the misses it loads, first
-            (in order of first appearance), -1 after them.
-        load_counts: (H,) long, the loads of each head (the live prefix of its load lists).
+        slots: (B, H, U) the slot of each entry's block, -1 where unused.
+        load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
+            first appearance), -1 after them.
+        load_counts: (H,) long, the misses of each head (the live prefix of its load lists).
     """
     batch, heads, width = selection.shape
     ids = selection.transpose(0, 1).reshape(heads, batch * width)  # (H, E)
@@ -129,17 +122,17 @@ def resolve_(
     hit, miss = first & resident, first & ~resident
     tables.slot_tick[torch.where(resident, slots, dump_slot)] = now.expand(num_rows, num_entries)
     num_misses = miss.sum(1)  # (H,)
-    num_loads = num_misses if max_loads is None else num_misses.clamp(max=max_loads)
 
     order = tables.slot_order[partitions]  # (H, Pp)
     evictable = tables.slot_tick[order] < now
     victim_rank = evictable.cumsum(1) - 1
     load_slots = ids.new_full((num_rows, num_entries + 1), -1)  # the last column is the dump
-    load_slots.scatter_(1, torch.where(evictable & (victim_rank < num_loads[:, None]), victim_rank, num_entries), order)
+    load_slots.scatter_(
+        1, torch.where(evictable & (victim_rank < num_misses[:, None]), victim_rank, num_entries), order
+    )
     miss_rank = miss.cumsum(1) - 1
-    loads = miss & (miss_rank < num_loads[:, None])
     load_ids = ids.new_full((num_rows, num_entries + 1), -1)
-    load_ids.scatter_(1, torch.where(loads, miss_rank, num_entries), ids)
+    load_ids.scatter_(1, torch.where(miss, miss_rank, num_entries), ids)
     load_slots, load_ids = load_slots[:, :num_entries].contiguous(), load_ids[:, :num_entries].contiguous()
 
     loading = load_ids >= 0
@@ -155,8 +148,8 @@ def resolve_(
 
     _move_used_to_back_(tables, partitions, order, now)
     missed = num_misses.sum()
-    counts += torch.stack((hit.sum() + missed, missed, num_loads.sum()))
-    return resolved.contiguous(), load_ids, load_slots, num_loads
+    counts += torch.stack((hit.sum() + missed, missed))
+    return resolved.contiguous(), load_ids, load_slots, num_misses
 
 
 def _move_used_to_back_(tables: LruTables, partitions: torch.Tensor, order: torch.Tensor, now: torch.Tensor) -> None:
@@ -201,14 +194,11 @@ class ReferenceLru:
         self.block_slot: dict[int, int] = {}
         self.clock = 0
 
-    def lookup(
-        self, block_ids: list[int], max_loads: int | None = None
-    ) -> tuple[list[int], list[tuple[int, int]], int]:
-        """Returns (slot of each entry, -1 where the id is -1 or its block was not loaded; the loads
-        (id, slot) in order; distinct blocks). Loads the first `max_loads` misses (None: all)."""
+    def lookup(self, block_ids: list[int]) -> tuple[list[int], list[tuple[int, int]], int]:
+        """Returns (slot of each entry, -1 where the id is -1; the loads (id, slot) in order; distinct blocks)."""
         self.clock += 1
         unique = list(dict.fromkeys(i for i in block_ids if i >= 0))  # first appearance order
-        misses = [i for i in unique if i not in self.block_slot][:max_loads]
+        misses = [i for i in unique if i not in self.block_slot]
         for block in unique:
             if block in self.block_slot:
                 self.slot_tick[self.block_slot[block]] = self.clock
@@ -219,7 +209,7 @@ class ReferenceLru:
             self.block_slot.pop(self.slot_block[slot], None)
             self.slot_block[slot], self.slot_tick[slot] = block, self.clock
             self.block_slot[block] = slot
-        slots = [self.block_slot.get(i, -1) for i in block_ids]
+        slots = [self.block_slot[i] if i >= 0 else -1 for i in block_ids]
         return slots, list(zip(misses, victims)), len(unique)
 
     def forget(self, block_ids: list[int]) -> None:

@@ -278,28 +278,21 @@ def sparse_decode(
     scaling: float,
     *,
     scales: torch.Tensor | None = None,
-    dram: torch.Tensor | None = None,
-    block_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token of attention over the blocks each KV head loaded plus each row's tail block.
 
-    All query heads of a GQA group read the same loaded blocks, as a grouped kernel would. With
-    `dram` and `block_ids` it reads through the cache: an entry with a block id but no slot (a
-    miss) is read from the DRAM pool itself, so attention need not wait for the miss to be loaded.
+    All query heads of a GQA group read the same loaded blocks, as a grouped kernel would.
 
     Args:
         query: (B, Hq, D).
         pool: (P, 2, S, D) device block cache; [:, 0] keys, [:, 1] values.
-        slots: (B, Hkv, U) pool slot of each block the KV head loaded, -1 where unused (or, reading
-            through, where the block is read from `dram`).
+        slots: (B, Hkv, U) pool slot of each block the KV head loaded, -1 where unused.
         head_mask: (B, Hq, U) which loaded blocks each query head attends to; None = all of them.
         tail_keys, tail_values: (B, Hkv, S, D) the partial block of each row (the newest tokens).
         tail_len: (B,) valid tokens in each tail block.
         scaling: softmax scale.
         scales: (B, Hkv, U, 2) fp32 key and value scales of each loaded block when the pool holds
             8-bit blocks (`quantize_blocks`); None when it holds the query's dtype.
-        dram: (C, 2, S, D) the DRAM pool (same device and dtype as `pool`), read where a block misses.
-        block_ids: (B, Hkv, U) DRAM id of each loaded block, -1 where unused; with `dram` only.
     Returns:
         (B, Hq, D) in the query's dtype.
     """
@@ -307,15 +300,10 @@ def sparse_decode(
     num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
     group = num_q_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, dim)  # (B, Hkv, G, D)
+    used = (slots >= 0)[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
     # Unused entries read slot 0 (clamped) and are zeroed, not just weighted by zero: a pool slot
     # may hold uninitialized memory (the device pool with offload=False), and 0 * NaN is NaN.
     blocks = pool[slots.clamp(min=0)].float()  # (B, Hkv, U, 2, S, D)
-    if dram is not None:
-        missed = ((slots < 0) & (block_ids >= 0))[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
-        from_dram = dram[block_ids.clamp(min=0).to(dram.device)].to(blocks.device, torch.float32)
-        blocks = torch.where(missed, from_dram, blocks)  # no boolean indexing: a decode step never syncs
-        slots = torch.where(block_ids >= 0, slots.clamp(min=0), -1)  # from here: -1 = unused
-    used = (slots >= 0)[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
     if scales is not None:
         blocks = blocks * scales[..., None, None]
     blocks = torch.where(used, blocks, 0)

@@ -6,8 +6,6 @@ tail block. The blocks are split over several programs per (row, KV head) so tha
 batch of a few rows still fills the GPU (flash-decoding); each program keeps an online softmax
 in fp32 and writes its partial (max, sum, accumulator); a second kernel merges the partials.
 The G query heads of a group ride the rows of one `tl.dot`, so a block is read once per group.
-Reading through the cache, a block that missed (a DRAM id, no slot) is read straight from the
-pinned DRAM pool (UVA), so attention need not wait for the misses to be loaded into HBM.
 """
 
 from __future__ import annotations
@@ -48,8 +46,6 @@ def _decode_split_kernel(
     q_ptr,
     pool_ptr,
     slots_ptr,
-    dram_ptr,
-    ids_ptr,
     mask_ptr,
     scales_ptr,
     tail_k_ptr,
@@ -87,10 +83,6 @@ def _decode_split_kernel(
     """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
     one takes the tail block. Writes partials [b, h*G + g, split].
 
-    An entry is used where its id (`ids_ptr`, laid out as the slots) is >= 0; it is read from its
-    HBM slot, or from `dram_ptr` at its id where its slot is -1 (reading through a miss). Without
-    read-through the caller passes the slots as the ids and the pool as the DRAM.
-
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
 
@@ -113,8 +105,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if split < num_splits:
         entries = tl.arange(0, BLOCK_LOADED)
-        row_ids = tl.load(ids_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
-        used_end = tl.max(tl.where(row_ids >= 0, entries + 1, 0), axis=0)
+        row_slots = tl.load(slots_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
+        used_end = tl.max(tl.where(row_slots >= 0, entries + 1, 0), axis=0)
         per_split = tl.maximum(tl.cdiv(used_end, num_splits), MIN_PER_SPLIT)
         per_split = tl.cdiv(per_split, BLOCK_U) * BLOCK_U  # whole tiles
         start = split * per_split
@@ -122,19 +114,16 @@ def _decode_split_kernel(
         t = tl.arange(0, BLOCK_U * S)
         for first in range(start, end, BLOCK_U):
             u = first + t // S  # (T,) loaded-block index of each token
-            entry = b * stride_sb + h * stride_sh + u
-            slot = tl.load(slots_ptr + entry, mask=u < end, other=-1).to(tl.int64)
-            block = tl.load(ids_ptr + entry, mask=u < end, other=-1).to(tl.int64)
-            token_ok = block >= 0
-            # (T,) pools are (P, 2, S, D) and (C, 2, S, D): a hit reads HBM, a miss its DRAM block
-            block_base = tl.where(slot >= 0, pool_ptr + slot * (2 * S * D), dram_ptr + block * (2 * S * D))
-            base = block_base + (t % S) * D
+            slot = tl.load(slots_ptr + b * stride_sb + h * stride_sh + u, mask=u < end, other=-1).to(tl.int64)
+            token_ok = slot >= 0
+            base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
             kv_mask = token_ok[:, None] & d_ok[None, :]
             k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(base[:, None] + S * D + d[None, :], mask=kv_mask, other=0.0)
             if SCALED:  # 8-bit blocks: widen, scale, and attend in the query's dtype
-                k_scale = tl.load(scales_ptr + entry * 2, mask=token_ok, other=0.0)
-                v_scale = tl.load(scales_ptr + entry * 2 + 1, mask=token_ok, other=0.0)
+                entry = (b * stride_sb + h * stride_sh + u) * 2
+                k_scale = tl.load(scales_ptr + entry, mask=token_ok, other=0.0)
+                v_scale = tl.load(scales_ptr + entry + 1, mask=token_ok, other=0.0)
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             seen = g_ok[:, None] & token_ok[None, :]
@@ -215,8 +204,6 @@ def sparse_decode(
     num_splits: int | None = None,
     *,
     scales: torch.Tensor | None = None,
-    dram: torch.Tensor | None = None,
-    block_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` as two Triton launches (split-K partials, then their merge).
 
@@ -231,9 +218,6 @@ def sparse_decode(
         num_splits: programs per (row, KV head) sharing its used blocks (each takes at least a few
             blocks, so some may have none); None = enough to fill the GPU.
         scales: (B, Hkv, U, 2) fp32 key/value scales of each entry when `pool` holds 8-bit blocks.
-        dram: (C, 2, S, D) contiguous DRAM pool (pinned host memory on CUDA: read through UVA), same
-            dtype as `pool`, read for entries with an id and slot -1; None: every used entry has a slot.
-        block_ids: (B, Hkv, U) DRAM ids, -1 where unused; with `dram` only.
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
@@ -247,10 +231,6 @@ def sparse_decode(
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
-    if dram is None:  # every used entry is a hit: its slot stands for its id
-        dram, block_ids = pool, slots
-    assert dram.is_contiguous() and dram.dtype == pool.dtype and block_ids.shape == slots.shape
-    block_ids = block_ids.contiguous()
     mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
     scale_table = scales.float().contiguous() if scales is not None else query  # query: unused pointer
     block_u = max(1, TILE_TOKENS // block_size)
@@ -265,7 +245,7 @@ def sparse_decode(
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(max(dim, 16))  # tl.dot needs every side >= 16
     _decode_split_kernel[(batch * num_kv_heads, num_parts)](
-        query, pool, slots, dram, block_ids, mask, scale_table, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
+        query, pool, slots, mask, scale_table, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
         num_kv_heads, num_loaded, num_splits, scaling,

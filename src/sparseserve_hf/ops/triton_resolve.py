@@ -6,11 +6,9 @@ are separated by CTA barriers:
 1. hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it counts the
    distinct hit); a missing block is claimed by its first entry (`atomic_min` of an encoded
    entry index written into its own `block_slot` entry, which is negative while it misses);
-2. the claiming entries, in row order, append their blocks to the load list (the first
-   `max_loads` of them);
+2. the claiming entries, in row order, append their blocks to the load list;
 3. a scan of the partition's eviction order writes the first evictable slots beside them;
-4. the loads are installed (the victims' old blocks forgotten), every entry reads its slot (claims
-   of blocks past the load limit are reset to -1);
+4. the loads are installed (the victims' old blocks forgotten), every entry reads its slot;
 5. the eviction order is compacted in place (kept slots) and the used slots appended by index.
 Only this program touches its partition's entries, and the CTA barriers order its global reads
 and writes, so the atomics are relaxed and CTA-scoped: no memory fence per atomic instruction.
@@ -43,7 +41,6 @@ def _resolve_kernel(
     load_slots_ptr,
     load_counts_ptr,
     num_entries,
-    max_loads,
     per_partition,
     width,
     stride_row,
@@ -63,21 +60,20 @@ def _resolve_kernel(
     order_base = order_ptr + part * per_partition
     lists = head.to(tl.int64) * num_entries
     if ONE_TILE:
-        distinct_hits, num_misses, num_loads = _resolve_one_tile(
+        distinct_hits, num_misses = _resolve_one_tile(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
             load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, max_loads, per_partition, width, stride_row, stride_head, BLOCK,
+            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     else:
-        distinct_hits, num_misses, num_loads = _resolve_tiled(
+        distinct_hits, num_misses = _resolve_tiled(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
             load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, max_loads, per_partition, width, stride_row, stride_head, BLOCK,
+            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
-    tl.store(load_counts_ptr + head, num_loads.to(tl.int64))
+    tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
     tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64), sem="relaxed")
     tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
-    tl.atomic_add(counts_ptr + 2, num_loads.to(tl.int64), sem="relaxed")
 
 
 @triton.jit
@@ -94,14 +90,13 @@ def _resolve_one_tile(
     part,
     head,
     num_entries,
-    max_loads,
     per_partition,
     width,
     stride_row,
     stride_head,
     BLOCK: tl.constexpr,
 ):
-    """The five phases over one tile of entries and one of slots; returns (distinct hits, misses, loads).
+    """The five phases over one tile of entries and one of slots; returns (distinct hits, misses).
 
     Hits keep the slot read in phase 1 (a slot this lookup uses is never a victim), the eviction
     order and its ticks read in phase 3 serve phase 5 (only the victims' ticks change between),
@@ -124,12 +119,11 @@ def _resolve_one_tile(
 
     # 2. the claiming entries append their blocks, in row order
     claim = tl.load(block_slot_ptr + ids, mask=missing, other=0, volatile=True)
-    claims = missing & (claim == claim_code)
-    rank = tl.cumsum(claims.to(tl.int32), axis=0) - 1
-    num_misses = tl.sum(claims.to(tl.int32), axis=0)
-    num_loads = tl.minimum(num_misses, max_loads)
-    tl.store(load_ids_ptr + rank, ids, mask=claims & (rank < max_loads))
-    rest = inside & (lanes >= num_loads)
+    loads = missing & (claim == claim_code)
+    rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1
+    num_misses = tl.sum(loads.to(tl.int32), axis=0)
+    tl.store(load_ids_ptr + rank, ids, mask=loads)
+    rest = inside & (lanes >= num_misses)
     tl.store(load_ids_ptr + lanes, -1, mask=rest)
     tl.store(load_slots_ptr + lanes, -1, mask=rest)
 
@@ -137,12 +131,12 @@ def _resolve_one_tile(
     tick = tl.load(slot_tick_ptr + order, mask=in_partition, other=0, volatile=True)
     evictable = in_partition & (tick < clock)
     victim_rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1
-    victim = evictable & (victim_rank < num_loads)
+    victim = evictable & (victim_rank < num_misses)
     tl.store(load_slots_ptr + victim_rank, order, mask=victim)
     tl.debug_barrier()
 
     # 4. install the loads, then the misses read their slots (hits keep theirs)
-    loading = lanes < num_loads
+    loading = lanes < num_misses
     block = tl.load(load_ids_ptr + lanes, mask=loading, other=0, volatile=True)
     target = tl.load(load_slots_ptr + lanes, mask=loading, other=0, volatile=True)
     evicted = tl.load(slot_block_ptr + target, mask=loading, other=-1, volatile=True)
@@ -152,8 +146,6 @@ def _resolve_one_tile(
     tl.store(block_slot_ptr + block, target, mask=loading)
     tl.debug_barrier()
     slot = tl.where(missing, tl.load(block_slot_ptr + ids, mask=missing, other=-1, volatile=True), slot)
-    tl.store(block_slot_ptr + ids, -1, mask=missing & (slot < 0))  # a claim past the load limit: not resident
-    slot = tl.maximum(slot, -1)
     out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
@@ -166,7 +158,7 @@ def _resolve_one_tile(
     moved = in_partition & (used == clock)
     moved_rank = tl.cumsum(moved.to(tl.int32), axis=0) - 1 + kept
     tl.store(order_base + moved_rank, part * per_partition + lanes, mask=moved)
-    return distinct_hits, num_misses, num_loads
+    return distinct_hits, num_misses
 
 
 @triton.jit
@@ -183,14 +175,13 @@ def _resolve_tiled(
     part,
     head,
     num_entries,
-    max_loads,
     per_partition,
     width,
     stride_row,
     stride_head,
     BLOCK: tl.constexpr,
 ):
-    """The five phases in BLOCK-wide tiles, for any sizes; returns (distinct hits, misses, loads)."""
+    """The five phases in BLOCK-wide tiles, for any sizes; returns (distinct hits, misses)."""
     lanes = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
 
@@ -215,14 +206,13 @@ def _resolve_tiled(
         ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
         valid = ids >= 0
         claim = tl.load(block_slot_ptr + ids, mask=valid, other=0, volatile=True)
-        claims = valid & (claim == entry.to(tl.int64) - num_entries - 2)
-        rank = tl.cumsum(claims.to(tl.int32), axis=0) - 1 + num_misses
-        tl.store(load_ids_ptr + rank, ids, mask=claims & (rank < max_loads))
-        num_misses += tl.sum(claims.to(tl.int32), axis=0)
-    num_loads = tl.minimum(num_misses, max_loads)
+        loads = valid & (claim == entry.to(tl.int64) - num_entries - 2)
+        rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1 + num_misses
+        tl.store(load_ids_ptr + rank, ids, mask=loads)
+        num_misses += tl.sum(loads.to(tl.int32), axis=0)
     for start in range(0, num_entries, BLOCK):
         entry = start + lanes
-        rest = (entry < num_entries) & (entry >= num_loads)
+        rest = (entry < num_entries) & (entry >= num_misses)
         tl.store(load_ids_ptr + entry, -1, mask=rest)
         tl.store(load_slots_ptr + entry, -1, mask=rest)
 
@@ -235,14 +225,14 @@ def _resolve_tiled(
         tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
         evictable = inside & (tick < clock)
         rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1 + found
-        tl.store(load_slots_ptr + rank, slot, mask=evictable & (rank < num_loads))
+        tl.store(load_slots_ptr + rank, slot, mask=evictable & (rank < num_misses))
         found += tl.sum(evictable.to(tl.int32), axis=0)
     tl.debug_barrier()
 
     # 4. install the loads, then every entry reads its slot
     for start in range(0, num_entries, BLOCK):
         j = start + lanes
-        loading = j < num_loads
+        loading = j < num_misses
         block = tl.load(load_ids_ptr + j, mask=loading, other=0, volatile=True)
         slot = tl.load(load_slots_ptr + j, mask=loading, other=0, volatile=True)
         evicted = tl.load(slot_block_ptr + slot, mask=loading, other=-1, volatile=True)
@@ -257,9 +247,8 @@ def _resolve_tiled(
         ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
         valid = ids >= 0
         slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
-        tl.store(block_slot_ptr + ids, -1, mask=valid & (slot < 0))  # a claim past the load limit: not resident
         out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
-        tl.store(slots_ptr + out, tl.where(valid, tl.maximum(slot, -1), -1), mask=inside)
+        tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
     # 5. the eviction order: kept slots compacted in place (writes land at or before what was read)
     kept = zero
@@ -284,7 +273,7 @@ def _resolve_tiled(
         tl.store(order_base + rank, slot, mask=moved)
         kept += tl.sum(moved.to(tl.int32), axis=0)
 
-    return distinct_hits, num_misses, num_loads
+    return distinct_hits, num_misses
 
 
 @triton.jit
@@ -303,12 +292,10 @@ def resolve_(
     *,
     one_tile: bool = True,
     max_tile: int = MAX_TILE,
-    max_loads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
-    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`;
-    `max_loads` as there).
+    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
     `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
     compare both with the spec). `max_tile`: the widest tile (a power of two) one program holds.
     """
@@ -324,8 +311,7 @@ def resolve_(
     fits = num_entries <= block and per <= block
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, load_ids, load_slots, load_counts, num_entries,
-        num_entries if max_loads is None else max_loads, per, width, heads * width, width,
+        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
         BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(16, block // 256)),
     )  # fmt: skip
     return slots, load_ids, load_slots, load_counts
