@@ -1,7 +1,7 @@
 """Where one sparse decode step's GPU time goes, kernel by kernel (torch.profiler over decode steps).
 
     python -m eval.bench.profile_step --out eval/results/profile_step.md     # H200: ~2 min
-    python -m eval.bench.profile_step --graph --out eval/results/profile_graph_step.md
+    python -m eval.bench.profile_step --graph [--fused-norms] --out profile_graph.md  # H200: ~20 s
     python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
 
 `--graph` profiles the step users run fastest: `graph.DecodeGraphRunner`'s CUDA-graph replays (on
@@ -65,15 +65,14 @@ def main(argv: list[str] | None = None) -> str:
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
-    def step(tokens):
-        return model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
-
-    if args.graph:
-        runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
+    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda") if args.graph else None
+    if runner is not None:
         runner.start(tokens)
 
-        def step(tokens):  # noqa: F811  the runner feeds its own greedy picks back
+    def step(tokens):  # a runner feeds its own greedy picks back
+        if runner is not None:
             return runner.step()
+        return model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
 
     with torch.no_grad():
         for _ in range(12):  # warm the LRU and the kernels
