@@ -466,12 +466,71 @@ def scatter_blocks(src_blocks: torch.Tensor, pool_dst: torch.Tensor, dst_ids: to
     pool_dst[dst_ids[keep].to(pool_dst.device)] = src_blocks[keep.to(src_blocks.device)].to(pool_dst.device)
 
 
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, cuda_order: bool = False) -> torch.Tensor:
     """Llama's RMSNorm, op for op: the mean square in float32, the normalized row cast back to the
-    input's dtype, then scaled by `weight` (the result in their promoted dtype). (..., H) -> (..., H)."""
+    input's dtype, then scaled by `weight` (the result in their promoted dtype). (..., H) -> (..., H).
+
+    `cuda_order`: add the mean square's terms in the order PyTorch's CUDA reduction adds them
+    (`cuda_row_mean`), so that this CPU spec gives the bits the model's own norm gives on a GPU."""
     normed = hidden.to(torch.float32)
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    squares = normed.pow(2)
+    mean_square = cuda_row_mean(squares) if cuda_order else squares.mean(-1, keepdim=True)
+    normed = normed * torch.rsqrt(mean_square + eps)
     return weight * normed.to(hidden.dtype)
+
+
+CUDA_REDUCE_THREADS = 512  # threads of one block of PyTorch's CUDA reduction
+CUDA_WARP = 32
+CUDA_REDUCE_VECTOR = 4  # float32 elements per vector load
+
+
+def cuda_reduce_lanes(num_rows: int, width: int) -> int:
+    """Threads PyTorch's CUDA reduction gives each row of a (num_rows, width) float32 mean over its
+    last dim: the block is `CUDA_REDUCE_THREADS` threads, as wide as the row's vector loads (a power
+    of two) and as tall as the rows (a power of two, at most 512 / 32), so few rows get wide lanes.
+    Holds while each thread adds fewer than 16 x (block height) values (true up to rows of 32K floats)."""
+    vectors = width // CUDA_REDUCE_VECTOR if width > 128 else width
+    row_lanes = _last_pow2(min(vectors, CUDA_REDUCE_THREADS))
+    height = min(_last_pow2(min(num_rows, CUDA_REDUCE_THREADS)), CUDA_REDUCE_THREADS // min(row_lanes, CUDA_WARP))
+    return min(row_lanes, CUDA_REDUCE_THREADS // height)
+
+
+def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
+    """x (..., H) float32 -> (..., 1): the mean over the last dim with the additions in the order
+    of PyTorch's CUDA reduction for a contiguous input whose H is a multiple of 4 and more than 128:
+    - each of a row's L lanes (`cuda_reduce_lanes`) takes every L-th 4-vector, from its own index
+      on, into four running sums (one per vector element), added together first to last;
+    - lanes above the warp fold down by halves (lane t adds lane t + L/2, ... t + 32);
+    - the warp folds neighbours (t adds t + 1, then t + 2, ... t + 16: a pairwise tree in lane order);
+    - the sum is scaled by 1/H rounded to float32.
+    Each step is an elementwise float32 addition, so this runs the same additions on any device."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if width % CUDA_REDUCE_VECTOR or width <= 128:
+        raise NotImplementedError(f"cuda_row_mean needs a width that is a multiple of 4 and over 128, got {width}")
+    lanes = cuda_reduce_lanes(rows.shape[0], width)
+    vectors = width // CUDA_REDUCE_VECTOR
+    rounds = -(-vectors // lanes)
+    padded = torch.zeros(rows.shape[0], rounds * lanes * CUDA_REDUCE_VECTOR, dtype=torch.float32, device=x.device)
+    padded[:, :width] = rows  # +0.0 leaves a sum of squares as it is: lanes past the row add nothing
+    chunks = padded.view(rows.shape[0], rounds, lanes, CUDA_REDUCE_VECTOR)
+    running = chunks[:, 0]
+    for step in range(1, rounds):
+        running = running + chunks[:, step]
+    total = running[..., 0]
+    for element in range(1, CUDA_REDUCE_VECTOR):
+        total = total + running[..., element]  # (R, L)
+    while total.shape[1] > CUDA_WARP:
+        half = total.shape[1] // 2
+        total = total[:, :half] + total[:, half:]
+    while total.shape[1] > 1:
+        total = total[:, 0::2] + total[:, 1::2]
+    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(width), dtype=torch.float32)
+    return (total * scale.to(x.device)).view(*x.shape[:-1], 1)
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
