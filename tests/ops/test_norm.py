@@ -1,4 +1,5 @@
-"""The fused RMSNorm kernel against `reference.rms_norm`, and the reference against Llama's own module."""
+"""The fused RMSNorm kernel against `reference.rms_norm`, bit for bit; the reference against
+Llama's own module; and the reference's CUDA order against PyTorch's own CUDA mean (GPU)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,58 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kernel_support import DEVICE, DTYPES, tolerance
+from kernel_support import DEVICE, DTYPES, ON_GPU
 from sparseserve_hf.ops import reference, triton_norm
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(16, 1, 4096), (3, 5, 96), (1, 1, 1000)])  # a decode step, a prefill, H not 2^k
-def test_kernel_matches_the_reference(shape, dtype):
-    gen = torch.Generator().manual_seed(shape[-1])
-    hidden = (torch.randn(shape, generator=gen) * 3).to(dtype)
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose magnitudes span decades (so the mean's order shows in its last bits) and a weight."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 10 ** (torch.rand(*shape[:-1], 1, generator=gen) * 4 - 2)
+    hidden = (torch.randn(shape, generator=gen) * scale).to(dtype)
     weight = (1 + torch.randn(shape[-1], generator=gen) / 4).to(dtype)
-    want = reference.rms_norm(hidden, weight, 1e-5)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape",  # decode steps of 16 and 1 rows (32 and 512 lanes a row), a prefill, a small model's width, H not 2^k
+    [(16, 1, 4096), (1, 1, 4096), (3, 5, 576), (2, 1, 1000), (64, 1, 2048)],
+)
+def test_kernel_equals_the_cuda_order_reference_bit_for_bit(shape, dtype):
+    hidden, weight = _inputs(shape, dtype, shape[-1] + shape[0])
+    want = reference.rms_norm(hidden, weight, 1e-5, cuda_order=True)
     got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-5)
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.cpu().float(), want.float(), **tolerance(dtype))
+    assert torch.equal(got.cpu(), want)
 
 
-def test_kernel_reads_a_strided_input_and_promotes_to_the_weights_dtype():
-    hidden = torch.randn(4, 2, 64)[:, 1]  # rows 128 elements apart
-    weight = torch.rand(64, dtype=torch.float32) + 0.5
-    want = reference.rms_norm(hidden.half(), weight, 1e-6)
-    got = triton_norm.rms_norm(hidden.half().to(DEVICE), weight.to(DEVICE), 1e-6)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 40])
+def test_cuda_order_mean_is_a_mean_and_its_lanes_follow_the_rows(rows):
+    x = torch.rand(rows, 4096, dtype=torch.float64)
+    got = reference.cuda_row_mean(x.float().pow(2))
+    torch.testing.assert_close(got.double(), x.float().double().pow(2).mean(-1, keepdim=True), rtol=1e-6, atol=0)
+    assert reference.cuda_reduce_lanes(rows, 4096) == min(512, 512 // min(1 << (rows.bit_length() - 1), 16))
+
+
+def test_inputs_outside_the_cuda_order_run_the_models_ops():
+    """Widths the CUDA order does not describe (not a multiple of 4, <= 128) and strided rows take
+    the reference op for op, which is the model's own norm."""
+    for hidden in (torch.randn(3, 1, 130), torch.randn(3, 1, 96), torch.randn(4, 2, 256)[:, 1]):
+        weight = torch.rand(hidden.shape[-1]) + 0.5
+        assert not triton_norm.exact(hidden)
+        got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
+        assert torch.equal(got.cpu(), reference.rms_norm(hidden, weight, 1e-6))
+    with pytest.raises(NotImplementedError, match="multiple of 4"):
+        reference.cuda_row_mean(torch.rand(2, 130))
+
+
+def test_kernel_promotes_to_the_weights_dtype():
+    hidden, _ = _inputs((4, 1, 256), torch.float16, 3)
+    weight = torch.rand(256, dtype=torch.float32) + 0.5
+    got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.cpu(), want, **tolerance(torch.float16))
+    assert torch.equal(got.cpu(), reference.rms_norm(hidden, weight, 1e-6, cuda_order=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,3 +68,17 @@ def test_reference_is_llamas_norm_bit_for_bit(dtype):
         norm.weight.copy_(torch.randn(48))
     hidden = torch.randn(5, 3, 48).to(dtype)
     assert torch.equal(reference.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("width", [576, 2048, 4096, 5120, 8192])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17, 64, 128])
+def test_cuda_order_is_pytorchs_cuda_mean_and_the_kernel_llamas_norm(rows, width):
+    hidden, weight = _inputs((rows, 1, width), torch.bfloat16, rows * width)
+    squares = hidden.cuda().float().pow(2)
+    assert torch.equal(reference.cuda_row_mean(squares), squares.mean(-1, keepdim=True))
+    norm = LlamaRMSNorm(width, eps=1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    assert torch.equal(triton_norm.rms_norm(hidden.cuda(), norm.weight, norm.variance_epsilon), norm(hidden.cuda()))

@@ -488,7 +488,7 @@ def cuda_reduce_lanes(num_rows: int, width: int) -> int:
     """Threads PyTorch's CUDA reduction gives each row of a (num_rows, width) float32 mean over its
     last dim: the block is `CUDA_REDUCE_THREADS` threads, as wide as the row's vector loads (a power
     of two) and as tall as the rows (a power of two, at most 512 / 32), so few rows get wide lanes.
-    Holds while each thread adds fewer than 16 x (block height) values (true up to rows of 32K floats)."""
+    Holds where `cuda_row_mean_applies`: each thread then adds fewer than 16 x (block height) vectors."""
     vectors = width // CUDA_REDUCE_VECTOR if width > 128 else width
     row_lanes = _last_pow2(min(vectors, CUDA_REDUCE_THREADS))
     height = min(_last_pow2(min(num_rows, CUDA_REDUCE_THREADS)), CUDA_REDUCE_THREADS // min(row_lanes, CUDA_WARP))
@@ -506,8 +506,8 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
     Each step is an elementwise float32 addition, so this runs the same additions on any device."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
-    if width % CUDA_REDUCE_VECTOR or width <= 128:
-        raise NotImplementedError(f"cuda_row_mean needs a width that is a multiple of 4 and over 128, got {width}")
+    if not cuda_row_mean_applies(width):
+        raise NotImplementedError(f"cuda_row_mean needs a width that is a multiple of 4 in (128, 32768), got {width}")
     lanes = cuda_reduce_lanes(rows.shape[0], width)
     vectors = width // CUDA_REDUCE_VECTOR
     rounds = -(-vectors // lanes)
@@ -525,8 +525,18 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
         total = total[:, :half] + total[:, half:]
     while total.shape[1] > 1:
         total = total[:, 0::2] + total[:, 1::2]
-    scale = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(width), dtype=torch.float32)
-    return (total * scale.to(x.device)).view(*x.shape[:-1], 1)
+    return (total * cuda_mean_scale(width)).view(*x.shape[:-1], 1)
+
+
+def cuda_row_mean_applies(width: int) -> bool:
+    """Whether `cuda_row_mean` describes rows of `width`: vector loads (a multiple of 4, over 128)
+    and one block per row (under 32K floats: longer rows are split over warps and blocks)."""
+    return width % CUDA_REDUCE_VECTOR == 0 and 128 < width < 32768
+
+
+def cuda_mean_scale(width: int) -> float:
+    """1 / width rounded to float32 (what PyTorch's mean multiplies a row's sum by), as a Python float."""
+    return (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(width), dtype=torch.float32)).item()
 
 
 def _last_pow2(n: int) -> int:

@@ -1,11 +1,12 @@
-"""Llama's RMSNorm (`reference.rms_norm`) as one Triton launch: one program per row.
+"""Llama's RMSNorm (`reference.rms_norm`) as one Triton launch, bit for bit the model's own on a GPU.
 
 Eager PyTorch runs the norm as eight kernels (two casts, square, mean, add, rsqrt and two
 products); at decode a row is a few KiB, so each of them is launch and latency, twice per
-layer. Here a program loads its row once, keeps it in registers and writes the scaled result.
-The arithmetic follows the reference op for op (float32 mean square, the normalized row rounded
-to the input's dtype before the weight's product); only the order of the mean's additions differs,
-so results agree to float32 rounding of the mean, not bit for bit.
+layer. Here a program loads its row, forms the mean square and writes the scaled result.
+Every rounding is the reference's: the squares, the mean's additions in the order PyTorch's CUDA
+reduction makes them (`reference.cuda_row_mean`: per-lane running sums over strided 4-vectors,
+then fixed folding trees), the scale by 1/H, rsqrt, the normalized row rounded to the input's
+dtype before the weight's product; no multiply-add is fused.
 """
 
 from __future__ import annotations
@@ -14,31 +15,88 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, width, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _fold_halves(total, LANES: tl.constexpr):
+    """(LANES,) -> (LANES // 2,): lane t adds lane t + LANES // 2 (a shared-memory fold)."""
+    return tl.sum(tl.reshape(total, (2, LANES // 2)), axis=0)
+
+
+@triton.jit
+def _fold_neighbours(total, LANES: tl.constexpr):
+    """(LANES,) -> (LANES // 2,): lane 2t adds lane 2t + 1 (a warp shuffle fold)."""
+    return tl.sum(tl.reshape(total, (LANES // 2, 2)), axis=1)
+
+
+@triton.jit
+def _row_sum_of_squares(row_ptr, width, LANES: tl.constexpr, ROUNDS: tl.constexpr, VEC: tl.constexpr):
+    """The float32 sum of a row's squares, added in `reference.cuda_row_mean`'s order (LANES >= 32)."""
+    lanes = tl.arange(0, LANES)
+    element = tl.arange(0, VEC)
+    running = tl.zeros([LANES, VEC], tl.float32)
+    for step in tl.static_range(ROUNDS):
+        offsets = (step * LANES + lanes)[:, None] * VEC + element[None, :]
+        x = tl.load(row_ptr + offsets, mask=offsets < width, other=0.0).to(tl.float32)
+        running = running + x * x
+    total = tl.sum(tl.where(element[None, :] == 0, running, 0.0), axis=1)  # adding zeros: exact
+    for e in tl.static_range(1, VEC):
+        total = total + tl.sum(tl.where(element[None, :] == e, running, 0.0), axis=1)
+    if LANES >= 512:
+        total = _fold_halves(total, 512)
+    if LANES >= 256:
+        total = _fold_halves(total, 256)
+    if LANES >= 128:
+        total = _fold_halves(total, 128)
+    if LANES >= 64:
+        total = _fold_halves(total, 64)
+    total = _fold_neighbours(total, 32)
+    total = _fold_neighbours(total, 16)
+    total = _fold_neighbours(total, 8)
+    total = _fold_neighbours(total, 4)
+    total = _fold_neighbours(total, 2)
+    return tl.sum(total, axis=0)  # one element
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, weight_ptr, out_ptr, width, stride_x, stride_out, eps, inv_width,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, ROUNDS: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
     """Program r: out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)).to(x.dtype)."""
     row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * stride_x
+    mean_square = _row_sum_of_squares(row_ptr, width, LANES, ROUNDS, VEC) * inv_width
     cols = tl.arange(0, BLOCK)
     live = cols < width
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    mean_square = tl.sum(x * x, axis=0) / width
+    x = tl.load(row_ptr + cols, mask=live, other=0.0).to(tl.float32)
     normed = (x * tl.math.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=live, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
+def exact(hidden: torch.Tensor) -> bool:
+    """Whether `rms_norm` computes this input bit for bit as the model's norm does on a GPU: a
+    contiguous input whose rows `reference.cuda_row_mean` describes. Other inputs run the reference."""
+    return hidden.is_contiguous() and reference.cuda_row_mean_applies(hidden.shape[-1])
+
+
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`reference.rms_norm` for (..., H) rows, H = weight's length, one launch."""
+    """`reference.rms_norm(..., cuda_order=True)` for (..., H) rows, H = weight's length, one launch
+    (the reference's own ops, the model's, where `exact` says no)."""
+    if not exact(hidden):
+        return reference.rms_norm(hidden, weight, eps)
     width = hidden.shape[-1]
-    rows = hidden.reshape(-1, width)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = hidden.view(-1, width)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device)
+    lanes = reference.cuda_reduce_lanes(rows.shape[0], width)
+    vectors = width // reference.CUDA_REDUCE_VECTOR
     block = triton.next_power_of_2(width)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight, out, width, rows.stride(0), out.stride(0), eps,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        rows, weight, out, width, rows.stride(0), out.stride(0), eps, reference.cuda_mean_scale(width),
+        BLOCK=block, LANES=lanes, ROUNDS=triton.cdiv(vectors, lanes), VEC=reference.CUDA_REDUCE_VECTOR,
+        num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False,
     )  # fmt: skip
     return out.view(hidden.shape)
