@@ -161,10 +161,10 @@ class SparseServeConfig:
             to measure what it saves.
         fused_norms: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
             runs the model's RMSNorms (Llama's, and the families that copy it) as one fused kernel
-            each instead of eager PyTorch's eight small ones. The arithmetic is the same but for
-            the order of the mean square's additions, so it is not bit-exact against the model's
-            own norm: off by default, which keeps the replayed step's tokens equal to the eager
-            path's. Outside the captured step the model runs its own norms.
+            each instead of eager PyTorch's eight small ones, bit for bit the model's own norm on
+            a GPU (the mean square's additions in the order PyTorch's CUDA reduction makes them).
+            Checked once against the model's norm like `fused_rope`. An ablation switch.
+            Outside the captured step the model runs its own norms.
         prefix_caching: the `Generator` keeps the full KV blocks of earlier requests' prompts (and
             their outputs) in the DRAM pool, addressed by the tokens before and in each block
             (`cache.prefix_index`), and a new request whose prompt starts with cached blocks
@@ -202,7 +202,7 @@ class SparseServeConfig:
     generate_graphs: bool = True
     prefix_caching: bool = False
     fused_rope: bool = True
-    fused_norms: bool = False
+    fused_norms: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)

@@ -28,7 +28,7 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torc
 def test_kernel_equals_the_cuda_order_reference_bit_for_bit(shape, dtype):
     hidden, weight = _inputs(shape, dtype, shape[-1] + shape[0])
     want = reference.rms_norm(hidden, weight, 1e-5, cuda_order=True)
-    got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-5)
+    got = triton_norm.fused_rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-5)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got.cpu(), want)
 
@@ -42,13 +42,15 @@ def test_cuda_order_mean_is_a_mean_and_its_lanes_follow_the_rows(rows):
 
 
 def test_inputs_outside_the_cuda_order_run_the_models_ops():
-    """Widths the CUDA order does not describe (not a multiple of 4, <= 128) and strided rows take
-    the reference op for op, which is the model's own norm."""
-    for hidden in (torch.randn(3, 1, 130), torch.randn(3, 1, 96), torch.randn(4, 2, 256)[:, 1]):
+    """Widths the CUDA order does not describe (not a multiple of 4, <= 128), strided rows and CPU
+    rows (PyTorch's CPU mean adds in another order) take the reference op for op: the model's norm."""
+    for hidden in (torch.randn(3, 1, 130), torch.randn(3, 1, 96), torch.randn(4, 2, 256)[:, 1], torch.randn(3, 1, 256)):
         weight = torch.rand(hidden.shape[-1]) + 0.5
-        assert not triton_norm.exact(hidden)
+        if hidden.shape[-1] != 256 or not hidden.is_contiguous():
+            assert not triton_norm.exact(hidden.to(DEVICE))
         got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
-        assert torch.equal(got.cpu(), reference.rms_norm(hidden, weight, 1e-6))
+        assert torch.equal(got.cpu(), reference.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6).cpu())
+    assert triton_norm.exact(torch.randn(3, 1, 256, device=DEVICE)) == ON_GPU
     with pytest.raises(NotImplementedError, match="multiple of 4"):
         reference.cuda_row_mean(torch.rand(2, 130))
 
@@ -56,7 +58,7 @@ def test_inputs_outside_the_cuda_order_run_the_models_ops():
 def test_kernel_promotes_to_the_weights_dtype():
     hidden, _ = _inputs((4, 1, 256), torch.float16, 3)
     weight = torch.rand(256, dtype=torch.float32) + 0.5
-    got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
+    got = triton_norm.fused_rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
     assert got.dtype == torch.float32
     assert torch.equal(got.cpu(), reference.rms_norm(hidden, weight, 1e-6, cuda_order=True))
 

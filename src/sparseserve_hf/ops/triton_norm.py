@@ -78,17 +78,22 @@ def _rms_norm_kernel(
 
 
 def exact(hidden: torch.Tensor) -> bool:
-    """Whether `rms_norm` computes this input bit for bit as the model's norm does on a GPU: a
-    contiguous input whose rows `reference.cuda_row_mean` describes. Other inputs run the reference."""
-    return hidden.is_contiguous() and reference.cuda_row_mean_applies(hidden.shape[-1])
+    """Whether PyTorch's own norm adds this input's mean square in `reference.cuda_row_mean`'s
+    order: a contiguous CUDA input of a width that order describes."""
+    return hidden.is_cuda and hidden.is_contiguous() and reference.cuda_row_mean_applies(hidden.shape[-1])
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`reference.rms_norm(..., cuda_order=True)` for (..., H) rows, H = weight's length, one launch
-    (the reference's own ops, the model's, where `exact` says no)."""
-    if not exact(hidden):
-        return reference.rms_norm(hidden, weight, eps)
+    """The model's RMSNorm bit for bit: the fused kernel where `exact` says PyTorch adds in the CUDA
+    order, the reference's ops (the model's own) elsewhere. (..., H) -> (..., H)."""
+    return fused_rms_norm(hidden, weight, eps) if exact(hidden) else reference.rms_norm(hidden, weight, eps)
+
+
+def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`reference.rms_norm(..., cuda_order=True)` in one launch, for contiguous (..., H) rows whose
+    width `reference.cuda_row_mean_applies` to, H = weight's length."""
     width = hidden.shape[-1]
+    assert hidden.is_contiguous() and reference.cuda_row_mean_applies(width)
     rows = hidden.view(-1, width)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device)
     lanes = reference.cuda_reduce_lanes(rows.shape[0], width)
