@@ -74,13 +74,17 @@ def test_reference_is_llamas_norm_bit_for_bit(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("width", [576, 2048, 4096, 5120, 8192])
+@pytest.mark.parametrize("width", [576, 2048, 3584, 4096, 5120, 8192])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17, 64, 128])
 def test_cuda_order_is_pytorchs_cuda_mean_and_the_kernel_llamas_norm(rows, width):
+    """8192 is past the order's reach: there the norm runs the model's own ops."""
     hidden, weight = _inputs((rows, 1, width), torch.bfloat16, rows * width)
-    squares = hidden.cuda().float().pow(2)
-    assert torch.equal(reference.cuda_row_mean(squares), squares.mean(-1, keepdim=True))
+    hidden = hidden.cuda()
+    assert triton_norm.exact(hidden) == (width < 8192)
+    if width < 8192:
+        squares = hidden.float().pow(2)
+        assert torch.equal(reference.cuda_row_mean(squares), squares.mean(-1, keepdim=True))
     norm = LlamaRMSNorm(width, eps=1e-5).to("cuda", torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(weight)
-    assert torch.equal(triton_norm.rms_norm(hidden.cuda(), norm.weight, norm.variance_epsilon), norm(hidden.cuda()))
+    assert torch.equal(triton_norm.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))

@@ -488,7 +488,7 @@ def cuda_reduce_lanes(num_rows: int, width: int) -> int:
     """Threads PyTorch's CUDA reduction gives each row of a (num_rows, width) float32 mean over its
     last dim: the block is `CUDA_REDUCE_THREADS` threads, as wide as the row's vector loads (a power
     of two) and as tall as the rows (a power of two, at most 512 / 32), so few rows get wide lanes.
-    Holds where `cuda_row_mean_applies`: each thread then adds fewer than 16 x (block height) vectors."""
+    Holds where `cuda_row_mean_applies`."""
     vectors = width // CUDA_REDUCE_VECTOR if width > 128 else width
     row_lanes = _last_pow2(min(vectors, CUDA_REDUCE_THREADS))
     height = min(_last_pow2(min(num_rows, CUDA_REDUCE_THREADS)), CUDA_REDUCE_THREADS // min(row_lanes, CUDA_WARP))
@@ -507,7 +507,7 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     if not cuda_row_mean_applies(width):
-        raise NotImplementedError(f"cuda_row_mean needs a width that is a multiple of 4 in (128, 32768), got {width}")
+        raise NotImplementedError(f"cuda_row_mean needs a width that is a multiple of 4 in (128, 8192), got {width}")
     lanes = cuda_reduce_lanes(rows.shape[0], width)
     vectors = width // CUDA_REDUCE_VECTOR
     rounds = -(-vectors // lanes)
@@ -530,8 +530,9 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
 
 def cuda_row_mean_applies(width: int) -> bool:
     """Whether `cuda_row_mean` describes rows of `width`: vector loads (a multiple of 4, over 128)
-    and one block per row (under 32K floats: longer rows are split over warps and blocks)."""
-    return width % CUDA_REDUCE_VECTOR == 0 and 128 < width < 32768
+    and one warp-row of lanes per row (under 8192 floats: from there a thread would add at least
+    16 x (block height) values, and PyTorch splits a row over the block's warps too)."""
+    return width % CUDA_REDUCE_VECTOR == 0 and 128 < width < 8192
 
 
 def cuda_mean_scale(width: int) -> float:
