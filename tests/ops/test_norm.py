@@ -27,10 +27,11 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[torc
 )
 def test_kernel_equals_the_cuda_order_reference_bit_for_bit(shape, dtype):
     hidden, weight = _inputs(shape, dtype, shape[-1] + shape[0])
-    want = reference.rms_norm(hidden, weight, 1e-5, cuda_order=True)
-    got = triton_norm.fused_rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-5)
+    hidden, weight = hidden.to(DEVICE), weight.to(DEVICE)
+    want = reference.rms_norm(hidden, weight, 1e-5, cuda_order=True)  # on the kernel's device: its rsqrt
+    got = triton_norm.fused_rms_norm(hidden, weight, 1e-5)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 40])
@@ -58,9 +59,10 @@ def test_inputs_outside_the_cuda_order_run_the_models_ops():
 def test_kernel_promotes_to_the_weights_dtype():
     hidden, _ = _inputs((4, 1, 256), torch.float16, 3)
     weight = torch.rand(256, dtype=torch.float32) + 0.5
-    got = triton_norm.fused_rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
+    hidden, weight = hidden.to(DEVICE), weight.to(DEVICE)
+    got = triton_norm.fused_rms_norm(hidden, weight, 1e-6)
     assert got.dtype == torch.float32
-    assert torch.equal(got.cpu(), reference.rms_norm(hidden, weight, 1e-6, cuda_order=True))
+    assert torch.equal(got, reference.rms_norm(hidden, weight, 1e-6, cuda_order=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
