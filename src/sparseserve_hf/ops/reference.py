@@ -500,8 +500,8 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
     of PyTorch's CUDA reduction for a contiguous input whose H is a multiple of 4 and more than 128:
     - each of a row's L lanes (`cuda_reduce_lanes`) takes every L-th 4-vector, from its own index
       on, into four running sums (one per vector element), added together first to last;
-    - lanes above the warp fold down by halves (lane t adds lane t + L/2, ... t + 32);
-    - the warp folds neighbours (t adds t + 1, then t + 2, ... t + 16: a pairwise tree in lane order);
+    - the lanes fold down by halves: lane t adds lane t + L/2, then t + L/4, ... t + 1 (through
+      shared memory above the warp, by shuffles within it);
     - the sum is scaled by 1/H rounded to float32.
     Each step is an elementwise float32 addition, so this runs the same additions on any device."""
     width = x.shape[-1]
@@ -520,11 +520,9 @@ def cuda_row_mean(x: torch.Tensor) -> torch.Tensor:
     total = running[..., 0]
     for element in range(1, CUDA_REDUCE_VECTOR):
         total = total + running[..., element]  # (R, L)
-    while total.shape[1] > CUDA_WARP:
+    while total.shape[1] > 1:
         half = total.shape[1] // 2
         total = total[:, :half] + total[:, half:]
-    while total.shape[1] > 1:
-        total = total[:, 0::2] + total[:, 1::2]
     return (total * cuda_mean_scale(width)).view(*x.shape[:-1], 1)
 
 

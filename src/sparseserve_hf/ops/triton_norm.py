@@ -5,7 +5,7 @@ products); at decode a row is a few KiB, so each of them is launch and latency, 
 layer. Here a program loads its row, forms the mean square and writes the scaled result.
 Every rounding is the reference's: the squares, the mean's additions in the order PyTorch's CUDA
 reduction makes them (`reference.cuda_row_mean`: per-lane running sums over strided 4-vectors,
-then fixed folding trees), the scale by 1/H, rsqrt, the normalized row rounded to the input's
+then folded by halves), the scale by 1/H, rsqrt, the normalized row rounded to the input's
 dtype before the weight's product; no multiply-add is fused.
 """
 
@@ -20,14 +20,8 @@ from . import reference
 
 @triton.jit
 def _fold_halves(total, LANES: tl.constexpr):
-    """(LANES,) -> (LANES // 2,): lane t adds lane t + LANES // 2 (a shared-memory fold)."""
+    """(LANES,) -> (LANES // 2,): lane t adds lane t + LANES // 2 (a shared-memory or shuffle fold)."""
     return tl.sum(tl.reshape(total, (2, LANES // 2)), axis=0)
-
-
-@triton.jit
-def _fold_neighbours(total, LANES: tl.constexpr):
-    """(LANES,) -> (LANES // 2,): lane 2t adds lane 2t + 1 (a warp shuffle fold)."""
-    return tl.sum(tl.reshape(total, (LANES // 2, 2)), axis=1)
 
 
 @triton.jit
@@ -51,11 +45,11 @@ def _row_sum_of_squares(row_ptr, width, LANES: tl.constexpr, ROUNDS: tl.constexp
         total = _fold_halves(total, 128)
     if LANES >= 64:
         total = _fold_halves(total, 64)
-    total = _fold_neighbours(total, 32)
-    total = _fold_neighbours(total, 16)
-    total = _fold_neighbours(total, 8)
-    total = _fold_neighbours(total, 4)
-    total = _fold_neighbours(total, 2)
+    total = _fold_halves(total, 32)
+    total = _fold_halves(total, 16)
+    total = _fold_halves(total, 8)
+    total = _fold_halves(total, 4)
+    total = _fold_halves(total, 2)
     return tl.sum(total, axis=0)  # one element
 
 
