@@ -112,14 +112,15 @@ def test_fused_norms_replay_the_eager_static_step_and_equal_the_models_norms(dty
     """`fused_norms`: the graph and the same static step run eagerly both fuse the norms, and the
     fused norm is the model's own bit for bit, so both give the eager path's logits and tokens."""
     model = tiny_model("llama", num_heads=16, num_kv_heads=2).to("cuda", dtype)  # rows of 256: the kernel's
-    config = static_config(backend="triton", fused_norms=True)
+    room = 2 * static_config().hbm_cache_bytes  # a group of 8 query heads: twice the union
+    config = static_config(backend="triton", fused_norms=True, hbm_cache_bytes=room)
     runners = []
     for capture in (True, False):
         cache, tokens = batch_cache(model, config)
         runners.append(DecodeGraphRunner(model, cache, capture=capture))
         runners[-1].start(tokens)
     assert runners[0]._fused.norms, "the fused norm was left out: it differs from the model's"
-    cache, tokens = batch_cache(model, static_config(backend="triton", fused_norms=False))
+    cache, tokens = batch_cache(model, static_config(backend="triton", fused_norms=False, hbm_cache_bytes=room))
     plain = DecodeGraphRunner(model, cache, capture=False)
     plain.start(tokens)
     for step in range(BLOCK + 3):

@@ -45,13 +45,13 @@ def test_cuda_order_mean_is_a_mean_and_its_lanes_follow_the_rows(rows):
 def test_inputs_outside_the_cuda_order_run_the_models_ops():
     """Widths the CUDA order does not describe (not a multiple of 4, <= 128), strided rows and CPU
     rows (PyTorch's CPU mean adds in another order) take the reference op for op: the model's norm."""
-    for hidden in (torch.randn(3, 1, 130), torch.randn(3, 1, 96), torch.randn(4, 2, 256)[:, 1], torch.randn(3, 1, 256)):
-        weight = torch.rand(hidden.shape[-1]) + 0.5
-        if hidden.shape[-1] != 256 or not hidden.is_contiguous():
-            assert not triton_norm.exact(hidden.to(DEVICE))
-        got = triton_norm.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6)
-        assert torch.equal(got.cpu(), reference.rms_norm(hidden.to(DEVICE), weight.to(DEVICE), 1e-6).cpu())
-    assert triton_norm.exact(torch.randn(3, 1, 256, device=DEVICE)) == ON_GPU
+    rows = (torch.randn(3, 1, 130), torch.randn(3, 1, 96), torch.randn(4, 2, 256)[:, 1], torch.randn(3, 1, 256))
+    for hidden in rows:
+        hidden = hidden.to(DEVICE) if hidden.is_contiguous() else torch.randn(4, 2, 256, device=DEVICE)[:, 1]
+        weight = torch.rand(hidden.shape[-1], device=DEVICE) + 0.5
+        assert triton_norm.exact(hidden) == (ON_GPU and hidden.shape[-1] == 256 and hidden.is_contiguous())
+        if not triton_norm.exact(hidden):
+            assert torch.equal(triton_norm.rms_norm(hidden, weight, 1e-6), reference.rms_norm(hidden, weight, 1e-6))
     with pytest.raises(NotImplementedError, match="multiple of 4"):
         reference.cuda_row_mean(torch.rand(2, 130))
 
