@@ -90,3 +90,27 @@ def test_cuda_order_is_pytorchs_cuda_mean_and_the_kernel_llamas_norm(rows, width
     with torch.no_grad():
         norm.weight.copy_(weight)
     assert torch.equal(triton_norm.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+
+
+def test_the_probes_fitting_order_is_the_reference_and_its_rivals_differ():
+    """`eval.bench.norm_order_probe` found one order that fits PyTorch's CUDA mean on the H200 (4-vector
+    loads, the lanes folded by halves down to one, the running sums chained); that candidate is
+    `reference.cuda_row_mean`, and the probe's other candidates give other bits on some rows."""
+    from eval.bench.norm_order_probe import candidate_mean
+
+    x = (torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 3).pow(2)
+    for rows in (1, 2, 4, 8, 16):
+        lanes = reference.cuda_reduce_lanes(rows, 4096)
+        part = x[:rows]
+        assert torch.equal(candidate_mean(part, lanes, True, True, False), reference.cuda_row_mean(part).view(-1))
+    lanes = reference.cuda_reduce_lanes(64, 4096)
+    for rival in ((lanes, True, False, False), (lanes, False, True, False), (lanes, True, True, True), (64, True, True, False)):
+        assert not torch.equal(candidate_mean(x, *rival), reference.cuda_row_mean(x).view(-1)), rival
+
+
+def test_the_probe_runs(capsys, monkeypatch):
+    from eval.bench import norm_order_probe
+
+    monkeypatch.setattr("sys.argv", ["norm_order_probe", "--device", "cpu", "--rows", "2", "--widths", "576"])
+    norm_order_probe.main()
+    assert "width 576 rows 2:" in capsys.readouterr().out
