@@ -471,7 +471,8 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, cuda_order:
     input's dtype, then scaled by `weight` (the result in their promoted dtype). (..., H) -> (..., H).
 
     `cuda_order`: add the mean square's terms in the order PyTorch's CUDA reduction adds them
-    (`cuda_row_mean`), so that this CPU spec gives the bits the model's own norm gives on a GPU."""
+    (`cuda_row_mean`): run on a GPU, this spec then gives the model's own norm's bits there (every
+    other op runs where PyTorch's does; on the CPU only rsqrt rounds differently)."""
     normed = hidden.to(torch.float32)
     squares = normed.pow(2)
     mean_square = cuda_row_mean(squares) if cuda_order else squares.mean(-1, keepdim=True)
