@@ -1,7 +1,7 @@
 """Where one sparse decode step's GPU time goes, kernel by kernel (torch.profiler over decode steps).
 
     python -m eval.bench.profile_step --out eval/results/profile_step.md     # H200: ~2 min
-    python -m eval.bench.profile_step --graph [--fused-norms] --out profile_graph.md  # H200: ~20 s
+    python -m eval.bench.profile_step --graph [--no-fused-norms] --out profile_graph.md  # H200: ~20 s
     python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
 
 `--graph` profiles the step users run fastest: `graph.DecodeGraphRunner`'s CUDA-graph replays (on
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None)
     parser.add_argument("--graph", action="store_true", help="profile DecodeGraphRunner replays")
-    parser.add_argument("--fused-norms", action="store_true", help="SparseServeConfig(fused_norms=True)")
+    parser.add_argument(
+        "--no-fused-norms", dest="fused_norms", action="store_false", help="SparseServeConfig(fused_norms=False)"
+    )
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     device = pick_device(args.dry_run)
