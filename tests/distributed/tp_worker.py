@@ -11,6 +11,7 @@ produced the same tokens as every other).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -41,6 +42,11 @@ def main(folder: str, out: str, tensor_parallel: bool, generator: bool) -> None:
     if dist.is_initialized():  # every rank done before any tears gloo down (else a rank may abort)
         dist.barrier()
         dist.destroy_process_group()
+        # The results are written and every rank is past the barrier; skip the interpreter's teardown,
+        # where a gloo thread still joinable at exit aborts the process now and then (SIGABRT).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_generate(model, config: SparseServeConfig) -> dict:
