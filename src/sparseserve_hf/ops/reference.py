@@ -8,6 +8,8 @@ Every op accumulates in fp32 and returns the input dtype where it returns activa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -490,7 +492,7 @@ def cuda_reduce_lanes(num_rows: int, width: int) -> int:
     last dim: the block is `CUDA_REDUCE_THREADS` threads, as wide as the row's vector loads (a power
     of two) and as tall as the rows (a power of two, at most 512 / 32), so few rows get wide lanes.
     Holds where `cuda_row_mean_applies`."""
-    vectors = width // CUDA_REDUCE_VECTOR if width > 128 else width
+    vectors = width // CUDA_REDUCE_VECTOR
     row_lanes = _last_pow2(min(vectors, CUDA_REDUCE_THREADS))
     height = min(_last_pow2(min(num_rows, CUDA_REDUCE_THREADS)), CUDA_REDUCE_THREADS // min(row_lanes, CUDA_WARP))
     return min(row_lanes, CUDA_REDUCE_THREADS // height)
@@ -534,8 +536,10 @@ def cuda_row_mean_applies(width: int) -> bool:
     return width % CUDA_REDUCE_VECTOR == 0 and 128 < width < 8192
 
 
+@functools.cache
 def cuda_mean_scale(width: int) -> float:
-    """1 / width rounded to float32 (what PyTorch's mean multiplies a row's sum by), as a Python float."""
+    """1 / width rounded to float32 (what PyTorch's mean multiplies a row's sum by), as a Python float
+    (cached: the fused norm asks for it on every call)."""
     return (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(width), dtype=torch.float32)).item()
 
 
