@@ -165,6 +165,12 @@ class SparseServeConfig:
             a GPU (the mean square's additions in the order PyTorch's CUDA reduction makes them).
             Checked once against the model's norm like `fused_rope`. An ablation switch.
             Outside the captured step the model runs its own norms.
+        lookup_beside_attention: with offload and the "torch" or "triton" backend, a decode step
+            attends the blocks already in the HBM cache (and the tails) while the lookup (LRU
+            update, victims) and the copy of the misses run beside it on a second CUDA stream, then
+            attends the misses and merges both halves (`ops.begin_decode`): the lookup leaves the
+            critical path. The same attention up to the order of float additions. An ablation
+            switch.
         prefix_caching: the `Generator` keeps the full KV blocks of earlier requests' prompts (and
             their outputs) in the DRAM pool, addressed by the tokens before and in each block
             (`cache.prefix_index`), and a new request whose prompt starts with cached blocks
@@ -203,6 +209,7 @@ class SparseServeConfig:
     prefix_caching: bool = False
     fused_rope: bool = True
     fused_norms: bool = True
+    lookup_beside_attention: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -292,6 +299,7 @@ class SparseServeConfig:
         _check_bool("generate_graphs", self.generate_graphs)
         _check_bool("fused_rope", self.fused_rope)
         _check_bool("fused_norms", self.fused_norms)
+        _check_bool("lookup_beside_attention", self.lookup_beside_attention)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return
         needs = []  # pools may grow (captured again when they move); these a captured step cannot follow

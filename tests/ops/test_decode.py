@@ -141,3 +141,60 @@ def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
     dequantized = reference.dequantize_blocks(stored, block_scales, torch.float32)
     expected = reference.sparse_decode(query, dequantized, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
+@pytest.mark.parametrize("late_share", [0.0, 0.3, 1.0], ids=["none_late", "some_late", "all_late"])
+def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(poisoned, dtype, masked, late_share):
+    """`begin_decode` attends the resident entries and the tails while the late entries' slots still
+    hold garbage (NaN, as before a lookup's copy lands); `finish_decode` attends those once written,
+    and the merge equals `reference.sparse_decode` over the final slots."""
+    gen = torch.Generator().manual_seed(int(late_share * 10) + masked)
+    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(3, 2, 4, 8, 16, 11, dtype, masked=masked)
+    late = (torch.rand(slots.shape, generator=gen) < late_share) & (slots >= 0)
+    resident = torch.where(late, -1, slots)
+    expected = reference.sparse_decode(query, pool, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
+    on_device = [x.to(DEVICE) if x is not None else None for x in (query, head_mask, tail_k, tail_v, tail_len)]
+    q, mask, tk, tv, tlen = on_device
+    arriving = pool.to(DEVICE, copy=True)
+    arriving[slots[late].to(DEVICE)] = float("nan")
+    pending = triton_decode.begin_decode(q, arriving, resident.to(DEVICE), mask, tk, tv, tlen, 0.3, num_splits=3)
+    arriving[slots[late].to(DEVICE)] = pool[slots[late]].to(DEVICE)  # the lookup's copy lands
+    got = triton_decode.finish_decode(pending, slots.to(DEVICE))
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+    halves = reference.finish_decode(
+        reference.begin_decode(query, pool, resident, head_mask, tail_k, tail_v, tail_len, 0.3), slots
+    )
+    torch.testing.assert_close(halves, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loaded", [0, 40])
+def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, loaded):
+    """8-bit blocks with their scales; 40 entries per row all late, so a late program walks several tiles."""
+    query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, loaded, torch.float16, unused=0)
+    stored, block_scales = reference.quantize_blocks(pool.float() * 3, torch.float8_e4m3fn)
+    scales = block_scales[slots.clamp(min=0)]
+    resident = torch.full_like(slots, -1)
+    resident[0, 0, : loaded // 2] = slots[0, 0, : loaded // 2]
+    dequantized = reference.dequantize_blocks(stored, block_scales, torch.float16)
+    expected = reference.sparse_decode(query, dequantized, slots, None, tail_k, tail_v, tail_len, 0.3)
+    q, tk, tv, tlen = (x.to(DEVICE) for x in (query, tail_k, tail_v, tail_len))
+    pending = triton_decode.begin_decode(
+        q, stored.to(DEVICE), resident.to(DEVICE), None, tk, tv, tlen, 0.3, num_splits=2, scales=scales.to(DEVICE)
+    )
+    got = triton_decode.finish_decode(pending, slots.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
+
+
+@pytest.mark.gpu
+def test_decode_in_two_halves_llama_shape_on_the_gpu():
+    query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(4, 8, 4, 32, 128, 64, torch.bfloat16)
+    resident = torch.where(torch.rand(slots.shape) < 0.2, -1, slots)
+    expected = reference.sparse_decode(query, pool, slots, None, tail_k, tail_v, tail_len, 0.3)
+    q, p, tk, tv, tlen = (x.to(DEVICE) for x in (query, pool, tail_k, tail_v, tail_len))
+    got = triton_decode.finish_decode(
+        triton_decode.begin_decode(q, p, resident.to(DEVICE), None, tk, tv, tlen, 0.3), slots.to(DEVICE)
+    )
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.bfloat16))

@@ -123,3 +123,19 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
             assert torch.equal(a.cpu(), b), step
         assert_tables_equal(got, want)
     assert (want.slot_block[:-1] >= 0).view(heads, per).all()  # every slot of both partitions in use
+
+
+def test_resident_slots_kernel_matches_the_spec_and_what_a_lookup_then_resolves():
+    """Before each lookup: the kernel's resident slots equal the spec's, and every one of them is the
+    slot the lookup itself then gives that entry (a lookup never moves a block it hits)."""
+    gen = torch.Generator().manual_seed(7)
+    partitions, per, num_blocks = 2, 24, 80
+    tables = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
+    counts = torch.zeros(2, dtype=torch.long)
+    for step in range(12):
+        ids = random_selection(gen, (3, 2, 6), num_blocks, partitions, 0)
+        resident = lru.resident_slots(ids, tables)
+        assert torch.equal(triton_resolve.resident_slots(ids.to(DEVICE), copy_tables(tables, DEVICE)).cpu(), resident)
+        slots, *_ = lru.resolve_(ids, 0, tables, counts)
+        assert bool(((resident == slots) | (resident == -1)).all()), step
+        assert step == 0 or bool((resident >= 0).any())  # later steps hit what earlier ones loaded

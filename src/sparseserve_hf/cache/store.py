@@ -83,6 +83,10 @@ class TieredBlockStore:
         block_shape = (2, config.block_size, head_dim)
         self.dram, self.hbm = self._tiers(block_shape)
         self.block_bytes = self.dram.block_bytes
+        # Decode attends the resident blocks while the lookup runs (`fetch_beside`), where the
+        # backend splits its attention (`ops.begin_decode`) and an LRU cache sits before the pool.
+        self.lookup_beside = config.lookup_beside_attention and config.offload and self.ops.begin_decode is not None
+        self._lookup_stream: torch.cuda.Stream | None = None  # made by the first lookup beside attention
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
@@ -268,6 +272,43 @@ class TieredBlockStore:
         """
         self.wait_for_saves()
         return self.hbm.lookup(block_ids, self.dram, first_partition)
+
+    @plain_tensors
+    def fetch_beside(
+        self, block_ids: torch.Tensor, first_partition: int = 0, beside: Callable[[], None] | None = None
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """`fetch` that lets attention start before it ends: returns (resident, join).
+
+        `resident` (B, Hkv, U) holds the slots of the blocks already in the HBM cache, -1 for
+        misses and unused entries. The lookup itself (LRU update, victims, the copy of the misses)
+        and `beside` (more work that may run with it) are launched on CUDA on a high-priority side
+        stream, elsewhere in order. `join()` makes the current stream wait for them and returns every
+        entry's slot, as `fetch` would. The lookup never evicts a block its selection uses, so the
+        resident slots keep their blocks meanwhile. Launches only, no host sync.
+        """
+        self.wait_for_saves()
+        self.hbm.prepare(tuple(block_ids.shape), self.dram, first_partition)  # may grow the tables: first
+        resident = self.ops.resident_slots(block_ids, self.hbm.tables)
+        main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if main is None:
+            if beside is not None:
+                beside()
+            slots = self.hbm.lookup(block_ids, self.dram, first_partition)
+            return resident, lambda: slots
+        if self._lookup_stream is None:
+            self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
+        side = self._lookup_stream
+        side.wait_stream(main)  # the selection and the snapshot are written there
+        with torch.cuda.stream(side):
+            if beside is not None:
+                beside()
+            slots = self.hbm.lookup(block_ids, self.dram, first_partition)
+
+        def join() -> torch.Tensor:
+            main.wait_stream(side)
+            return slots
+
+        return resident, join
 
     def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
         """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for

@@ -38,9 +38,13 @@ class BlockOps:
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     select_group_union: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sparse_decode: Callable[..., torch.Tensor]
+    # `sparse_decode` in two halves around a lookup (`reference.begin_decode`); None: not split
+    begin_decode: Callable[..., object] | None
+    finish_decode: Callable[..., torch.Tensor] | None
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
+    resident_slots: Callable[..., torch.Tensor]  # signature as `ops.lru.resident_slots`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec
@@ -55,9 +59,12 @@ TORCH_OPS = BlockOps(
     union_over_group=reference.union_over_group,
     select_group_union=reference.select_group_union,
     sparse_decode=reference.sparse_decode,
+    begin_decode=reference.begin_decode,
+    finish_decode=reference.finish_decode,
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
     resolve_blocks=lru.resolve_,
+    resident_slots=lru.resident_slots,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
     rope=None,
@@ -173,9 +180,12 @@ def _triton_ops() -> BlockOps:
         score_table=triton_score.score_table,
         select_group_union=triton_select.select_group_union,
         sparse_decode=triton_decode.sparse_decode,
+        begin_decode=triton_decode.begin_decode,
+        finish_decode=triton_decode.finish_decode,
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
         resolve_blocks=triton_resolve.resolve_,
+        resident_slots=triton_resolve.resident_slots,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,
         rope=triton_rope.rope,
@@ -185,5 +195,8 @@ def _triton_ops() -> BlockOps:
 def _flash_ops() -> BlockOps:
     from . import flash_decode  # imports flash_attn.cute (CuTe-DSL): only here, never at package import
 
-    # Only decode attention changes: scoring and the block transfers stay the Triton kernels.
-    return replace(_triton_ops(), name="flash", sparse_decode=flash_decode.sparse_decode)
+    # Only decode attention changes (whole: fa4's kernel is not split around the lookup); scoring and
+    # the block transfers stay the Triton kernels.
+    return replace(
+        _triton_ops(), name="flash", sparse_decode=flash_decode.sparse_decode, begin_decode=None, finish_decode=None
+    )

@@ -85,6 +85,13 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(valid).scatter_(1, perm, starts) & valid
 
 
+def resident_slots(selection: torch.Tensor, tables: LruTables) -> torch.Tensor:
+    """The slots already holding the blocks of `selection` (any shape, DRAM ids, -1 = unused),
+    -1 for misses and unused entries. Changes nothing: what a decode may attend before `resolve_`
+    of the same selection has run (which never moves a block it hits)."""
+    return torch.where(selection >= 0, tables.block_slot[selection.clamp(min=0)], -1)
+
+
 def resolve_(
     selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -324,6 +324,36 @@ def sparse_decode(
     return out.reshape(batch, num_q_heads, dim).to(query.dtype)
 
 
+def begin_decode(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    resident: torch.Tensor,
+    head_mask: torch.Tensor | None,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+    *,
+    scales: torch.Tensor | None = None,
+) -> functools.partial:
+    """`sparse_decode` in two halves around a lookup: the first attends the blocks already in the
+    pool (`resident` (B, Hkv, U) their slots, -1 elsewhere) and the tails while the lookup loads
+    the rest into other slots; `finish_decode(pending, slots)` attends those and merges.
+
+    The result is `sparse_decode` over the final `slots` (which equal `resident` wherever it is
+    >= 0), as this spec computes it; a kernel merges the halves' partials instead (the same up
+    to the order of float additions). Arguments as `sparse_decode`; `scales` covers every entry."""
+    return functools.partial(
+        sparse_decode, query, pool, head_mask=head_mask, tail_keys=tail_keys, tail_values=tail_values,
+        tail_len=tail_len, scaling=scaling, scales=scales,
+    )  # fmt: skip
+
+
+def finish_decode(pending: functools.partial, slots: torch.Tensor) -> torch.Tensor:
+    """The second half of `begin_decode`: attention over every entry's slot, (B, Hq, D)."""
+    return pending(slots=slots)
+
+
 def hybrid_parts(metadata: torch.Tensor) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:
     """Hybrid (..., 2 + sub, D) metadata -> ("quest", (..., 2, D)) and ("cuboid", (..., sub, D)) views."""
     return ("quest", metadata[..., :2, :]), ("cuboid", metadata[..., 2:, :])

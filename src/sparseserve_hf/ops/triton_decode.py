@@ -11,6 +11,7 @@ The G query heads of a group ride the rows of one `tl.dot`, so a block is read o
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,6 +55,8 @@ def _decode_split_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    resident_ptr,
+    late_entries_ptr,
     stride_qb,
     stride_qh,
     stride_sb,
@@ -66,6 +69,8 @@ def _decode_split_kernel(
     num_kv_heads,
     num_loaded,
     num_splits,
+    first_part,
+    num_parts,
     scaling,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -79,12 +84,18 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     MIN_PER_SPLIT: tl.constexpr,
     SCALED: tl.constexpr,
+    LATE: tl.constexpr,
 ):
     """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
-    one takes the tail block. Writes partials [b, h*G + g, split].
+    one takes the tail block. Writes partials [b, h*G + g, first_part + split] of num_parts.
 
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
+
+    LATE (grid (B * Hkv, num_splits), no tail program): only the entries that `resident` (laid
+    out as the slots) held at -1 and the slots now hold: the blocks a lookup loaded after the
+    resident ones were attended. Each program lists the row's late entries in order into its own
+    row of `late_entries` (B * Hkv * num_splits, BLOCK_LOADED) and takes its share of that list.
 
     Selections hold their unused (-1) entries last, often most of U, and how many are used is known
     only here: each (row, KV head) cuts its used prefix into equal whole-tile ranges (at least
@@ -105,16 +116,29 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if split < num_splits:
         entries = tl.arange(0, BLOCK_LOADED)
-        row_slots = tl.load(slots_ptr + b * stride_sb + h * stride_sh + entries, mask=entries < num_loaded, other=-1)
-        used_end = tl.max(tl.where(row_slots >= 0, entries + 1, 0), axis=0)
+        row = b * stride_sb + h * stride_sh
+        row_slots = tl.load(slots_ptr + row + entries, mask=entries < num_loaded, other=-1)
+        if LATE:
+            resident = tl.load(resident_ptr + row + entries, mask=entries < num_loaded, other=-1)
+            late = (resident < 0) & (row_slots >= 0)
+            late_list = late_entries_ptr + (row_head * num_splits + split).to(tl.int64) * BLOCK_LOADED
+            tl.store(late_list + tl.cumsum(late.to(tl.int32), axis=0) - 1, entries, mask=late)
+            used_end = tl.sum(late.to(tl.int32), axis=0)
+            tl.debug_barrier()  # the list is written before any lane reads it
+        else:
+            used_end = tl.max(tl.where(row_slots >= 0, entries + 1, 0), axis=0)
         per_split = tl.maximum(tl.cdiv(used_end, num_splits), MIN_PER_SPLIT)
         per_split = tl.cdiv(per_split, BLOCK_U) * BLOCK_U  # whole tiles
         start = split * per_split
         end = tl.minimum(start + per_split, used_end)
         t = tl.arange(0, BLOCK_U * S)
         for first in range(start, end, BLOCK_U):
-            u = first + t // S  # (T,) loaded-block index of each token
-            slot = tl.load(slots_ptr + b * stride_sb + h * stride_sh + u, mask=u < end, other=-1).to(tl.int64)
+            j = first + t // S  # (T,) position of each token's block in the row's (late) list
+            if LATE:
+                u = tl.load(late_list + j, mask=j < end, other=0)
+            else:
+                u = j  # (T,) loaded-block index of each token
+            slot = tl.load(slots_ptr + row + u, mask=j < end, other=-1).to(tl.int64)
             token_ok = slot >= 0
             base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
             kv_mask = token_ok[:, None] & d_ok[None, :]
@@ -130,7 +154,7 @@ def _decode_split_kernel(
             if HAS_MASK:
                 allowed = tl.load(
                     mask_ptr + b * stride_mb + heads[:, None] * stride_mh + u[None, :],
-                    mask=g_ok[:, None] & (u < end)[None, :],
+                    mask=g_ok[:, None] & (j < end)[None, :],
                     other=0,
                 )
                 seen = seen & (allowed != 0)
@@ -144,7 +168,7 @@ def _decode_split_kernel(
         tail_k = tl.load(tail_k_ptr + tail_offsets, mask=tail_mask, other=0.0)
         tail_v = tl.load(tail_v_ptr + tail_offsets, mask=tail_mask, other=0.0)
         m, l, acc = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
-    part = (b * num_kv_heads * G + heads) * (num_splits + 1) + split  # (BG,) partials are (B, Hq, splits+1)
+    part = (b * num_kv_heads * G + heads) * num_parts + first_part + split  # (BG,) partials are (B, Hq, parts)
     tl.store(part_m_ptr + part, m, mask=g_ok)
     tl.store(part_l_ptr + part, l, mask=g_ok)
     tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
@@ -192,6 +216,23 @@ def _split_plan(num_programs: int, num_loaded: int, device: torch.device) -> int
     return max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
 
 
+@dataclass(frozen=True)
+class PendingDecode:
+    """A decode whose resident blocks and tails are attended (`begin_decode`): their partials, and
+    what the late programs (`finish_decode`) read besides the slots."""
+
+    query: torch.Tensor
+    pool: torch.Tensor
+    resident: torch.Tensor  # (B, Hkv, U) the slots the first programs read, -1 elsewhere
+    mask: torch.Tensor  # uint8 head mask, or the slots as an unused pointer
+    scale_table: torch.Tensor  # fp32 scales, or the query as an unused pointer
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (B, Hq, parts), acc (B, Hq, parts, D)
+    num_splits: int
+    scaling: float
+    has_mask: bool
+    scaled: bool
+
+
 def sparse_decode(
     query: torch.Tensor,
     pool: torch.Tensor,
@@ -221,9 +262,77 @@ def sparse_decode(
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
+    pending = _attend_first(
+        query, pool, slots, head_mask, tail_keys, tail_values, tail_len, scaling, num_splits, scales, late_splits=False
+    )
+    return _merge(pending)
+
+
+def begin_decode(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    resident: torch.Tensor,
+    head_mask: torch.Tensor | None,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+    num_splits: int | None = None,
+    *,
+    scales: torch.Tensor | None = None,
+) -> PendingDecode:
+    """The first half of `reference.begin_decode` / `finish_decode`: attend the entries whose
+    `resident` (B, Hkv, U) slot is >= 0 and the tails (arguments as `sparse_decode`; `scales`
+    covers every entry). Launches only; the pool's other slots may be written meanwhile."""
+    return _attend_first(
+        query,
+        pool,
+        resident,
+        head_mask,
+        tail_keys,
+        tail_values,
+        tail_len,
+        scaling,
+        num_splits,
+        scales,
+        late_splits=True,
+    )
+
+
+def finish_decode(pending: PendingDecode, slots: torch.Tensor) -> torch.Tensor:
+    """Attend the entries `begin_decode` left out (resident -1, `slots` (B, Hkv, U) >= 0; where
+    resident holds a slot, `slots` holds the same), merge every partial: (B, Hq, D). Launches only."""
+    resident = pending.resident
+    assert slots.shape == resident.shape
+    batch, num_kv_heads, num_loaded = resident.shape
+    slots = slots.contiguous()
+    late_entries = torch.empty(
+        (batch * num_kv_heads * pending.num_splits, triton.next_power_of_2(max(num_loaded, 1))),
+        dtype=torch.int32,
+        device=resident.device,
+    )
+    first_part = pending.num_splits + 1
+    _launch_split(pending, slots, late_entries, pending.num_splits, first_part, None, None, None, late=True)
+    return _merge(pending)
+
+
+def _attend_first(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    head_mask: torch.Tensor | None,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+    num_splits: int | None,
+    scales: torch.Tensor | None,
+    late_splits: bool,
+) -> PendingDecode:
+    """Launch the split programs over `slots` and the tail program; `late_splits` leaves room in
+    the partials for as many late programs."""
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
-    block_size = pool.shape[2]
     assert pool.is_contiguous() and query.dtype == tail_keys.dtype == tail_values.dtype
     assert (
         pool.dtype == query.dtype if scales is None else (pool.element_size() == 1 and scales.shape[:3] == slots.shape)
@@ -231,40 +340,85 @@ def sparse_decode(
     assert tail_keys.stride() == tail_values.stride() and tail_keys.stride(-1) == 1 and query.stride(-1) == 1
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
-    mask = head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots  # slots: unused pointer
-    scale_table = scales.float().contiguous() if scales is not None else query  # query: unused pointer
-    block_u = max(1, TILE_TOKENS // block_size)
     if num_splits is None:
         num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
     else:
         num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
-    num_parts = num_splits + 1
+    num_parts = num_splits + 1 + (num_splits if late_splits else 0)
     part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
-    part_l = torch.empty_like(part_m)
     part_acc = torch.empty((batch, num_q_heads, num_parts, dim), dtype=torch.float32, device=query.device)
+    pending = PendingDecode(
+        query=query,
+        pool=pool,
+        resident=slots,
+        mask=head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots,
+        scale_table=scales.float().contiguous() if scales is not None else query,
+        parts=(part_m, torch.empty_like(part_m), part_acc),
+        num_splits=num_splits,
+        scaling=scaling,
+        has_mask=head_mask is not None,
+        scaled=scales is not None,
+    )
+    _launch_split(pending, slots, slots, num_splits + 1, 0, tail_keys, tail_values, tail_len, late=False)
+    return pending
+
+
+def _launch_split(
+    pending: PendingDecode,
+    slots: torch.Tensor,
+    late_entries: torch.Tensor,
+    programs_per_row: int,
+    first_part: int,
+    tail_keys: torch.Tensor | None,
+    tail_values: torch.Tensor | None,
+    tail_len: torch.Tensor | None,
+    late: bool,
+) -> None:
+    """One launch of the split kernel: (B * Hkv, programs_per_row) programs writing partials from
+    `first_part` on. A late launch has no tail program (its tail pointers are unused)."""
+    query, mask = pending.query, pending.mask
+    batch, num_q_heads, dim = query.shape
+    num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
+    if programs_per_row == 0:
+        return
+    tail_keys = query.view(batch, num_q_heads, 1, dim) if tail_keys is None else tail_keys  # unused when late
+    tail_values = tail_keys if tail_values is None else tail_values
+    tail_len = slots if tail_len is None else tail_len
     group = num_q_heads // num_kv_heads
-    block_d = triton.next_power_of_2(max(dim, 16))  # tl.dot needs every side >= 16
-    _decode_split_kernel[(batch * num_kv_heads, num_parts)](
-        query, pool, slots, mask, scale_table, tail_keys, tail_values, tail_len, part_m, part_l, part_acc,
+    part_m, part_l, part_acc = pending.parts
+    block_size = pending.pool.shape[2]
+    _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
+        query, pending.pool, slots, mask, pending.scale_table, tail_keys, tail_values, tail_len,
+        part_m, part_l, part_acc, pending.resident, late_entries,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
-        num_kv_heads, num_loaded, num_splits, scaling,
+        num_kv_heads, num_loaded, pending.num_splits, first_part, part_m.shape[2], pending.scaling,
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         S=block_size,
         D=dim,
-        BLOCK_D=block_d,
-        BLOCK_U=block_u,
+        BLOCK_D=triton.next_power_of_2(max(dim, 16)),  # tl.dot needs every side >= 16
+        BLOCK_U=max(1, TILE_TOKENS // block_size),
         BLOCK_LOADED=triton.next_power_of_2(max(num_loaded, 1)),
         TAIL_TOKENS=max(16, block_size),
-        HAS_MASK=head_mask is not None,
+        HAS_MASK=pending.has_mask,
         IEEE=query.dtype == torch.float32,
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
-        SCALED=scales is not None,
+        SCALED=pending.scaled,
+        LATE=late,
         num_warps=4,
     )  # fmt: skip
+
+
+def _merge(pending: PendingDecode) -> torch.Tensor:
+    """Merge each query head's partials: (B, Hq, D) in the query's dtype."""
+    query = pending.query
+    batch, num_q_heads, dim = query.shape
+    part_m, part_l, part_acc = pending.parts
+    num_parts = part_m.shape[2]
     out = torch.empty((batch, num_q_heads, dim), dtype=query.dtype, device=query.device)
     _decode_reduce_kernel[(batch * num_q_heads,)](
-        part_m, part_l, part_acc, out, num_parts, D=dim, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(num_parts)
-    )
+        part_m, part_l, part_acc, out, num_parts,
+        D=dim, BLOCK_D=triton.next_power_of_2(max(dim, 16)), BLOCK_P=triton.next_power_of_2(num_parts),
+    )  # fmt: skip
     return out

@@ -284,6 +284,24 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
     return tl.load(ids_ptr + offset, mask=inside, other=-1)
 
 
+@triton.jit
+def _resident_kernel(ids_ptr, block_slot_ptr, out_ptr, num_entries, BLOCK: tl.constexpr):
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = entry < num_entries
+    ids = tl.load(ids_ptr + entry, mask=inside, other=-1)
+    slot = tl.load(block_slot_ptr + ids, mask=ids >= 0, other=-1)
+    tl.store(out_ptr + entry, slot, mask=inside)
+
+
+def resident_slots(selection: torch.Tensor, tables: LruTables) -> torch.Tensor:
+    """`ops.lru.resident_slots` in one launch (instead of four)."""
+    ids = selection.contiguous()
+    out = torch.empty_like(ids)
+    block = 1024
+    _resident_kernel[(triton.cdiv(max(ids.numel(), 1), block),)](ids, tables.block_slot, out, ids.numel(), BLOCK=block)
+    return out
+
+
 def resolve_(
     ids: torch.Tensor,
     first_partition: int,
