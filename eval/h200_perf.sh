@@ -25,6 +25,8 @@
 #               GeneratorGroup, 16 x 32K x 1024 new per engine, closed loop (dp2_over_dp1)
 #   tp          tensor parallel (nvidia-h200-x2): a Generator decode step at B=16 x 32K, TP=1 then TP=2
 #               under torchrun (tp2_step_over_tp1, and its tokens against TP=1's)
+#   beside      the lookup beside attention (config.lookup_beside_attention): its kernel and graph tests, then
+#               the real-locality step with it (and stock) and without it (--set lookup_beside_attention=False)
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
@@ -90,9 +92,16 @@ case $part in
       --out "$out/decode_step_fp8_kv.json" 2>&1 | tee "$out/decode_step_fp8_kv.log" | tail -12
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
       --out "$out/decode_step_bf16_kv.json" 2>&1 | tee "$out/decode_step_bf16_kv.log" | tail -12 ;;
+  beside)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode.py tests/ops/test_resolve.py tests/ops/test_norm.py \
+      tests/integration/test_decode_graph.py tests/integration/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_beside.log" | tail -8
+    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
+      --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
+    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
+      --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac
