@@ -171,12 +171,13 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
         return store.ops.sparse_decode(
             q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
         )
-    block_ids, valid, head_mask, scales = select_blocks(layer, q)
-    count_loads = functools.partial(store.account, layer.first_partition, valid, layer.num_blocks, layer.tail_len)
-    resident, join = store.fetch_beside(block_ids, layer.first_partition, beside=count_loads)
+    picked, valid, head_mask = select_blocks(layer, q)
+    block_ids, resident, join = store.fetch_beside(layer.block_ids, picked, valid, layer.first_partition)
     pending = store.ops.begin_decode(
-        q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
-    )
+        q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
+        scales=store.scales_of(block_ids),
+    )  # fmt: skip
+    store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     return store.ops.finish_decode(pending, join())
 
 
@@ -203,19 +204,21 @@ def select_and_fetch(
     per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they are
     stored in 8 bits (else None). Records the pick in `layer.last_pick` and what the step reads
     in the store's load counters."""
-    block_ids, valid, head_mask, scales = select_blocks(layer, q)
-    layer.store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
-    return layer.store.fetch(block_ids, layer.first_partition), head_mask, scales
+    store = layer.store
+    picked, valid, head_mask = select_blocks(layer, q)
+    block_ids = torch.where(valid, torch.gather(layer.block_ids, 2, picked), -1)  # (B, Hkv, U) DRAM ids
+    store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
+    return store.fetch(block_ids, layer.first_partition), head_mask, store.scales_of(block_ids)
 
 
 def select_blocks(
     layer: SparseServeLayer, q: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decode step's selection for one layer: score the row's blocks and pick them. q (B, Hq, D).
 
-    Returns the DRAM ids each KV head loads (B, Hkv, U), -1 unused, their validity (B, Hkv, U),
-    the per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they
-    are stored in 8 bits (else None). Records the pick in `layer.last_pick`."""
+    Returns the blocks each KV head loads (B, Hkv, U) as indices into the row's table, their
+    validity (B, Hkv, U), and the per-query-head mask (B, Hq, U) or None. Records the pick in
+    `layer.last_pick`."""
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
@@ -224,11 +227,8 @@ def select_blocks(
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
-    block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
-    # 8-bit blocks: each entry's key and value scales, gathered by DRAM id (-1 entries read block 0's, unused)
-    scales = None if store.block_scales is None else store.block_scales[block_ids.clamp(min=0)]  # (B, Hkv, U, 2)
-    return block_ids, valid, head_mask, scales
+    return picked, valid, head_mask
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:

@@ -125,17 +125,25 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
     assert (want.slot_block[:-1] >= 0).view(heads, per).all()  # every slot of both partitions in use
 
 
-def test_resident_slots_kernel_matches_the_spec_and_what_a_lookup_then_resolves():
-    """Before each lookup: the kernel's resident slots equal the spec's, and every one of them is the
-    slot the lookup itself then gives that entry (a lookup never moves a block it hits)."""
+def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves():
+    """Before each lookup: the kernel's ids and resident slots of a pick equal the spec's, and every
+    resident slot is the one the lookup itself then gives that entry (it never moves a block it hits)."""
     gen = torch.Generator().manual_seed(7)
-    partitions, per, num_blocks = 2, 24, 80
+    batch, heads, width, partitions, per, num_blocks = 3, 2, 6, 2, 24, 80
     tables = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
     counts = torch.zeros(2, dtype=torch.long)
+    per_head = num_blocks // heads
+    table = torch.stack([torch.randperm(per_head, generator=gen)[:20] + h * per_head for h in range(heads)])
+    table = table[None].repeat(batch, 1, 2)[..., 4:36]  # (B, H, 32), strided rows: as a table view may be
     for step in range(12):
-        ids = random_selection(gen, (3, 2, 6), num_blocks, partitions, 0)
-        resident = lru.resident_slots(ids, tables)
-        assert torch.equal(triton_resolve.resident_slots(ids.to(DEVICE), copy_tables(tables, DEVICE)).cpu(), resident)
+        picked = torch.randint(0, table.shape[2], (batch, heads, width), generator=gen)
+        valid = torch.rand(picked.shape, generator=gen) < 0.8
+        ids, resident = lru.picked_blocks(table, picked, valid, tables)
+        assert torch.equal(ids, torch.where(valid, torch.gather(table, 2, picked), -1))
+        got_ids, got_resident = triton_resolve.picked_blocks(
+            table.to(DEVICE), picked.to(DEVICE), valid.to(DEVICE), copy_tables(tables, DEVICE)
+        )
+        assert torch.equal(got_ids.cpu(), ids) and torch.equal(got_resident.cpu(), resident), step
         slots, *_ = lru.resolve_(ids, 0, tables, counts)
         assert bool(((resident == slots) | (resident == -1)).all()), step
         assert step == 0 or bool((resident >= 0).any())  # later steps hit what earlier ones loaded

@@ -275,40 +275,47 @@ class TieredBlockStore:
 
     @plain_tensors
     def fetch_beside(
-        self, block_ids: torch.Tensor, first_partition: int = 0, beside: Callable[[], None] | None = None
-    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-        """`fetch` that lets attention start before it ends: returns (resident, join).
+        self, table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, first_partition: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]:
+        """`fetch` of the picked blocks that lets attention start before it ends.
 
-        `resident` (B, Hkv, U) holds the slots of the blocks already in the HBM cache, -1 for
-        misses and unused entries. The lookup itself (LRU update, victims, the copy of the misses)
-        and `beside` (more work that may run with it) are launched on CUDA on a high-priority side
-        stream, elsewhere in order. `join()` makes the current stream wait for them and returns every
-        entry's slot, as `fetch` would. The lookup never evicts a block its selection uses, so the
-        resident slots keep their blocks meanwhile. Launches only, no host sync.
+        Args:
+            table: (B, Hkv, N) each row's DRAM ids; picked, valid: (B, Hkv, U) the blocks each KV
+                head loads, as indices into its row of the table, and which of them are real.
+            first_partition: KV head h's blocks live in HBM partition `first_partition + h`.
+        Returns:
+            block_ids: (B, Hkv, U) their DRAM ids, -1 where not valid.
+            resident: (B, Hkv, U) the slots of those already in the HBM cache, -1 elsewhere.
+            join: makes the current stream wait for the lookup and returns every entry's slot, as
+                `fetch` would. The lookup (LRU update, victims, the copy of the misses) runs on CUDA
+                on a high-priority side stream, elsewhere at once. It never evicts a block its
+                selection uses, so the resident slots keep their blocks meanwhile.
+        Launches only, no host sync.
         """
         self.wait_for_saves()
-        self.hbm.prepare(tuple(block_ids.shape), self.dram, first_partition)  # may grow the tables: first
-        resident = self.ops.resident_slots(block_ids, self.hbm.tables)
+        self.hbm.prepare(tuple(picked.shape), self.dram, first_partition)  # may grow the tables: first
+        block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if main is None:
-            if beside is not None:
-                beside()
             slots = self.hbm.lookup(block_ids, self.dram, first_partition)
-            return resident, lambda: slots
+            return block_ids, resident, lambda: slots
         if self._lookup_stream is None:
             self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
         side = self._lookup_stream
-        side.wait_stream(main)  # the selection and the snapshot are written there
+        side.wait_stream(main)  # the selection is written there
         with torch.cuda.stream(side):
-            if beside is not None:
-                beside()
             slots = self.hbm.lookup(block_ids, self.dram, first_partition)
 
         def join() -> torch.Tensor:
             main.wait_stream(side)
             return slots
 
-        return resident, join
+        return block_ids, resident, join
+
+    def scales_of(self, block_ids: torch.Tensor) -> torch.Tensor | None:
+        """8-bit blocks: the key and value scales of each entry of `block_ids` (B, Hkv, U), as
+        (B, Hkv, U, 2) (-1 entries read block 0's, unused); None where blocks keep the model's dtype."""
+        return None if self.block_scales is None else self.block_scales[block_ids.clamp(min=0)]
 
     def prepare_fetch(self, shape: tuple[int, ...], first_partition: int = 0) -> None:
         """What `fetch` of a (B, Hkv, U) selection does on the host, without the launches: wait for

@@ -44,7 +44,7 @@ class BlockOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
-    resident_slots: Callable[..., torch.Tensor]  # signature as `ops.lru.resident_slots`
+    picked_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # signature as `ops.lru.picked_blocks`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec
@@ -64,7 +64,7 @@ TORCH_OPS = BlockOps(
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
     resolve_blocks=lru.resolve_,
-    resident_slots=lru.resident_slots,
+    picked_blocks=lru.picked_blocks,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
     rope=None,
@@ -185,7 +185,7 @@ def _triton_ops() -> BlockOps:
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
         resolve_blocks=triton_resolve.resolve_,
-        resident_slots=triton_resolve.resident_slots,
+        picked_blocks=triton_resolve.picked_blocks,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,
         rope=triton_rope.rope,

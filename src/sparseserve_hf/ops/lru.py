@@ -85,11 +85,21 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(valid).scatter_(1, perm, starts) & valid
 
 
-def resident_slots(selection: torch.Tensor, tables: LruTables) -> torch.Tensor:
-    """The slots already holding the blocks of `selection` (any shape, DRAM ids, -1 = unused),
-    -1 for misses and unused entries. Changes nothing: what a decode may attend before `resolve_`
-    of the same selection has run (which never moves a block it hits)."""
-    return torch.where(selection >= 0, tables.block_slot[selection.clamp(min=0)], -1)
+def picked_blocks(
+    table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, tables: LruTables
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DRAM ids of picked blocks and the slots already holding them.
+
+    Args:
+        table: (B, H, N) each row's DRAM ids; picked, valid: (B, H, U) indices into a row and
+            which of them are real.
+    Returns:
+        block_ids: (B, H, U) `table` at `picked`, -1 where not valid.
+        resident: (B, H, U) the slot holding each block, -1 for misses and unused entries: what a
+            decode may attend before `resolve_` of the same ids runs (which never moves a block it hits).
+    """
+    block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)
+    return block_ids, torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
 
 
 def resolve_(

@@ -285,21 +285,38 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
 
 
 @triton.jit
-def _resident_kernel(ids_ptr, block_slot_ptr, out_ptr, num_entries, BLOCK: tl.constexpr):
+def _picked_kernel(
+    table_ptr, picked_ptr, valid_ptr, block_slot_ptr, ids_ptr, resident_ptr, num_entries, heads, width,
+    stride_tb, stride_th, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Entry e of the contiguous (B, H, U) outputs: its id from the table row (e // U), its slot."""
     entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = entry < num_entries
-    ids = tl.load(ids_ptr + entry, mask=inside, other=-1)
+    row = entry // width
+    index = tl.load(picked_ptr + entry, mask=inside, other=0)
+    real = inside & (tl.load(valid_ptr + entry, mask=inside, other=0) != 0)
+    offset = (row // heads).to(tl.int64) * stride_tb + (row % heads) * stride_th + index
+    ids = tl.where(real, tl.load(table_ptr + offset, mask=real, other=-1), -1)
     slot = tl.load(block_slot_ptr + ids, mask=ids >= 0, other=-1)
-    tl.store(out_ptr + entry, slot, mask=inside)
+    tl.store(ids_ptr + entry, ids, mask=inside)
+    tl.store(resident_ptr + entry, slot, mask=inside)
 
 
-def resident_slots(selection: torch.Tensor, tables: LruTables) -> torch.Tensor:
-    """`ops.lru.resident_slots` in one launch (instead of four)."""
-    ids = selection.contiguous()
-    out = torch.empty_like(ids)
+def picked_blocks(
+    table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, tables: LruTables
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.lru.picked_blocks` in one launch (instead of six). table (B, H, N) with a contiguous last dim."""
+    assert table.stride(-1) == 1 and picked.shape == valid.shape
+    batch, heads, width = picked.shape
+    picked, valid = picked.contiguous(), valid.contiguous()
+    block_ids = torch.empty(picked.shape, dtype=table.dtype, device=picked.device)
+    resident = torch.empty(picked.shape, dtype=tables.block_slot.dtype, device=picked.device)
     block = 1024
-    _resident_kernel[(triton.cdiv(max(ids.numel(), 1), block),)](ids, tables.block_slot, out, ids.numel(), BLOCK=block)
-    return out
+    _picked_kernel[(triton.cdiv(max(picked.numel(), 1), block),)](
+        table, picked, valid.view(torch.int8), tables.block_slot, block_ids, resident, picked.numel(), heads,
+        max(width, 1), table.stride(0), table.stride(1), BLOCK=block,
+    )  # fmt: skip
+    return block_ids, resident
 
 
 def resolve_(
