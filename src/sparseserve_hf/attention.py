@@ -211,9 +211,7 @@ def select_and_fetch(
     return store.fetch(block_ids, layer.first_partition), head_mask, store.scales_of(block_ids)
 
 
-def select_blocks(
-    layer: SparseServeLayer, q: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def select_blocks(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decode step's selection for one layer: score the row's blocks and pick them. q (B, Hq, D).
 
     Returns the blocks each KV head loads (B, Hkv, U) as indices into the row's table, their

@@ -307,7 +307,7 @@ def picked_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.lru.picked_blocks` in one launch (instead of six). table (B, H, N) with a contiguous last dim."""
     assert table.stride(-1) == 1 and picked.shape == valid.shape
-    batch, heads, width = picked.shape
+    _, heads, width = picked.shape
     picked, valid = picked.contiguous(), valid.contiguous()
     block_ids = torch.empty(picked.shape, dtype=table.dtype, device=picked.device)
     resident = torch.empty(picked.shape, dtype=tables.block_slot.dtype, device=picked.device)
