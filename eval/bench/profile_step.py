@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> str:
     text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} {mode}"
     text_out += f", fused_norms={args.fused_norms}\n\n"
     text_out += miss_line(cache.store.stats, args.steps * args.layers) + report
+    if device.type == "cuda":
+        text_out += "\n" + layer_timeline(prof)
     print(text_out)
     if args.out:
         Path(args.out).write_text(text_out)
@@ -125,6 +127,31 @@ def kernel_table(prof, per: int, device: torch.device, top: int = 30) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {us:.1f} | {calls:.1f} | `{name}` |" for us, calls, name in rows[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def layer_timeline(prof, marker: str = "_score_kernel") -> str:
+    """Markdown: one layer of the last profiled step in time order (from one `marker` kernel to the
+    next: the layer's wall time, overlap included), each kernel's start, length and stream, so that
+    what runs beside what, and what waits, can be read off."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    marks = [i for i, e in enumerate(kernels) if marker in e.name]
+    if len(marks) < 3:
+        return ""
+    first, last = marks[-3], marks[-2]  # a layer inside the last step, not its first
+    origin = kernels[first].time_range.start
+    wall = kernels[last].time_range.start - origin
+    lines = [
+        f"one layer's timeline (from `{marker}` to the next): {wall:.1f} us of wall time\n",
+        "| start us | us | stream | kernel |",
+        "|---|---|---|---|",
+    ]
+    for event in kernels[first:last]:
+        start, length = event.time_range.start - origin, event.time_range.elapsed_us()
+        lines.append(f"| {start:.1f} | {length:.1f} | {event.device_resource_id} | `{event.name[:70]}` |")
     return "\n".join(lines) + "\n"
 
 
