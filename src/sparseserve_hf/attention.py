@@ -172,12 +172,12 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
             q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
         )
     picked, valid, head_mask = select_blocks(layer, q)
-    block_ids, resident, join = store.fetch_beside(layer.block_ids, picked, valid, layer.first_partition)
+    reads = (layer.num_blocks, layer.tail_len)  # counted in the same launch: what this step reads
+    block_ids, resident, join = store.fetch_beside(layer.block_ids, picked, valid, layer.first_partition, reads)
     pending = store.ops.begin_decode(
         q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
         scales=store.scales_of(block_ids),
     )  # fmt: skip
-    store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     return store.ops.finish_decode(pending, join())
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernel_support import DEVICE
-from sparseserve_hf.ops import lru, triton_resolve
+from sparseserve_hf.ops import lru, reference, triton_resolve
+from sparseserve_hf.ops.reference import LOAD_COUNTERS
 
 
 def random_selection(
@@ -126,8 +127,9 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
 
 
 def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves():
-    """Before each lookup: the kernel's ids and resident slots of a pick equal the spec's, and every
-    resident slot is the one the lookup itself then gives that entry (it never moves a block it hits)."""
+    """Before each lookup: the kernel's ids and resident slots of a pick, and the reads it counts on
+    every other step, equal the spec's, and every resident slot is the one the lookup itself then
+    gives that entry (it never moves a block it hits)."""
     gen = torch.Generator().manual_seed(7)
     batch, heads, width, partitions, per, num_blocks = 3, 2, 6, 2, 24, 80
     tables = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
@@ -135,15 +137,25 @@ def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves()
     per_head = num_blocks // heads
     table = torch.stack([torch.randperm(per_head, generator=gen)[:20] + h * per_head for h in range(heads)])
     table = table[None].repeat(batch, 1, 2)[..., 4:36]  # (B, H, 32), strided rows: as a table view may be
+    num_blocks, tail_len = torch.tensor([9, 0, 30]), torch.tensor([5, 0, 0])  # row 1 holds nothing: not live
+    want_totals = torch.zeros((heads + 1, LOAD_COUNTERS), dtype=torch.long)
+    got_totals = want_totals.to(DEVICE, copy=True)
     for step in range(12):
         picked = torch.randint(0, table.shape[2], (batch, heads, width), generator=gen)
         valid = torch.rand(picked.shape, generator=gen) < 0.8
-        ids, resident = lru.picked_blocks(table, picked, valid, tables)
+        count = reference.LoadCount(want_totals[1:], num_blocks, tail_len, 32) if step % 2 else None
+        ids, resident = lru.picked_blocks(table, picked, valid, tables, count)
         assert torch.equal(ids, torch.where(valid, torch.gather(table, 2, picked), -1))
+        on_device = (
+            None
+            if count is None
+            else reference.LoadCount(got_totals[1:], num_blocks.to(DEVICE), tail_len.to(DEVICE), 32)
+        )
         got_ids, got_resident = triton_resolve.picked_blocks(
-            table.to(DEVICE), picked.to(DEVICE), valid.to(DEVICE), copy_tables(tables, DEVICE)
+            table.to(DEVICE), picked.to(DEVICE), valid.to(DEVICE), copy_tables(tables, DEVICE), on_device
         )
         assert torch.equal(got_ids.cpu(), ids) and torch.equal(got_resident.cpu(), resident), step
+        assert torch.equal(got_totals.cpu(), want_totals), step
         slots, *_ = lru.resolve_(ids, 0, tables, counts)
         assert bool(((resident == slots) | (resident == -1)).all()), step
         assert step == 0 or bool((resident >= 0).any())  # later steps hit what earlier ones loaded

@@ -275,7 +275,12 @@ class TieredBlockStore:
 
     @plain_tensors
     def fetch_beside(
-        self, table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, first_partition: int = 0
+        self,
+        table: torch.Tensor,
+        picked: torch.Tensor,
+        valid: torch.Tensor,
+        first_partition: int = 0,
+        reads: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]:
         """`fetch` of the picked blocks that lets attention start before it ends.
 
@@ -283,6 +288,8 @@ class TieredBlockStore:
             table: (B, Hkv, N) each row's DRAM ids; picked, valid: (B, Hkv, U) the blocks each KV
                 head loads, as indices into its row of the table, and which of them are real.
             first_partition: KV head h's blocks live in HBM partition `first_partition + h`.
+            reads: the rows' (num_blocks, tail_len), each (B,), to count what the step reads
+                (`account`) in the same launch; None counts nothing.
         Returns:
             block_ids: (B, Hkv, U) their DRAM ids, -1 where not valid.
             resident: (B, Hkv, U) the slots of those already in the HBM cache, -1 elsewhere.
@@ -294,7 +301,8 @@ class TieredBlockStore:
         """
         self.wait_for_saves()
         self.hbm.prepare(tuple(picked.shape), self.dram, first_partition)  # may grow the tables: first
-        block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables)
+        count = None if reads is None else self._load_count(first_partition, picked.shape[1], *reads)
+        block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables, count)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if main is None:
             slots = self.hbm.lookup(block_ids, self.dram, first_partition)
@@ -369,6 +377,13 @@ class TieredBlockStore:
         The counters of KV head h are row `first_partition + h` (`cover_load_rows` made them exist)."""
         totals = self.load_totals[first_partition : first_partition + valid.shape[1]]
         self.ops.account_loads(totals, valid, num_blocks, tail_len, self.config.block_size)
+
+    def _load_count(
+        self, first_partition: int, heads: int, num_blocks: torch.Tensor, tail_len: torch.Tensor
+    ) -> reference.LoadCount:
+        """Where KV heads first_partition.. add a step's reads (the rows of `load_totals` `account` adds to)."""
+        totals = self.load_totals[first_partition : first_partition + heads]
+        return reference.LoadCount(totals, num_blocks, tail_len, self.config.block_size)
 
     def cover_load_rows(self, rows: int) -> None:
         """Make the load counters hold `rows` (sparse layers x KV heads of a cache sharing this store;

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import LoadCount, account_loads
+
 
 @dataclass(frozen=True)
 class LruTables:
@@ -86,18 +88,25 @@ def first_copies(ids: torch.Tensor) -> torch.Tensor:
 
 
 def picked_blocks(
-    table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, tables: LruTables
+    table: torch.Tensor,
+    picked: torch.Tensor,
+    valid: torch.Tensor,
+    tables: LruTables,
+    count: LoadCount | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DRAM ids of picked blocks and the slots already holding them.
 
     Args:
         table: (B, H, N) each row's DRAM ids; picked, valid: (B, H, U) indices into a row and
             which of them are real.
+        count: where to add what the picks read (`reference.account_loads`), or None.
     Returns:
         block_ids: (B, H, U) `table` at `picked`, -1 where not valid.
         resident: (B, H, U) the slot holding each block, -1 for misses and unused entries: what a
             decode may attend before `resolve_` of the same ids runs (which never moves a block it hits).
     """
+    if count is not None:
+        account_loads(count.totals, valid, count.num_blocks, count.tail_len, count.block_size)
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)
     return block_ids, torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
 

@@ -9,6 +9,7 @@ Every op accumulates in fp32 and returns the input dtype where it returns activa
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -423,6 +424,17 @@ def score_table(
 
 
 LOAD_COUNTERS = 5  # per (sparse layer, KV head): see `account_loads`
+
+
+@dataclass(frozen=True)
+class LoadCount:
+    """Where a step's reads are added (`account_loads`'s arguments but the picks): an op that reads
+    the picks anyway (`lru.picked_blocks`) may count them on the way, saving a launch."""
+
+    totals: torch.Tensor  # (Hkv, LOAD_COUNTERS) int64
+    num_blocks: torch.Tensor  # (B,)
+    tail_len: torch.Tensor  # (B,)
+    block_size: int
 
 
 def account_loads(

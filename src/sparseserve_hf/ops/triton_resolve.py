@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .lru import LruTables
+from .reference import LOAD_COUNTERS, LoadCount
 
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
 
@@ -286,35 +287,65 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
 
 @triton.jit
 def _picked_kernel(
-    table_ptr, picked_ptr, valid_ptr, block_slot_ptr, ids_ptr, resident_ptr, num_entries, heads, width,
-    stride_tb, stride_th, BLOCK: tl.constexpr,
+    table_ptr, picked_ptr, valid_ptr, block_slot_ptr, ids_ptr, resident_ptr,
+    totals_ptr, num_blocks_ptr, tail_len_ptr,
+    heads, width, stride_tb, stride_th, stride_totals, block_size,
+    BLOCK_U: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
-    """Entry e of the contiguous (B, H, U) outputs: its id from the table row (e // U), its slot."""
-    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = entry < num_entries
-    row = entry // width
+    """Grid (B * H,): program (b, h) writes its row of the contiguous (B, H, U) outputs: each
+    entry's id from the table, its resident slot. COUNT: adds the row's reads to totals[h]
+    (`reference.account_loads`; integer atomics, so the sums are exact in any order)."""
+    row_head = tl.program_id(0)
+    b, h = row_head // heads, row_head % heads
+    u = tl.arange(0, BLOCK_U)
+    entry = row_head.to(tl.int64) * width + u
+    inside = u < width
     index = tl.load(picked_ptr + entry, mask=inside, other=0)
     real = inside & (tl.load(valid_ptr + entry, mask=inside, other=0) != 0)
-    offset = (row // heads).to(tl.int64) * stride_tb + (row % heads) * stride_th + index
-    ids = tl.where(real, tl.load(table_ptr + offset, mask=real, other=-1), -1)
+    ids = tl.load(table_ptr + b.to(tl.int64) * stride_tb + h * stride_th + index, mask=real, other=-1)
+    ids = tl.where(real, ids, -1)
     slot = tl.load(block_slot_ptr + ids, mask=ids >= 0, other=-1)
     tl.store(ids_ptr + entry, ids, mask=inside)
     tl.store(resident_ptr + entry, slot, mask=inside)
+    if COUNT:
+        blocks = tl.load(num_blocks_ptr + b).to(tl.int64)
+        tail = tl.load(tail_len_ptr + b).to(tl.int64)
+        tokens = blocks * block_size + tail
+        live = (tokens > 0).to(tl.int64)
+        picks = tl.sum(real.to(tl.int64), axis=0)
+        counters = totals_ptr + h * stride_totals
+        tl.atomic_add(counters + 0, (picks * block_size + tail) * live, sem="relaxed")
+        tl.atomic_add(counters + 1, tokens * live, sem="relaxed")
+        tl.atomic_add(counters + 2, live, sem="relaxed")
+        tl.atomic_add(counters + 3, blocks * live, sem="relaxed")
+        tl.atomic_add(counters + 4, (b == 0).to(tl.int64), sem="relaxed")  # the calls: once per head
 
 
 def picked_blocks(
-    table: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, tables: LruTables
+    table: torch.Tensor,
+    picked: torch.Tensor,
+    valid: torch.Tensor,
+    tables: LruTables,
+    count: LoadCount | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.lru.picked_blocks` in one launch (instead of six). table (B, H, N) with a contiguous last dim."""
+    """`ops.lru.picked_blocks` in one launch (instead of six, and the accounting's). table (B, H, N)
+    with a contiguous last dim; count's totals with contiguous rows."""
     assert table.stride(-1) == 1 and picked.shape == valid.shape
-    _, heads, width = picked.shape
+    batch, heads, width = picked.shape
     picked, valid = picked.contiguous(), valid.contiguous()
     block_ids = torch.empty(picked.shape, dtype=table.dtype, device=picked.device)
     resident = torch.empty(picked.shape, dtype=tables.block_slot.dtype, device=picked.device)
-    block = 1024
-    _picked_kernel[(triton.cdiv(max(picked.numel(), 1), block),)](
-        table, picked, valid.view(torch.int8), tables.block_slot, block_ids, resident, picked.numel(), heads,
-        max(width, 1), table.stride(0), table.stride(1), BLOCK=block,
+    if batch * heads == 0:
+        return block_ids, resident
+    counting = count is not None
+    totals = count.totals if counting else resident
+    assert not counting or (totals.shape == (heads, LOAD_COUNTERS) and totals.stride(1) == 1)
+    _picked_kernel[(batch * heads,)](
+        table, picked, valid.view(torch.int8), tables.block_slot, block_ids, resident,
+        totals, count.num_blocks.contiguous() if counting else resident,
+        count.tail_len.contiguous() if counting else resident,
+        heads, width, table.stride(0), table.stride(1), totals.stride(0), count.block_size if counting else 0,
+        BLOCK_U=triton.next_power_of_2(max(width, 16)), COUNT=counting,
     )  # fmt: skip
     return block_ids, resident
 
