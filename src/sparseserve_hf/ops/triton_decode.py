@@ -20,6 +20,9 @@ import triton.language as tl
 TILE_TOKENS = 64  # tokens per inner iteration: 2 blocks of 32 (16 KiB of bf16 K+V at D=128)
 MIN_BLOCKS_PER_SPLIT = 4  # fewer makes the partials' write + reduce cost more than the split gains
 PROGRAMS_PER_SM = 4
+# Beside a lookup (`begin_decode`) half as many: a second wave of split programs would wait behind
+# the lookup's and the miss copy's programs, which share the SMs meanwhile.
+PROGRAMS_PER_SM_BESIDE_LOOKUP = 2
 
 
 @triton.jit
@@ -208,11 +211,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_plan(num_programs: int, num_loaded: int, device: torch.device) -> int:
+def _split_plan(num_programs: int, num_loaded: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Split programs per (row, KV head): enough to fill the GPU, no more than U's few-block ranges."""
     if num_loaded == 0:
         return 0
-    target = PROGRAMS_PER_SM * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
+    target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
     return max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
 
 
@@ -341,7 +344,8 @@ def _attend_first(
     assert num_q_heads % num_kv_heads == 0 and pool.shape[3] == dim
     slots = slots.contiguous()
     if num_splits is None:
-        num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device)
+        per_sm = PROGRAMS_PER_SM_BESIDE_LOOKUP if late_splits else PROGRAMS_PER_SM
+        num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device, per_sm)
     else:
         num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
     num_parts = num_splits + 1 + (num_splits if late_splits else 0)
