@@ -135,9 +135,12 @@ class RegionTimer:
 def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None]:
     """Time the sparse decode path's parts: scoring, top-k, table lookup (+ transfer), attention.
 
+    The parts are timed one after another, so the lookup runs before attention, not beside it
+    (`TieredBlockStore.lookup_beside` off until restored): beside it, the parts overlap.
     Returns a callable that takes the timers out again.
     """
-    ops, fetch, gather = store.ops, store.fetch, store.hbm.gather_blocks
+    ops, fetch, gather, beside = store.ops, store.fetch, store.hbm.gather_blocks, store.lookup_beside
+    store.lookup_beside = False
     store.ops = replace(
         ops,
         score_table=timer.wrap("scoring", ops.score_table),
@@ -151,7 +154,7 @@ def instrument(store: TieredBlockStore, timer: RegionTimer) -> Callable[[], None
     store.hbm.gather_blocks = timer.wrap("transfer", store.hbm.gather_blocks)
 
     def restore() -> None:
-        store.ops, store.hbm.gather_blocks = ops, gather
+        store.ops, store.hbm.gather_blocks, store.lookup_beside = ops, gather, beside
         del store.fetch  # the instance attribute shadowed the method
         assert store.fetch.__func__ is fetch.__func__
 

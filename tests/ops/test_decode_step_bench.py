@@ -46,3 +46,22 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     equality = result["graph_equality"]
     assert equality["captured"] is torch.cuda.is_available()
     assert equality["tokens_equal_eager_step"] and equality["tokens_equal_eager_path"] and equality["steps"] > 8
+
+
+def test_the_breakdown_times_the_lookup_before_attention():
+    """Beside attention the parts overlap (and the lookup runs on another stream): the instrumented
+    pass turns that off while it times, and puts it back."""
+    from eval.bench.decode_step_setup import RegionTimer, instrument
+    from sparseserve_hf import SparseServeConfig
+    from sparseserve_hf.cache.store import TieredBlockStore
+    from sparseserve_hf.ops import get_ops
+
+    cpu = torch.device("cpu")
+    store = TieredBlockStore(
+        SparseServeConfig(block_size=16, hbm_cache_bytes=1 << 20), get_ops("torch", cpu), 16, torch.float32, cpu
+    )
+    assert store.lookup_beside
+    restore = instrument(store, RegionTimer(cpu))
+    assert not store.lookup_beside
+    restore()
+    assert store.lookup_beside
