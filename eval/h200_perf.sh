@@ -94,7 +94,8 @@ case $part in
       --out "$out/decode_step_bf16_kv.json" 2>&1 | tee "$out/decode_step_bf16_kv.log" | tail -12 ;;
   beside)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode.py tests/ops/test_resolve.py tests/ops/test_norm.py \
-      tests/integration/test_decode_graph.py tests/integration/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_beside.log" | tail -8
+      tests/integration/test_decode_graph.py tests/integration/test_sync_free_decode.py tests/integration/test_cuda.py \
+      tests/integration/test_layer_graphs.py tests/integration/test_ablation_switches.py 2>&1 | tee "$out/gpu_pytest_beside.log" | tail -8
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
