@@ -22,6 +22,7 @@ from transformers.models.llama import modeling_llama
 
 from fake_graphs import FakeGraphs
 from sparseserve_hf import SparseServeCache, SparseServeConfig, fused_ops
+from sparseserve_hf.cache import block_cache
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner, graph_obstacle, table_width
@@ -110,6 +111,23 @@ def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(ll
             other.reset()  # frees its blocks from both tiers
         assert addresses(runner.cache) == before, f"step {step}"
     assert store.epoch == epoch and runner.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["lookup_beside", "lookup_first"])
+def test_static_step_over_a_growing_hbm_cache_equals_the_eager_path(llama, beside, monkeypatch):
+    """An unlimited HBM cache grows during the steps (a new pool and tables, a new epoch), in the
+    lookup's host-side preparation: with the lookup beside attention or before it, the static step
+    keeps the eager path's tokens."""
+    monkeypatch.setattr(block_cache, "UNLIMITED_INITIAL_SLOTS", 120)  # the rows' blocks pass it mid-run
+    config = static_config(hbm_cache_bytes=None, lookup_beside_attention=beside)
+    reference = EagerReference(llama, static_config(hbm_cache_bytes=None))
+    runner = started_runner(llama, config)
+    assert runner.cache.store.lookup_beside == beside
+    epochs = set()
+    for step in range(STEPS):
+        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+        epochs.add(runner.cache.store.epoch)
+    assert len(epochs) > 1  # the cache really grew during the steps
 
 
 def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(llama):
