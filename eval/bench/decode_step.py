@@ -25,7 +25,8 @@ Each block reports `overlap_1step` / `overlap_union12` of the selections it ran,
 the floor ((weights + loaded KV + metadata bytes) / HBM copy bandwidth + missed-block bytes /
 PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's selection +
 lookup (`attention.select_and_fetch`) as a graph replay (`bookkeeping_us_per_layer`) beside its
-metadata read time, and a breakdown from an instrumented eager pass (CUDA events around scoring,
+metadata read time, what attention waits for with the lookup beside it (the selection and the
+picked blocks' resident slots, `before_attention_us_per_layer`), and a breakdown from an instrumented eager pass (CUDA events around scoring,
 top-k, table lookup, FlashH2D transfer, attention; `other` = projections, MLPs, launches), which
 runs the lookup before attention (beside it, as the step does by default, the parts overlap).
 
@@ -74,7 +75,7 @@ from eval.bench.selection_trace import (
     sha256,
 )
 from sparseserve_hf import SparseServeConfig
-from sparseserve_hf.attention import select_and_fetch
+from sparseserve_hf.attention import select_and_fetch, select_blocks
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
 from sparseserve_hf.ops.reference import kv_storage_dtype
@@ -310,11 +311,22 @@ def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
     meta_bytes = int((layer.block_ids >= 0).sum()) * store.metadata[:1].numel() * store.metadata.element_size()
     replay_ms = graph_ms(lambda: select_and_fetch(layer, query), device)
     eager_ms = time_ms(lambda: select_and_fetch(layer, query), device)
+    before_ms = graph_ms(lambda: before_attention(layer, query), device)
+    before_eager_ms = time_ms(lambda: before_attention(layer, query), device)
     return {
         "bookkeeping_us_per_layer": None if replay_ms is None else replay_ms * 1e3,
         "bookkeeping_eager_us_per_layer": eager_ms * 1e3,
+        "before_attention_us_per_layer": None if before_ms is None else before_ms * 1e3,
+        "before_attention_eager_us_per_layer": before_eager_ms * 1e3,
         "metadata_bytes_per_layer": meta_bytes,
     }
+
+
+def before_attention(layer, query: torch.Tensor) -> torch.Tensor:
+    """What decode attention waits for when the lookup runs beside it (`lookup_beside_attention`):
+    the selection, then the picked blocks' ids and resident slots. Returns the resident slots."""
+    picked, valid, _ = select_blocks(layer, query)
+    return layer.store.ops.picked_blocks(layer.block_ids, picked, valid, layer.store.hbm.tables)[1]
 
 
 def _group(cache) -> int:
@@ -482,7 +494,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "graph_equality": equality,
     }
     columns = ["sparse_ms", "graph_ms", "floor_ms", "graph_step_over_floor", "speedup_vs_best_stock", "hit_rate"]
-    columns += ["overlap_1step", "overlap_union12", "bookkeeping_us_per_layer", "metadata_read_us_per_layer"]
+    columns += ["overlap_1step", "overlap_union12", "bookkeeping_us_per_layer", "before_attention_us_per_layer"]
+    columns += ["metadata_read_us_per_layer"]
     print(f"stock: dynamic {dense} ms (windows {windows}), expandable segments {expandable} ms, static {static} ms")
     print(f"best stock {stock_best} ms")
     for name, block in blocks.items():

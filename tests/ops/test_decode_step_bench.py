@@ -41,6 +41,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
         assert block["selected_kv_bytes"] > 0 and block["metadata_read_us_per_layer"] > 0
         assert block["speedup_vs_best_stock"] == pytest.approx(result["stock_best_ms"] / block["graph_ms"])
         assert block["bookkeeping_eager_us_per_layer"] > 0  # the graph replay time needs CUDA
+        assert block["before_attention_eager_us_per_layer"] > 0  # what attention waits for beside the lookup
         assert block["loads"]["decode_steps"] > 0 and 0 < block["loads"]["loaded_fraction"] < 1
     # --graph: CUDA-graph replays on a GPU, the static step run eagerly on CPU; its tokens checked
     equality = result["graph_equality"]
@@ -52,6 +53,7 @@ def test_the_breakdown_times_the_lookup_before_attention():
     """Beside attention the parts overlap (and the lookup runs on another stream): the instrumented
     pass turns that off while it times, and puts it back."""
     from eval.bench.decode_step_setup import RegionTimer, instrument
+
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.cache.store import TieredBlockStore
     from sparseserve_hf.ops import get_ops
