@@ -26,9 +26,10 @@ the floor ((weights + loaded KV + metadata bytes) / HBM copy bandwidth + missed-
 PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's selection +
 lookup (`attention.select_and_fetch`) as a graph replay (`bookkeeping_us_per_layer`) beside its
 metadata read time, what attention waits for with the lookup beside it (the selection and the
-picked blocks' resident slots, `before_attention_us_per_layer`), and a breakdown from an instrumented eager pass (CUDA events around scoring,
-top-k, table lookup, FlashH2D transfer, attention; `other` = projections, MLPs, launches), which
-runs the lookup before attention (beside it, as the step does by default, the parts overlap).
+picked blocks' resident slots, `before_attention_us_per_layer`), and a breakdown from an
+instrumented eager pass (CUDA events around scoring, top-k, table lookup, FlashH2D transfer,
+attention; `other` = projections, MLPs, launches), which runs the lookup before attention
+(beside it, as the step does by default, the parts overlap).
 
 `--graph` also checks the graph's tokens: a 4-layer model of the same shape, three caches with
 the same random KV, decoded by the graph, by the same step run eagerly and by the ordinary

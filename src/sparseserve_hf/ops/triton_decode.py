@@ -227,13 +227,11 @@ class PendingDecode:
     query: torch.Tensor
     pool: torch.Tensor
     resident: torch.Tensor  # (B, Hkv, U) the slots the first programs read, -1 elsewhere
-    mask: torch.Tensor  # uint8 head mask, or the slots as an unused pointer
-    scale_table: torch.Tensor  # fp32 scales, or the query as an unused pointer
+    head_mask: torch.Tensor | None  # (B, Hq, U) uint8
+    scales: torch.Tensor | None  # (B, Hkv, U, 2) fp32
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (B, Hq, parts), acc (B, Hq, parts, D)
     num_splits: int
     scaling: float
-    has_mask: bool
-    scaled: bool
 
 
 def sparse_decode(
@@ -355,13 +353,11 @@ def _attend_first(
         query=query,
         pool=pool,
         resident=slots,
-        mask=head_mask.contiguous().view(torch.uint8) if head_mask is not None else slots,
-        scale_table=scales.float().contiguous() if scales is not None else query,
+        head_mask=head_mask.contiguous().view(torch.uint8) if head_mask is not None else None,
+        scales=scales.float().contiguous() if scales is not None else None,
         parts=(part_m, torch.empty_like(part_m), part_acc),
         num_splits=num_splits,
         scaling=scaling,
-        has_mask=head_mask is not None,
-        scaled=scales is not None,
     )
     _launch_split(pending, slots, slots, num_splits + 1, 0, tail_keys, tail_values, tail_len, late=False)
     return pending
@@ -380,7 +376,9 @@ def _launch_split(
 ) -> None:
     """One launch of the split kernel: (B * Hkv, programs_per_row) programs writing partials from
     `first_part` on. A late launch has no tail program (its tail pointers are unused)."""
-    query, mask = pending.query, pending.mask
+    query = pending.query
+    mask = pending.head_mask if pending.head_mask is not None else slots  # slots: an unused pointer
+    scale_table = pending.scales if pending.scales is not None else query  # query: an unused pointer
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
     if programs_per_row == 0:
@@ -392,7 +390,7 @@ def _launch_split(
     part_m, part_l, part_acc = pending.parts
     block_size = pending.pool.shape[2]
     _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
-        query, pending.pool, slots, mask, pending.scale_table, tail_keys, tail_values, tail_len,
+        query, pending.pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
         part_m, part_l, part_acc, pending.resident, late_entries,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
@@ -405,10 +403,10 @@ def _launch_split(
         BLOCK_U=max(1, TILE_TOKENS // block_size),
         BLOCK_LOADED=triton.next_power_of_2(max(num_loaded, 1)),
         TAIL_TOKENS=max(16, block_size),
-        HAS_MASK=pending.has_mask,
+        HAS_MASK=pending.head_mask is not None,
         IEEE=query.dtype == torch.float32,
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
-        SCALED=pending.scaled,
+        SCALED=pending.scales is not None,
         LATE=late,
         num_warps=4,
     )  # fmt: skip
