@@ -165,6 +165,10 @@ class SparseServeConfig:
             a GPU (the mean square's additions in the order PyTorch's CUDA reduction makes them).
             Checked once against the model's norm like `fused_rope`. An ablation switch.
             Outside the captured step the model runs its own norms.
+        fused_activation: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
+            with the "triton" or "flash" backend computes the MLP's `silu(gate) * up` (Llama's MLP,
+            and the families that copy it) as one kernel instead of two, bit for bit the model's
+            own; checked once like `fused_norms`. An ablation switch.
         lookup_beside_attention: with offload and the "torch" or "triton" backend, a decode step
             attends the blocks already in the HBM cache (and the tails) while the lookup (LRU
             update, victims) and the copy of the misses run beside it on a second CUDA stream, then
@@ -209,6 +213,7 @@ class SparseServeConfig:
     prefix_caching: bool = False
     fused_rope: bool = True
     fused_norms: bool = True
+    fused_activation: bool = True
     lookup_beside_attention: bool = True
 
     def __post_init__(self) -> None:
@@ -299,6 +304,7 @@ class SparseServeConfig:
         _check_bool("generate_graphs", self.generate_graphs)
         _check_bool("fused_rope", self.fused_rope)
         _check_bool("fused_norms", self.fused_norms)
+        _check_bool("fused_activation", self.fused_activation)
         _check_bool("lookup_beside_attention", self.lookup_beside_attention)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return

@@ -11,10 +11,12 @@ set's fused versions, and only then:
   (`rope_fusable`), and otherwise calls the function it wraps;
 - the RMSNorms (`ops.rms_norm`, `config.fused_norms`, bit for bit the model's own: the mean
   square's additions in the order PyTorch's CUDA reduction makes them), as an instance `forward`
-  of each module whose forward is Llama's RMSNorm, removed after the step.
-Any other norm or embedding (Gemma's `1 + weight`, a LayerNorm, partial rotary) keeps its own.
+  of each module whose forward is Llama's RMSNorm, removed after the step;
+- the MLP activation `silu(gate) * up` (`ops.silu_mul`, `config.fused_activation`), as an instance
+  `forward` of each module whose forward is Llama's MLP with a SiLU, the three projections its own.
+Any other norm, embedding or MLP (Gemma's `1 + weight`, a LayerNorm, partial rotary, GELU) keeps its own.
 Each fused op first runs once on the model's device and dtype against the model's own op (the
-rotary embedding and the norm must match bit for bit); one that fails or differs
+rotary embedding, the norm and the activation must match bit for bit); one that fails or differs
 is left out, with a warning, and the step runs the model's op.
 """
 
@@ -27,6 +29,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+from transformers import activations
 from transformers.models.llama import modeling_llama
 
 logger = logging.getLogger(__name__)
@@ -43,11 +46,23 @@ def _code_of(function: Callable) -> tuple | None:
 
 LLAMA_RMS_NORM = _code_of(modeling_llama.LlamaRMSNorm.forward)
 LLAMA_ROPE = _code_of(modeling_llama.apply_rotary_pos_emb)
+LLAMA_MLP = _code_of(modeling_llama.LlamaMLP.forward)
+SILU = {_code_of(torch.nn.SiLU.forward), _code_of(getattr(activations, "SiLUActivation", torch.nn.SiLU).forward)}
 
 
 def fusable_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` whose forward is Llama's RMSNorm (`weight`, `variance_epsilon`)."""
     return [module for module in model.modules() if _code_of(type(module).forward) == LLAMA_RMS_NORM]
+
+
+def fusable_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose forward is Llama's MLP (`down(act(gate(x)) * up(x))`) with a SiLU."""
+    return [
+        module
+        for module in model.modules()
+        if _code_of(type(module).forward) == LLAMA_MLP
+        and _code_of(type(getattr(module, "act_fn", None)).forward) in SILU
+    ]
 
 
 def rope_fusable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:
@@ -75,10 +90,17 @@ class FusedModelOps:
         rope: the op set's `rope`, or None (the torch reference set: the model's own is the spec).
         norms: fuse the RMSNorms (`config.fused_norms`).
         head_dim: D of the model's attention (the cache's model shape), for the rotary embedding's check.
+        silu_mul: the op set's `silu_mul` (`config.fused_activation`), or None: the model's own.
     """
 
     def __init__(
-        self, model: torch.nn.Module, rms_norm: Callable, rope: Callable | None, norms: bool, head_dim: int
+        self,
+        model: torch.nn.Module,
+        rms_norm: Callable,
+        rope: Callable | None,
+        norms: bool,
+        head_dim: int,
+        silu_mul: Callable | None = None,
     ) -> None:
         self.norms = fusable_norms(model) if norms else []
         if self.norms and not _checked("rms_norm", lambda: _norm_agrees(rms_norm, self.norms[0])):
@@ -88,9 +110,13 @@ class FusedModelOps:
         if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model, head_dim)):
             self.homes = []
         self.rope = rope if self.homes else None
+        self.mlps = fusable_mlps(model) if silu_mul is not None else []
+        if self.mlps and not _checked("activation", lambda: _activation_agrees(silu_mul, self.mlps[0])):
+            self.mlps = []
+        self.silu_mul = silu_mul
 
     def __bool__(self) -> bool:
-        return bool(self.norms) or self.rope is not None
+        return bool(self.norms) or self.rope is not None or bool(self.mlps)
 
     def enter(self) -> None:
         """Before the step's forward: this thread's calls take the fused ops."""
@@ -104,6 +130,8 @@ class FusedModelOps:
                     entry[1] += 1
         for module in self.norms:
             module.forward = functools.partial(self.rms_norm, weight=module.weight, eps=module.variance_epsilon)
+        for module in self.mlps:
+            module.forward = functools.partial(_fused_mlp, module, self.silu_mul)
 
     def exit(self) -> None:
         """After it: the model's own ops again (the module's own function once no step is inside)."""
@@ -116,7 +144,7 @@ class FusedModelOps:
                     if entry[1] == 0:
                         home.apply_rotary_pos_emb = entry[0]
                         del _wrapped[home]
-        for module in self.norms:
+        for module in (*self.norms, *self.mlps):
             module.__dict__.pop("forward", None)
 
 
@@ -146,7 +174,14 @@ def _rope_agrees(rope: Callable, model: torch.nn.Module, head_dim: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(rope(q, k, cos, sin), want))
 
 
-NORM_CHECK_ROWS = (1, 2, 3, 4, 8, 16)  # every lane layout PyTorch's CUDA mean gives a row (see `reference.cuda_reduce_lanes`)
+NORM_CHECK_ROWS = (
+    1,
+    2,
+    3,
+    4,
+    8,
+    16,
+)  # every lane layout PyTorch's CUDA mean gives a row (see `reference.cuda_reduce_lanes`)
 
 
 def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
@@ -161,6 +196,22 @@ def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
         if got.dtype != want.dtype or not torch.equal(got, want):
             return False
     return True
+
+
+def _fused_mlp(mlp: torch.nn.Module, silu_mul: Callable, x: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP forward with its activation and product as one op."""
+    return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+def _activation_agrees(silu_mul: Callable, mlp: torch.nn.Module) -> bool:
+    """The fused `silu(gate) * up` equals the MLP's own activation and product bit for bit, in the
+    model's dtype on its device, over values spanning the SiLU's range."""
+    weight = mlp.gate_proj.weight
+    gen = torch.Generator().manual_seed(0)
+    gate = (torch.randn(4, 1, 1024, generator=gen) * 8).to(weight.device, weight.dtype)
+    up = torch.randn(4, 1, 1024, generator=gen).to(weight.device, weight.dtype)
+    got, want = silu_mul(gate, up), mlp.act_fn(gate) * up
+    return got.dtype == want.dtype and torch.equal(got, want)
 
 
 def _llama_rope_homes(model: torch.nn.Module) -> list:

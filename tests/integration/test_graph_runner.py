@@ -9,6 +9,7 @@ advances by hand after a replay. tests/integration/test_decode_graph.py runs rea
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from dataclasses import replace
@@ -236,10 +237,10 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
 
 
 def test_fused_ops_run_inside_the_step_only(llama):
-    """The op set's `rope` (and with `fused_norms` its `rms_norm`) runs for every rotary embedding
-    (and RMSNorm) of the static step; here both are the references, Llama's own ops bit for bit, so
-    the tokens stay the eager path's. Outside the step the model runs its own ops."""
-    calls = {"rope": 0, "rms_norm": 0}
+    """The op set's `rope`, `silu_mul` (and with `fused_norms` its `rms_norm`) run for every rotary
+    embedding, MLP activation (and RMSNorm) of the static step; here all are the references, Llama's
+    own ops bit for bit, so the tokens stay the eager path's. Outside the step the model runs its own ops."""
+    calls = {"rope": 0, "rms_norm": 0, "silu_mul": 0}
 
     def counted(name, op):
         def run(*args, **kwargs):
@@ -253,21 +254,35 @@ def test_fused_ops_run_inside_the_step_only(llama):
         config = replace(static_config(), fused_norms=fused_norms)
         cache, tokens = batch_cache(llama, config)
         ops = cache.store.ops
-        cache.store.ops = replace(ops, rope=counted("rope", reference.rope), rms_norm=counted("rms_norm", ops.rms_norm))
+        cache.store.ops = replace(
+            ops,
+            rope=counted("rope", reference.rope),
+            rms_norm=counted("rms_norm", ops.rms_norm),
+            silu_mul=counted("silu_mul", reference.silu_mul),
+        )
         runners.append(DecodeGraphRunner(llama, cache, capture=False))
         runners[-1].start(tokens)  # first tries each fused op against the model's own
-    assert calls == {"rope": 2, "rms_norm": len(fused_ops.NORM_CHECK_ROWS)}
-    calls.update(rope=0, rms_norm=0)
+    assert calls == {"rope": 2, "rms_norm": len(fused_ops.NORM_CHECK_ROWS), "silu_mul": 2}
+    calls.update(rope=0, rms_norm=0, silu_mul=0)
     eager = EagerReference(llama, static_config())
     layers = llama.config.num_hidden_layers
     for step in range(6):
         want = eager.step()  # the model's own ops: counts nothing
         assert torch.equal(runners[0].step(), want), f"step {step}"
-        assert calls == {"rope": layers * (step + 1), "rms_norm": (2 * layers + 1) * (step + 1)}
+        per_step = {"rope": layers, "rms_norm": 2 * layers + 1, "silu_mul": layers}
+        assert calls == {name: count * (step + 1) for name, count in per_step.items()}
         assert all("forward" not in module.__dict__ for module in llama.modules())
         assert modeling_llama.apply_rotary_pos_emb is own_rope  # the module's own function again
-    runners[1].step()  # fused_norms off: the rotary embedding only
-    assert calls == {"rope": layers * 7, "rms_norm": (2 * layers + 1) * 6}
+    runners[1].step()  # fused_norms off: the rotary embedding and the activation only
+    assert calls == {"rope": layers * 7, "rms_norm": (2 * layers + 1) * 6, "silu_mul": layers * 7}
+
+
+def test_fused_activation_off_runs_the_models_own_mlp(llama):
+    cache, tokens = batch_cache(llama, replace(static_config(), fused_activation=False))
+    cache.store.ops = replace(cache.store.ops, silu_mul=reference.silu_mul)
+    runner = DecodeGraphRunner(llama, cache, capture=False)
+    runner.start(tokens)
+    assert runner._fused is None or not runner._fused.mlps
 
 
 def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
@@ -276,6 +291,9 @@ def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
 
     model = torch.nn.ModuleList([Qwen3RMSNorm(8), Gemma3RMSNorm(8), torch.nn.LayerNorm(8)])
     assert fused_ops.fusable_norms(model) == [model[0]]
+    mlp_config = tiny_model("llama").config
+    silu, gelu = modeling_llama.LlamaMLP(mlp_config), modeling_llama.LlamaMLP(replace_act(mlp_config, "gelu"))
+    assert fused_ops.fusable_mlps(torch.nn.ModuleList([silu, gelu])) == [silu]
     assert (
         fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False, HEAD_DIM).rope
         is not None
@@ -287,6 +305,13 @@ def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
     with mock.patch.dict(sys.modules, {home.__name__: home}):
         model = torch.nn.ModuleList([attention(), tiny_model("llama")])
         assert fused_ops.FusedModelOps(model, reference.rms_norm, reference.rope, False, HEAD_DIM).rope is None
+
+
+def replace_act(config, act: str):
+    """A copy of a model config with another MLP activation."""
+    config = copy.deepcopy(config)
+    config.hidden_act = act
+    return config
 
 
 def test_a_fused_op_that_differs_or_fails_is_left_out_with_a_warning(llama, caplog):

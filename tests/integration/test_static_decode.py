@@ -2,7 +2,7 @@
 
 A capturable step cannot decide on the host which rows' tail blocks are full. So the full tails
 are saved before the step, for all layers in one store call (`SparseServeCache.roll_full_tails`,
-`TieredBlockStore.save_many`), and the step only appends (`SparseServeLayer.append_token_static`).
+`TieredBlockStore.save_many`), and the step only appends (`ops.append_token`).
 These tests check that the split stores and decodes exactly what the eager step does, with rows
 whose blocks fill at different steps.
 """

@@ -63,7 +63,7 @@ class SparseServeLayer(CacheLayerMixin):
         # row once committed, and whether it initialized the layer. None: nothing to undo.
         self._undo: _Undo | None = None
         # Graph mode (`graph.DecodeGraphRunner`): the caller rolls full tails before the step and
-        # tracks tail lengths on the host, so a decode commit only appends (`append_token_static`).
+        # tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
         self.caller_owns_tails = False
         self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
@@ -365,7 +365,7 @@ class SparseServeLayer(CacheLayerMixin):
         if self.caller_owns_tails:
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
-            self.append_token_static(keys, values)
+            self.store.ops.append_token(self.tail, self.tail_len, keys, values)  # every tail has room
             return None
         if keys.shape[-2] == 1 and (valid is None or bool(valid.all())):  # a prompt never reads `valid` here
             self._append_token(keys, values)
@@ -411,7 +411,7 @@ class SparseServeLayer(CacheLayerMixin):
         full = [row for row, length in enumerate(lengths) if length == self.config.block_size]
         if full:  # host work (DRAM allocation), once per block_size tokens of a row
             self.roll_full_tails(full)
-        self.append_token_static(keys, values)
+        self.store.ops.append_token(self.tail, self.tail_len, keys, values)
         self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
 
     @plain_tensors
@@ -454,16 +454,6 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids[full_rows, :, self.num_blocks[full_rows]] = ids.view(-1, self.tail.shape[1])
         self.num_blocks[full_rows] += 1
         self.tail_len.index_fill_(0, full_rows, 0)  # not `[rows] = 0`: a Python scalar through an index syncs
-
-    @plain_tensors
-    def append_token_static(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append one (B, Hkv, 1, D) token per row to its tail: fixed shapes, no host work (CUDA-graph safe).
-
-        Every tail must have room (fewer than block_size tokens): `roll_full_tails` runs first.
-        """
-        rows = torch.arange(keys.shape[0], device=self.device)
-        self.tail[rows, :, :, self.tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
-        self.tail_len += 1
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors a captured decode step reads or writes by address."""

@@ -48,6 +48,8 @@ class BlockOps:
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec
+    silu_mul: Callable[..., torch.Tensor] | None  # None: the model's own activation
+    append_token: Callable[..., None]  # a decode token into its row's tail block
 
 
 TORCH_OPS = BlockOps(
@@ -68,6 +70,8 @@ TORCH_OPS = BlockOps(
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
     rope=None,
+    silu_mul=None,
+    append_token=reference.append_token,
 )
 
 
@@ -163,6 +167,8 @@ def get_ops(backend: str, device: torch.device) -> BlockOps:
 def _triton_ops() -> BlockOps:
     from . import (  # import triton: only here
         triton_account,
+        triton_activation,
+        triton_append,
         triton_decode,
         triton_norm,
         triton_resolve,
@@ -189,6 +195,8 @@ def _triton_ops() -> BlockOps:
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,
         rope=triton_rope.rope,
+        silu_mul=triton_activation.silu_mul,
+        append_token=triton_append.append_token,
     )
 
 

@@ -599,3 +599,19 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def append_token(tail: torch.Tensor, tail_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write one token per row at its tail position and count it, in place.
+
+    tail (B, Hkv, 2, S, D) (keys at [:, :, 0], values at [:, :, 1]); tail_len (B,) long, every
+    entry < S; keys and values (B, Hkv, 1, D) in the tail's dtype. Fixed shapes and no host work,
+    so a CUDA graph can capture it."""
+    rows = torch.arange(keys.shape[0], device=tail.device)
+    tail[rows, :, :, tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
+    tail_len += 1
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP activation, op for op: silu(gate) rounded to its dtype, times up."""
+    return torch.nn.functional.silu(gate) * up
