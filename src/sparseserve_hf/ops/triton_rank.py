@@ -2,8 +2,8 @@
 
 The reference runs a top-k per ranking (a radix select over every (row, query head, block) each),
 then scatters the ranks. Here one program per (row, query head), for both rankings at once:
-1. finds each ranking's `depth`-th largest score by a radix search over order-preserving 32-bit
-   keys (`triton_select.order_key`; one histogram per four key bits serves both rankings) and takes
+1. finds each ranking's `depth`-th largest score by a bitwise search over order-preserving 32-bit
+   keys (`triton_select.order_key`; one reduction per key bit serves both rankings) and takes
    every score above it and the lowest-index ties up to `depth`: the ranking's top list;
 2. compacts the list through a small scratch row and ranks it exactly by pairwise comparison
    (depth x depth, ties to the lower block index);
@@ -26,7 +26,7 @@ from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
 def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
     """Rank (0 = best) of each block in each ranking's top-`DEPTH` list, DEPTH where not listed.
 
-    x: (2, BN) the two rankings' scores, searched together: each search step is one histogram
+    x: (2, BN) the two rankings' scores, searched together: each search step is one reduction
     for both, so the latency chain is that of one ranking.
     """
     which = tl.arange(0, 2)

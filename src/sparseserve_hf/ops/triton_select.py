@@ -6,11 +6,10 @@ fills), several of them radix selects over every (row, query head, block). Here 
 1. maps each score to an order-preserving integer key (sink and window blocks above every score,
    blocks past the row's count below every real one; NaN ranks as the lowest finite float, as
    the reference ranks it);
-2. finds each head's K-th largest key by a radix search, four key bits per step (one 16-bin
-   histogram per head and step: at most 9 steps for float keys, 2 when the caller promises small
-   integer scores, as the hybrid rank interleave's are; it stops once the digits so far separate
-   the top K), then takes every key above it and the lowest-index ties up to K: the head's exact
-   top-K set;
+2. finds each head's K-th largest key by a bitwise binary search (one count reduction per key
+   bit, at most 33 for float keys, ~8 when the caller promises small integer scores, as the
+   hybrid rank interleave's are; it stops once the bits so far separate the top K), then takes
+   every key above it and the lowest-index ties up to K: the head's exact top-K set;
 3. ORs the G sets and compacts the union in ascending block order into the (G*K)-wide output.
 Ties between equal scores go to the lower block index (the reference's top-k breaks them in no
 particular order); the union is otherwise the reference's, entry for entry.
@@ -28,8 +27,6 @@ import triton.language as tl
 FORCED_KEY = tl.constexpr((1 << 32) + 1)
 FLOAT_KEY_BITS = 33
 EARLY_EXIT_BITS = tl.constexpr(16)  # longer searches stop once they part the top k (`top_k_rows`)
-RADIX_BITS = tl.constexpr(4)  # key bits one step of the top-k search decides (a 16-bin histogram per row)
-RADIX = tl.constexpr(16)  # 2^RADIX_BITS
 ORDER_KEY_BITS = tl.constexpr(32)
 
 
@@ -43,27 +40,12 @@ def order_key(x):
 
 
 @triton.jit
-def _search_digit(key, live, threshold, above, shift, k, RADIX_BITS: tl.constexpr, RADIX: tl.constexpr):
-    """One digit of `top_k_rows`' search, at bit `shift`: among the live keys that agree with
-    `threshold` above the digit, a histogram of the digit gives count(key >= threshold | d << shift)
-    for every d at once; each row takes its largest d counted by at least k keys (d = 0 always
-    is: the search keeps count(key >= threshold) >= k). `above`: the live keys above the
-    threshold's prefix so far. Returns the new threshold, `above` and count(key >= threshold)."""
-    rows: tl.constexpr = key.shape[0]
-    width: tl.constexpr = key.shape[1]
-    high = ((key >> shift) >> RADIX_BITS) == ((threshold >> shift) >> RADIX_BITS)[:, None]  # two shifts: < width
-    agree = live & high
-    digit = ((key >> shift) & (RADIX - 1)).to(tl.int32)
-    bins = digit + tl.arange(0, rows)[:, None] * RADIX  # row r's histogram in bins [r * RADIX, (r + 1) * RADIX)
-    counts = tl.histogram(tl.reshape(bins, [rows * width]), rows * RADIX, mask=tl.reshape(agree, [rows * width]))
-    counts = tl.reshape(counts, [rows, RADIX])
-    d = tl.arange(0, RADIX)
-    at_least = above[:, None] + tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts  # (R, radix)
-    best = tl.max(tl.where(at_least >= k, d[None, :], 0), axis=1)  # (R,)
-    picked = d[None, :] == best[:, None]
-    reach = tl.sum(tl.where(picked, at_least, 0), axis=1)
-    above = reach - tl.sum(tl.where(picked, counts, 0), axis=1)
-    return threshold | (best.to(key.dtype) << shift), above, reach
+def _search_step(key, threshold, reach, candidate, k):
+    """One bit of `top_k_rows`' search: each row takes `candidate` (>= 1, so dead keys never reach
+    it) as its threshold where at least k keys reach it; `reach` follows (keys >= the threshold)."""
+    count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+    take = count >= k
+    return tl.where(take, candidate, threshold), tl.where(take, count, reach)
 
 
 @triton.jit
@@ -71,34 +53,29 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     """(R, BN) bool: the `k` largest keys of each row of `key` (R, BN), ties to the lower index.
 
     Keys are int64 (live ones in [0, 2^BITS), dead ones -1) or uint32 (dead ones 0); dead
-    entries are never taken; R is a power of two. A search for each row's largest t with
-    count(key >= t) >= k, RADIX_BITS bits at a time from the top (one histogram per digit serves
-    every row at once). A search of more than EARLY_EXIT_BITS bits stops as soon as every row's
-    prefix so far is reached by exactly k keys (those keys are then the row's top k, whatever the
-    lower bits hold): the k-th and (k+1)-th largest scores usually part long before the last
-    digit. Rows that ran to the last digit take every key above t and the lowest-index live ties
-    up to k.
+    entries are never taken. A bitwise search for each row's largest t with count(key >= t) >= k,
+    from the top bit down: one count reduction per key bit serves every row at once. A search of
+    more than EARLY_EXIT_BITS bits stops as soon as every row's prefix so far is reached by
+    exactly k keys (those keys are then the row's top k, whatever the lower bits hold): the k-th
+    and (k+1)-th largest scores usually part long before the last bit. Rows that ran to the last
+    bit take every key above t and the lowest-index live ties up to k.
     """
-    live = tl.broadcast_to(live, key.shape)
     threshold = tl.zeros([key.shape[0]], dtype=key.dtype)
-    above = tl.zeros([key.shape[0]], dtype=tl.int32)
-    reach = tl.sum(live.to(tl.int32), axis=1)  # live keys >= the threshold so far
-    top_shift: tl.constexpr = (BITS - 1) // RADIX_BITS * RADIX_BITS
+    one = tl.full([key.shape[0]], 1, dtype=key.dtype)
+    reach = tl.sum(tl.broadcast_to(live, key.shape).to(tl.int32), axis=1)  # live keys >= the threshold so far
     if BITS > EARLY_EXIT_BITS:
-        shift = tl.zeros([], tl.int32) + top_shift
-        while (shift >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
-            threshold, above, reach = _search_digit(
-                key, live, threshold, above, shift.to(key.dtype), k, RADIX_BITS, RADIX
-            )  # fmt: skip
-            shift -= RADIX_BITS
-    else:  # a few digits: an unrolled search costs less than the test that would end it early
-        for shift in tl.static_range(top_shift, -1, -RADIX_BITS):
-            threshold, above, reach = _search_digit(key, live, threshold, above, shift, k, RADIX_BITS, RADIX)
+        bit = tl.zeros([], tl.int32) + (BITS - 1)
+        while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
+            threshold, reach = _search_step(key, threshold, reach, threshold | (one << bit.to(key.dtype)), k)
+            bit -= 1
+    else:  # a few bits: an unrolled search costs less than the test that would end it early
+        for bit in tl.static_range(BITS - 1, -1, -1):
+            threshold, reach = _search_step(key, threshold, reach, threshold | (one << bit), k)
     exact = (reach == k)[:, None]  # the keys >= threshold are the top k
-    greater = key > threshold[:, None]
+    above = key > threshold[:, None]
     ties = (key == threshold[:, None]) & live
-    room = k - tl.sum(greater.to(tl.int32), axis=1)
-    tied = greater | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
+    room = k - tl.sum(above.to(tl.int32), axis=1)
+    tied = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
     return tl.where(exact, key >= threshold[:, None], tied) & live
 
 
