@@ -35,6 +35,7 @@ from .cache.layer import SparseServeLayer
 from .cache.plain import plain_tensors
 from .compat import cache_kwarg
 from .fused_ops import FusedModelOps
+from .layer_graphs import garbage_collection_paused
 from .ops import resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,11 @@ class CudaGraphs:
     def record(self, fn) -> tuple[Any, torch.Tensor]:
         """Capture `fn`'s kernels without running them; returns the graph and `fn`'s (static) output.
 
-        "thread_local": the FlashD2H saver's threads may call CUDA while this thread captures.
+        "thread_local": the FlashD2H saver's threads may call CUDA while this thread captures;
+        this thread's garbage collector waits (`garbage_collection_paused`).
         """
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with garbage_collection_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 

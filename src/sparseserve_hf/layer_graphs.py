@@ -21,6 +21,7 @@ What a replay skips because no Python runs in it happens eagerly first
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -41,6 +42,21 @@ class _Piece:
     pick: Any  # the layer's `last_pick` as captured: tensors every replay overwrites
     rows: tuple[torch.Tensor, ...]  # the layer's tensors it reads by address
     selection_shape: tuple[int, ...]  # (B, Hkv, U) of its lookups, for `prepare_fetch`
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """No automatic Python garbage collection inside (as it was after): a collection that runs
+    while this thread captures may finalize an unreachable cache, whose pinned pool's release
+    (`cudaHostUnregister`, `cudaFreeHost`) the capture forbids on this thread. That invalidates
+    the capture and leaves the CUDA context in an error state. Costs no sync."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PieceCapture:
@@ -83,11 +99,12 @@ class PieceCapture:
             pool = self.pools.setdefault(layer_idx, torch.cuda.graph_pool_handle())
 
         def captured() -> torch.Tensor:
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                return fn()
-            finally:
-                graph.capture_end()
+            with garbage_collection_paused():
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    return fn()
+                finally:
+                    graph.capture_end()
 
         return graph, self._on_side_stream(captured)
 

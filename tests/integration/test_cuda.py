@@ -131,3 +131,39 @@ def test_cuda_8bit_kv_decodes_alike_on_every_route_and_close_to_model_dtype_kv(d
         logits[kv_dtype] = torch.stack(steps)
     error = (logits["float8_e4m3fn"] - logits["auto"]).abs().mean() / logits["auto"].std()
     assert 0 < error <= 0.02
+
+
+class _Cycle:
+    """An object in a reference cycle: only the garbage collector frees it (and what it holds)."""
+
+    def __init__(self, payload) -> None:
+        self.payload, self.me = payload, self
+
+
+def test_cuda_a_collection_during_capture_cannot_free_pinned_memory_inside_it():
+    """Caches dropped in reference cycles hold pinned DRAM pools; with the collector's threshold at
+    1 it would run inside every capture, and freeing a pool there (a CUDA call a capture forbids
+    on its thread) would invalidate the capture. Captures pause the collector, so every layer
+    piece and whole step is captured and the process stays usable."""
+    import gc
+
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2).to("cuda", torch.bfloat16)
+    ids = random_ids(3, 250).cuda()
+    config = SparseServeConfig(block_size=16, token_budget=64, hbm_cache_bytes=1 << 20)
+    threshold = gc.get_threshold()
+    try:
+        for built_from in (model.config, model):  # layer pieces, then whole-step replays
+            for _ in range(3):
+                dropped = SparseServeCache(model.config, config)
+                greedy(model, ids[:, :40], dropped, max_new_tokens=2)  # its pinned pool exists
+                _Cycle(dropped)
+                del dropped
+            gc.set_threshold(1)
+            cache = SparseServeCache(built_from, config)
+            got = greedy(model, ids, cache, max_new_tokens=20)
+            gc.set_threshold(*threshold)
+            graphs = cache.store.layer_graphs if built_from is model.config else cache.generate_graphs.runner
+            assert graphs.num_captures >= 1 and getattr(graphs, "enabled", True)
+            assert torch.equal(got, greedy(model, ids, SparseServeCache(model.config, config), max_new_tokens=20))
+    finally:
+        gc.set_threshold(*threshold)

@@ -17,7 +17,7 @@ from fake_graphs import FakePieceCapture
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
-from sparseserve_hf.layer_graphs import LayerGraphs
+from sparseserve_hf.layer_graphs import LayerGraphs, garbage_collection_paused
 from tiny_models import random_ids
 
 STEPS = 40  # every row's tail fills twice or more
@@ -168,3 +168,24 @@ def test_a_selection_override_set_after_captures_is_followed(llama):
     assert graphs.num_captures == captured + len(cache.layers)  # captured again, under the override
     assert len(calls) > 2 * len(cache.layers)  # the capture ran the override
     assert torch.equal(cache.layers[0].last_pick[0][0, 0, :2], torch.tensor([0, 1]))
+
+
+def test_captures_pause_the_garbage_collector_and_restore_it():
+    """Inside `garbage_collection_paused` no automatic collection runs; afterwards the collector is
+    as it was (on, or off when the caller had turned it off), also after an exception."""
+    import gc
+
+    assert gc.isenabled()
+    with garbage_collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), garbage_collection_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
