@@ -1,4 +1,4 @@
-"""The decode step as a CUDA-graph replay (issue item 4b): same tokens as eager, no host sync, recaptures.
+"""The decode step as a CUDA-graph replay: same tokens as eager, no host sync, recaptures.
 
 Three rows of different lengths (their tail blocks fill at different steps), tiny Llama, block
 16, an HBM cache small enough to evict, Triton backend. The graph runner is compared with the

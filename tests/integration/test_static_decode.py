@@ -1,4 +1,4 @@
-"""The decode step split for CUDA-graph capture (issue item 4b), on CPU.
+"""The decode step split for CUDA-graph capture, on CPU.
 
 A capturable step cannot decide on the host which rows' tail blocks are full. So the full tails
 are saved before the step, for all layers in one store call (`SparseServeCache.roll_full_tails`,
