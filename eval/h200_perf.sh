@@ -44,7 +44,9 @@ mkdir -p "$out"
 case $part in
   tests)
     python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
-      tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py tests/integration/test_generate_graphs.py 2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
+      tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py tests/integration/test_generate_graphs.py \
+      tests/integration/test_graph_runner.py tests/integration/test_layer_graphs.py tests/integration/test_ablation_switches.py \
+      2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   benchtests)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_bench_scripts.py 2>&1 | tee "$out/gpu_pytest_bench.log" | tail -15 ;;
   kernels)
