@@ -119,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
     parser.add_argument("--out", default=None, help="JSON output path")
     add_config_overrides(parser, "metadata_dtype=float8_e4m3fn")
+    parser.add_argument(
+        "--split-queue",
+        action="store_true",
+        help="the decode kernel's split programs take their items from a queue (ops.triton_decode.SPLIT_QUEUE)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -438,6 +443,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
+    if args.split_queue:
+        from sparseserve_hf.ops import triton_decode  # after prepare_triton: the interpreter switch comes first
+
+        triton_decode.SPLIT_QUEUE = True
     shape, dtype = "llama3-8b", torch.bfloat16
     block_size = 32
     if args.dry_run:
