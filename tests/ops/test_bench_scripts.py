@@ -28,6 +28,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         "eval.bench.score_tuning",
         "eval.bench.miss_copy",
         "eval.bench.prefill_memory",
+        "eval.bench.step_knobs",
     ],
 )
 def test_help(module):
@@ -210,3 +211,30 @@ def test_profile_step_dry_run_tables_the_kernels_per_layer(tmp_path, mode):
     text = out.read_text()
     steps = "CUDA-graph replays, fused_norms=True" if "--graph" in mode else "eager steps, fused_norms=False"
     assert steps in text and "| us/layer | calls/layer | kernel |" in text and "misses per layer" in text
+
+
+def test_step_knobs_dry_run_applies_its_knobs_and_appends_a_line(tmp_path):
+    out = tmp_path / "knobs.jsonl"
+    for knobs in ([], ["--knob", "triton_decode.SPLIT_QUEUE=True", "--knob", "triton_resolve.MAX_WARPS=8"]):
+        run_module("eval.bench.step_knobs", "--dry-run", "--set", "fused_activation=False", *knobs, "--out", str(out))
+    default, tuned = (json.loads(line) for line in out.read_text().splitlines())
+    assert default["knobs"] == {} and tuned["knobs"] == {
+        "triton_decode.SPLIT_QUEUE": True,
+        "triton_resolve.MAX_WARPS": 8,
+    }
+    for run in (default, tuned):
+        assert run["us_per_layer"] > 0 and len(run["ms_per_step"]) == 3 and 0 < run["hit_rate"] <= 1
+        assert run["config"]["fused_activation"] is False and "--dry-run" in run["command"]
+
+
+def test_step_knobs_refuses_a_knob_that_names_no_constant():
+    from eval.bench.step_knobs import apply_knobs
+
+    for knob in (
+        "triton_decode.SPLIT_QUEUE",
+        "SPLIT_QUEUE=True",
+        "triton_decode.NO_SUCH_KNOB=1",
+        "triton_decode._merge=1",
+    ):
+        with pytest.raises(ValueError, match="knob"):
+            apply_knobs([knob])

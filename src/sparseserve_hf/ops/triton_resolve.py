@@ -25,6 +25,7 @@ from .lru import LruTables
 from .reference import LOAD_COUNTERS, LoadCount
 
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
+MAX_WARPS = 16  # warps of a program (one per 256 lanes of its tile, at least 4)
 
 
 @triton.jit
@@ -378,6 +379,6 @@ def resolve_(
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
         counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
-        BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(16, block // 256)),
+        BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(MAX_WARPS, block // 256)),
     )  # fmt: skip
     return slots, load_ids, load_slots, load_counts

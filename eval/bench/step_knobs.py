@@ -1,0 +1,130 @@
+"""The captured decode step's time per layer under kernel launch knobs, one process per setting.
+
+    python -m eval.bench.step_knobs --out knobs.jsonl                         # the defaults
+    python -m eval.bench.step_knobs --knob triton_decode.SPLIT_QUEUE=True --out knobs.jsonl
+    python -m eval.bench.step_knobs --knob triton_resolve.MAX_WARPS=8 --set fused_activation=False
+    python -m eval.bench.step_knobs --dry-run                                 # tiny shapes on CPU
+
+The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the default
+config with an HBM cache of 25% of the dense KV, loads following the recorded selection trace) cut
+to a few layers (8 by default: the LM head's read then weighs 1/8 of a layer), timed as
+`graph.DecodeGraphRunner` replays after a warm-up long enough for the HBM cache's hit rate to
+settle. A knob is a module constant of `sparseserve_hf.ops` (`MODULE.NAME=VALUE`, the value a
+Python literal) set before any kernel runs, so its launches use it; run each setting in its own
+process (the constants are read at launch, but a Triton kernel compiles once per process). Each
+run appends one JSON line: the knobs, the config overrides, ms per step of three timed windows,
+us per layer of the fastest, the hit rate and the run record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.bench.common import add_config_overrides, config_overrides, pick_device, prepare_triton, run_record, sync
+from eval.bench.decode_step_setup import build_model, sparse_cache
+from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
+from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.graph import DecodeGraphRunner
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=32576)
+    parser.add_argument("--warmup", type=int, default=40, help="steps before timing (the hit rate settles)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per timed window (three windows)")
+    parser.add_argument(
+        "--knob", action="append", default=[], metavar="MODULE.NAME=VALUE", help="e.g. triton_decode.SPLIT_QUEUE=True"
+    )
+    add_config_overrides(parser, "fused_activation=False")
+    parser.add_argument("--trace", default=str(RECORDED_TRACE))
+    parser.add_argument("--out", default=None, help="JSON lines file to append to")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
+    return parser.parse_args(argv)
+
+
+def apply_knobs(knobs: list[str]) -> dict[str, Any]:
+    """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE`; returns {"MODULE.NAME": value}.
+    ValueError names a knob that is malformed or names no existing constant."""
+    applied = {}
+    for knob in knobs:
+        target, sep, text = knob.partition("=")
+        module_name, dot, name = target.partition(".")
+        if not (sep and dot and name):
+            raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.SPLIT_QUEUE=True")
+        module = importlib.import_module(f"sparseserve_hf.ops.{module_name}")
+        if not hasattr(module, name) or not name.isupper():
+            raise ValueError(f"knob {knob!r}: sparseserve_hf.ops.{module_name} has no constant {name}")
+        value = ast.literal_eval(text)
+        setattr(module, name, value)
+        applied[target] = value
+    return applied
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    prepare_triton(device)  # before a kernel module is imported: the knobs import theirs
+    knobs = apply_knobs(args.knob)
+    shape, dtype, block_size = ("llama3-8b", torch.bfloat16, 32)
+    if args.dry_run:
+        shape, dtype, block_size = "tiny", torch.float32, 16
+        args.layers, args.batch, args.context, args.warmup, args.steps = 2, 2, 200, 2, 2
+    model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
+    text = model.config
+    dense_kv = 2 * args.layers * text.num_key_value_heads * text.head_dim * dtype.itemsize * args.batch * args.context
+    budget = {"token_budget": 64} if args.dry_run else {}
+    config = SparseServeConfig(
+        block_size=block_size, hbm_cache_bytes=max(dense_kv // 4, 1 << 20), max_batch=args.batch, **budget
+    )
+    config = replace(config, **config_overrides(args.overrides))
+    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=4)
+    replay = TraceReplay(SelectionTrace.load(args.trace), args.layers, text.num_key_value_heads, device)
+    cache.store.selection_override = replay
+    tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
+    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
+    windows = []
+    with torch.no_grad():
+        runner.start(tokens)
+        for _ in range(args.warmup):
+            runner.step()
+        sync(device)
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                runner.step()
+            sync(device)
+            windows.append((time.perf_counter() - start) / args.steps * 1e3)
+    stats = cache.store.stats
+    looked_up = stats.hits + stats.misses
+    result = {
+        **run_record(device),
+        "knobs": knobs,
+        "overrides": args.overrides,
+        "layers": args.layers,
+        "batch": args.batch,
+        "context": args.context,
+        "ms_per_step": windows,
+        "us_per_layer": min(windows) * 1e3 / args.layers,
+        "hit_rate": stats.hits / looked_up if looked_up else 0.0,
+        "config": asdict(config),
+    }
+    print(json.dumps({k: result[k] for k in ("knobs", "overrides", "us_per_layer", "hit_rate")}))
+    if args.out:
+        with Path(args.out).open("a") as out:
+            out.write(json.dumps(result, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
