@@ -174,14 +174,8 @@ def _rope_agrees(rope: Callable, model: torch.nn.Module, head_dim: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(rope(q, k, cos, sin), want))
 
 
-NORM_CHECK_ROWS = (
-    1,
-    2,
-    3,
-    4,
-    8,
-    16,
-)  # every lane layout PyTorch's CUDA mean gives a row (see `reference.cuda_reduce_lanes`)
+# Every lane layout PyTorch's CUDA mean gives a row (see `reference.cuda_reduce_lanes`).
+NORM_CHECK_ROWS = (1, 2, 3, 4, 8, 16)
 
 
 def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
