@@ -52,7 +52,7 @@ SILU = {_code_of(torch.nn.SiLU.forward), _code_of(getattr(activations, "SiLUActi
 
 def fusable_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` whose forward is Llama's RMSNorm (`weight`, `variance_epsilon`)."""
-    return [module for module in model.modules() if _code_of(type(module).forward) == LLAMA_RMS_NORM]
+    return [module for module in model.modules() if _runs_class_forward(module, LLAMA_RMS_NORM)]
 
 
 def fusable_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -60,9 +60,15 @@ def fusable_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         module
         for module in model.modules()
-        if _code_of(type(module).forward) == LLAMA_MLP
-        and _code_of(type(getattr(module, "act_fn", None)).forward) in SILU
+        if _runs_class_forward(module, LLAMA_MLP) and _code_of(type(getattr(module, "act_fn", None)).forward) in SILU
     ]
+
+
+def _runs_class_forward(module: torch.nn.Module, code: tuple | None) -> bool:
+    """Whether `module` runs its class's `forward` and that is `code`. A module whose `forward` was
+    replaced on the instance (a hook such as accelerate's wraps it so) keeps its own: the step's
+    swap, and its removal afterwards, would drop the hook."""
+    return "forward" not in module.__dict__ and _code_of(type(module).forward) == code
 
 
 def rope_fusable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:

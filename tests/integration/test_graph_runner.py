@@ -10,6 +10,7 @@ advances by hand after a replay. tests/integration/test_decode_graph.py runs rea
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import types
 from dataclasses import replace
@@ -285,15 +286,20 @@ def test_fused_activation_off_runs_the_models_own_mlp(llama):
     assert runner._fused is None or not runner._fused.mlps
 
 
-def test_only_llamas_rms_norm_and_rotary_embedding_are_fused():
+def test_only_llamas_rms_norm_mlp_and_rotary_embedding_are_fused_and_never_over_a_hook():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     model = torch.nn.ModuleList([Qwen3RMSNorm(8), Gemma3RMSNorm(8), torch.nn.LayerNorm(8)])
     assert fused_ops.fusable_norms(model) == [model[0]]
+    hooked = Qwen3RMSNorm(8)
+    hooked.forward = functools.partial(Qwen3RMSNorm.forward, hooked)  # as a hook wraps it, on the instance
+    assert fused_ops.fusable_norms(torch.nn.ModuleList([hooked])) == []
     mlp_config = tiny_model("llama").config
     silu, gelu = modeling_llama.LlamaMLP(mlp_config), modeling_llama.LlamaMLP(replace_act(mlp_config, "gelu"))
     assert fused_ops.fusable_mlps(torch.nn.ModuleList([silu, gelu])) == [silu]
+    silu.forward = functools.partial(modeling_llama.LlamaMLP.forward, silu)
+    assert fused_ops.fusable_mlps(torch.nn.ModuleList([silu])) == []
     assert (
         fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False, HEAD_DIM).rope
         is not None
