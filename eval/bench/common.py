@@ -8,8 +8,10 @@ kernels under TRITON_INTERPRET=1 without a GPU) so the scripts are tested on CPU
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import gc
+import importlib
 import json
 import os
 import pathlib
@@ -46,6 +48,24 @@ def config_overrides(settings: list[str]) -> dict[str, Any]:
     if not settings:
         return {}
     return parse_variant(":".join(("set", *settings)))[1]
+
+
+def apply_knobs(knobs: list[str]) -> dict[str, Any]:
+    """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE`; returns {"MODULE.NAME": value}.
+    ValueError names a knob that is malformed or names no existing constant."""
+    applied = {}
+    for knob in knobs:
+        target, sep, text = knob.partition("=")
+        module_name, dot, name = target.partition(".")
+        if not (sep and dot and name):
+            raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.SPLIT_QUEUE=True")
+        module = importlib.import_module(f"sparseserve_hf.ops.{module_name}")
+        if not hasattr(module, name) or not name.isupper():
+            raise ValueError(f"knob {knob!r}: sparseserve_hf.ops.{module_name} has no constant {name}")
+        value = ast.literal_eval(text)
+        setattr(module, name, value)
+        applied[target] = value
+    return applied
 
 
 def json_child(module: str, args: list[str], env: dict[str, str], check: bool = False) -> Any:

@@ -52,6 +52,7 @@ import torch
 from eval.bench.common import (
     EXPANDABLE_SEGMENTS,
     add_config_overrides,
+    apply_knobs,
     config_overrides,
     free_memory,
     graph_ms,
@@ -443,10 +444,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
-    if args.split_queue:
-        from sparseserve_hf.ops import triton_decode  # after prepare_triton: the interpreter switch comes first
-
-        triton_decode.SPLIT_QUEUE = True
+    if args.split_queue:  # after prepare_triton: the interpreter switch comes before the kernel module
+        apply_knobs(["triton_decode.SPLIT_QUEUE=True"])
     shape, dtype = "llama3-8b", torch.bfloat16
     block_size = 32
     if args.dry_run:

@@ -24,6 +24,8 @@ from sparseserve_hf.cache.grow import grown
 from sparseserve_hf.cache.store import TieredBlockStore
 from sparseserve_hf.ops import get_ops
 
+from .selection_trace import SelectionTrace, TraceReplay
+
 SHAPES = {
     "llama3-8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -83,6 +85,26 @@ def sparse_cache(
         layer.tail.normal_()
         layer.tail_len.fill_(context - num_full * size)
         layer.num_positions = context
+    return cache
+
+
+def replayed_cut(model, batch: int, context: int, trace: str, dry_run: bool, **fields: Any) -> SparseServeCache:
+    """The cache of a few-layer cut of the decode step, timed per layer (`profile_step`, `step_knobs`):
+    the default config (and `fields`) with an HBM cache of 25% of the cut's dense KV, `context`
+    random tokens per row, and block loads following the selection trace at `trace`."""
+    text = model.config
+    dense_kv = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
+    budget = {"token_budget": 64} if dry_run else {}  # the tiny shapes' context is 200 tokens
+    config = SparseServeConfig(
+        block_size=16 if dry_run else 32,
+        hbm_cache_bytes=max(dense_kv * batch * context // 4, 1 << 20),
+        max_batch=batch,
+        **budget,
+    )
+    config = replace(config, **fields)
+    cache = sparse_cache(model, config, batch, context, spare_blocks=4)
+    replay = TraceReplay(SelectionTrace.load(trace), text.num_hidden_layers, text.num_key_value_heads, model.device)
+    cache.store.selection_override = replay
     return cache
 
 

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from eval.bench.common import pick_device, prepare_triton, run_record, sync
-from eval.bench.decode_step_setup import build_model, sparse_cache
-from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
-from sparseserve_hf import SparseServeConfig
+from eval.bench.decode_step_setup import build_model, replayed_cut
+from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner
 
@@ -46,24 +45,12 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
-    shape, dtype, block_size = ("tiny", torch.float32, 16) if args.dry_run else ("llama3-8b", torch.bfloat16, 32)
+    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
     if args.dry_run:
         args.batch, args.context, args.steps = 2, 200, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
     text = model.config
-    dense_kv = 2 * args.layers * text.num_key_value_heads * text.head_dim * dtype.itemsize * args.batch * args.context
-    budget = {"token_budget": 64} if args.dry_run else {}  # the tiny shapes' context is 200 tokens
-    config = SparseServeConfig(
-        block_size=block_size,
-        hbm_cache_bytes=max(dense_kv // 4, 1 << 20),
-        max_batch=args.batch,
-        fused_norms=args.fused_norms,
-        **budget,
-    )
-    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=4)
-    cache.store.selection_override = TraceReplay(
-        SelectionTrace.load(args.trace), args.layers, text.num_key_value_heads, device
-    )
+    cache = replayed_cut(model, args.batch, args.context, args.trace, args.dry_run, fused_norms=args.fused_norms)
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 

@@ -19,20 +19,25 @@ us per layer of the fastest, the hit rate and the run record.
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eval.bench.common import add_config_overrides, config_overrides, pick_device, prepare_triton, run_record, sync
-from eval.bench.decode_step_setup import build_model, sparse_cache
-from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
-from sparseserve_hf import SparseServeConfig
+from eval.bench.common import (
+    add_config_overrides,
+    apply_knobs,
+    config_overrides,
+    pick_device,
+    prepare_triton,
+    run_record,
+    sync,
+)
+from eval.bench.decode_step_setup import build_model, replayed_cut
+from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.graph import DecodeGraphRunner
 
 
@@ -53,44 +58,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def apply_knobs(knobs: list[str]) -> dict[str, Any]:
-    """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE`; returns {"MODULE.NAME": value}.
-    ValueError names a knob that is malformed or names no existing constant."""
-    applied = {}
-    for knob in knobs:
-        target, sep, text = knob.partition("=")
-        module_name, dot, name = target.partition(".")
-        if not (sep and dot and name):
-            raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.SPLIT_QUEUE=True")
-        module = importlib.import_module(f"sparseserve_hf.ops.{module_name}")
-        if not hasattr(module, name) or not name.isupper():
-            raise ValueError(f"knob {knob!r}: sparseserve_hf.ops.{module_name} has no constant {name}")
-        value = ast.literal_eval(text)
-        setattr(module, name, value)
-        applied[target] = value
-    return applied
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)  # before a kernel module is imported: the knobs import theirs
     knobs = apply_knobs(args.knob)
-    shape, dtype, block_size = ("llama3-8b", torch.bfloat16, 32)
+    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
     if args.dry_run:
-        shape, dtype, block_size = "tiny", torch.float32, 16
         args.layers, args.batch, args.context, args.warmup, args.steps = 2, 2, 200, 2, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
+    overrides = config_overrides(args.overrides)
+    cache = replayed_cut(model, args.batch, args.context, args.trace, args.dry_run, **overrides)
     text = model.config
-    dense_kv = 2 * args.layers * text.num_key_value_heads * text.head_dim * dtype.itemsize * args.batch * args.context
-    budget = {"token_budget": 64} if args.dry_run else {}
-    config = SparseServeConfig(
-        block_size=block_size, hbm_cache_bytes=max(dense_kv // 4, 1 << 20), max_batch=args.batch, **budget
-    )
-    config = replace(config, **config_overrides(args.overrides))
-    cache = sparse_cache(model, config, args.batch, args.context, spare_blocks=4)
-    replay = TraceReplay(SelectionTrace.load(args.trace), args.layers, text.num_key_value_heads, device)
-    cache.store.selection_override = replay
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
     windows = []
@@ -117,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ms_per_step": windows,
         "us_per_layer": min(windows) * 1e3 / args.layers,
         "hit_rate": stats.hits / looked_up if looked_up else 0.0,
-        "config": asdict(config),
+        "config": asdict(cache.config),
     }
     print(json.dumps({k: result[k] for k in ("knobs", "overrides", "us_per_layer", "hit_rate")}))
     if args.out:
