@@ -27,10 +27,8 @@
 #               under torchrun (tp2_step_over_tp1, and its tokens against TP=1's)
 #   beside      the lookup beside attention (config.lookup_beside_attention): its kernel and graph tests, then
 #               the real-locality step with it (and stock) and without it (--set lookup_beside_attention=False)
-#   queue       the decode kernel's tests, then the real-locality step with one program per split (the default)
-#               and with split programs taking their items from a queue (--split-queue), in one call
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
-#               the defaults, the split kernel's item queue, the lookup on 8 and on 4 warps
+#               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
@@ -106,20 +104,13 @@ case $part in
       --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
       --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
-  queue)
-    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode.py 2>&1 | tee "$out/gpu_pytest_queue.log" | tail -4
-    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
-      --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -8
-    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --split-queue \
-      --out "$out/decode_step_queue.json" 2>&1 | tee "$out/decode_step_queue.log" | tail -8 ;;
   knobs)
-    for knob in "" "--knob triton_decode.SPLIT_QUEUE=True" "--knob triton_resolve.MAX_WARPS=8" \
-      "--knob triton_resolve.MAX_WARPS=4" ""; do
+    for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
     done ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, queue, knobs, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac

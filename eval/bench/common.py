@@ -58,7 +58,7 @@ def apply_knobs(knobs: list[str]) -> dict[str, Any]:
         target, sep, text = knob.partition("=")
         module_name, dot, name = target.partition(".")
         if not (sep and dot and name):
-            raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.SPLIT_QUEUE=True")
+            raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.PROGRAMS_PER_SM=2")
         module = importlib.import_module(f"sparseserve_hf.ops.{module_name}")
         if not hasattr(module, name) or not name.isupper():
             raise ValueError(f"knob {knob!r}: sparseserve_hf.ops.{module_name} has no constant {name}")

@@ -121,9 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="JSON output path")
     add_config_overrides(parser, "metadata_dtype=float8_e4m3fn")
     parser.add_argument(
-        "--split-queue",
-        action="store_true",
-        help="the decode kernel's split programs take their items from a queue (ops.triton_decode.SPLIT_QUEUE)",
+        "--knob",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="a kernel launch constant of sparseserve_hf.ops, e.g. triton_decode.PROGRAMS_PER_SM=2 (recorded)",
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -444,8 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
-    if args.split_queue:  # after prepare_triton: the interpreter switch comes before the kernel module
-        apply_knobs(["triton_decode.SPLIT_QUEUE=True"])
+    apply_knobs(args.knob)  # after prepare_triton: the interpreter switch comes before the kernel module
     shape, dtype = "llama3-8b", torch.bfloat16
     block_size = 32
     if args.dry_run:

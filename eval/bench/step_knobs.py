@@ -1,7 +1,7 @@
 """The captured decode step's time per layer under kernel launch knobs, one process per setting.
 
     python -m eval.bench.step_knobs --out knobs.jsonl                         # the defaults
-    python -m eval.bench.step_knobs --knob triton_decode.SPLIT_QUEUE=True --out knobs.jsonl
+    python -m eval.bench.step_knobs --knob triton_decode.PROGRAMS_PER_SM=2 --out knobs.jsonl
     python -m eval.bench.step_knobs --knob triton_resolve.MAX_WARPS=8 --set fused_activation=False
     python -m eval.bench.step_knobs --dry-run                                 # tiny shapes on CPU
 
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=40, help="steps before timing (the hit rate settles)")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed window (three windows)")
     parser.add_argument(
-        "--knob", action="append", default=[], metavar="MODULE.NAME=VALUE", help="e.g. triton_decode.SPLIT_QUEUE=True"
+        "--knob", action="append", default=[], metavar="MODULE.NAME=VALUE", help="e.g. triton_decode.PROGRAMS_PER_SM=2"
     )
     add_config_overrides(parser, "fused_activation=False")
     parser.add_argument("--trace", default=str(RECORDED_TRACE))

@@ -215,11 +215,11 @@ def test_profile_step_dry_run_tables_the_kernels_per_layer(tmp_path, mode):
 
 def test_step_knobs_dry_run_applies_its_knobs_and_appends_a_line(tmp_path):
     out = tmp_path / "knobs.jsonl"
-    for knobs in ([], ["--knob", "triton_decode.SPLIT_QUEUE=True", "--knob", "triton_resolve.MAX_WARPS=8"]):
+    for knobs in ([], ["--knob", "triton_decode.PROGRAMS_PER_SM=3", "--knob", "triton_resolve.MAX_WARPS=8"]):
         run_module("eval.bench.step_knobs", "--dry-run", "--set", "fused_activation=False", *knobs, "--out", str(out))
     default, tuned = (json.loads(line) for line in out.read_text().splitlines())
     assert default["knobs"] == {} and tuned["knobs"] == {
-        "triton_decode.SPLIT_QUEUE": True,
+        "triton_decode.PROGRAMS_PER_SM": 3,
         "triton_resolve.MAX_WARPS": 8,
     }
     for run in (default, tuned):
@@ -231,10 +231,28 @@ def test_step_knobs_refuses_a_knob_that_names_no_constant():
     from eval.bench.step_knobs import apply_knobs
 
     for knob in (
-        "triton_decode.SPLIT_QUEUE",
-        "SPLIT_QUEUE=True",
+        "triton_decode.PROGRAMS_PER_SM",
+        "PROGRAMS_PER_SM=3",
         "triton_decode.NO_SUCH_KNOB=1",
         "triton_decode._merge=1",
     ):
         with pytest.raises(ValueError, match="knob"):
             apply_knobs([knob])
+
+
+def test_resolve_phases_instruments_every_phase_of_the_shipped_kernel(tmp_path):
+    from eval.bench import resolve_phases
+    from sparseserve_hf.ops import triton_resolve
+
+    source = Path(triton_resolve.__file__).read_text()
+    probed = resolve_phases.instrumented_source(source)
+    assert probed.count("_clock(head)") == len(resolve_phases._MARKERS) and "num_warps=MAX_WARPS" in probed
+    module = resolve_phases.load_instrumented()  # the copy imports (its kernels compile on a GPU only)
+    assert module.resolve_.__doc__ == triton_resolve.resolve_.__doc__
+    assert not (Path(triton_resolve.__file__).parent / "_resolve_phases_probe.py").exists()
+    with pytest.raises(ValueError, match="triton_resolve changed"):
+        resolve_phases.instrumented_source(source.replace("# 3. victims", "# 3. the victims"))
+    out = tmp_path / "phases.json"
+    run_module("eval.bench.resolve_phases", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert 0 < result["workload"]["hit_rate"] <= 1 and result["rows"] == [{"warps": 4}]

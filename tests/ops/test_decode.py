@@ -9,14 +9,6 @@ from kernel_support import DEVICE, DTYPES, tolerance
 from sparseserve_hf.ops import reference, triton_decode
 
 
-@pytest.fixture(params=[False, True], ids=["program_per_item", "item_queue"])
-def split_launch(request, monkeypatch) -> bool:
-    """Both launches of the split kernel: one program per (row, split) item, or a few programs
-    taking the items from a queue (`triton_decode.SPLIT_QUEUE`)."""
-    monkeypatch.setattr(triton_decode, "SPLIT_QUEUE", request.param)
-    return request.param
-
-
 def decode_inputs(batch, kv_heads, group, size, dim, loaded, dtype, unused=2, masked=False):
     """Random decode inputs: a pool, ragged slot lists (-1 padded), tails of odd lengths, an optional head mask."""
     num_slots = batch * kv_heads * loaded + 3
@@ -43,7 +35,7 @@ def run_both(inputs, scaling=0.3, num_splits=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 8)])
 @pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
-def test_sparse_decode_matches_reference(poisoned, split_launch, dtype, kv_heads, group, masked):
+def test_sparse_decode_matches_reference(poisoned, dtype, kv_heads, group, masked):
     inputs = decode_inputs(3, kv_heads, group, 8, 16, 11, dtype, masked=masked)
     got, expected = run_both(inputs, num_splits=3)
     assert got.dtype == dtype and not got.isnan().any()
@@ -59,14 +51,14 @@ def test_sparse_decode_head_dims_and_block_sizes(poisoned, dim, size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 100])  # one, several, more than there are tiles
-def test_split_count_does_not_change_the_result(poisoned, split_launch, num_splits):
+def test_split_count_does_not_change_the_result(poisoned, num_splits):
     inputs = decode_inputs(2, 1, 4, 8, 16, 19, torch.float32)
     got, expected = run_both(inputs, num_splits=num_splits)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("used", [0, 1, 6, 33])
-def test_splits_share_a_used_prefix_much_shorter_than_the_selection(poisoned, split_launch, used):
+def test_splits_share_a_used_prefix_much_shorter_than_the_selection(poisoned, used):
     query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, 40, torch.float32, unused=0)
     slots[:, :, used:] = -1  # each list's used blocks first, as selections hold them
     slots[1, 1, : used // 2] = -1  # and one with holes before its last used block
@@ -116,7 +108,7 @@ def test_selected_blocks_from_select_blocks(poisoned, budget_blocks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_sparse_decode_llama_shape_on_the_gpu(split_launch, dtype):
+def test_sparse_decode_llama_shape_on_the_gpu(dtype):
     inputs = decode_inputs(4, 8, 4, 32, 128, 64, dtype, masked=False)
     got, expected = run_both(inputs)
     torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
@@ -154,9 +146,7 @@ def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
 @pytest.mark.parametrize("late_share", [0.0, 0.3, 1.0], ids=["none_late", "some_late", "all_late"])
-def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(
-    poisoned, split_launch, dtype, masked, late_share
-):
+def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(poisoned, dtype, masked, late_share):
     """`begin_decode` attends the resident entries and the tails while the late entries' slots still
     hold garbage (NaN, as before a lookup's copy lands); `finish_decode` attends those once written,
     and the merge equals `reference.sparse_decode` over the final slots."""
@@ -181,7 +171,7 @@ def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(
 
 
 @pytest.mark.parametrize("loaded", [0, 40])
-def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, split_launch, loaded):
+def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, loaded):
     """8-bit blocks with their scales; 40 entries per row all late, so a late program walks several tiles."""
     query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(2, 2, 4, 8, 16, loaded, torch.float16, unused=0)
     stored, block_scales = reference.quantize_blocks(pool.float() * 3, torch.float8_e4m3fn)
@@ -199,7 +189,7 @@ def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, spl
 
 
 @pytest.mark.gpu
-def test_decode_in_two_halves_llama_shape_on_the_gpu(split_launch):
+def test_decode_in_two_halves_llama_shape_on_the_gpu():
     query, pool, slots, _, tail_k, tail_v, tail_len = decode_inputs(4, 8, 4, 32, 128, 64, torch.bfloat16)
     resident = torch.where(torch.rand(slots.shape) < 0.2, -1, slots)
     expected = reference.sparse_decode(query, pool, slots, None, tail_k, tail_v, tail_len, 0.3)

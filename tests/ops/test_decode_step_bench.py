@@ -18,7 +18,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     subprocess.run(
         [
             sys.executable, "-m", "eval.bench.decode_step", "--dry-run", "--graph", "--out", str(out),
-            "--set", "metadata_dtype=float8_e4m3fn", "--split-queue",
+            "--set", "metadata_dtype=float8_e4m3fn", "--knob", "triton_decode.PROGRAMS_PER_SM=3",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
@@ -31,7 +31,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     assert len(windows) == 3 and result["stock_dynamic_ms"] == min(windows)  # the fastest window counts
     assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
     assert result["config"]["metadata_dtype"] == "float8_e4m3fn"  # --set reached the config
-    assert result["workload"]["split_queue"] is True  # recorded: it changes the Triton decode launch
+    assert result["workload"]["knob"] == ["triton_decode.PROGRAMS_PER_SM=3"]  # recorded: it changes a launch
     assert result["trace"]["sha256"] and 0 < result["trace"]["overlap_1step"] <= 1
     for name in ("random_kv", "real_locality"):
         block = result[name]

@@ -36,3 +36,17 @@ def test_equal_scores_take_the_lower_block_first():
     second[..., :] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
     got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 3)
     assert got.cpu()[0, 0].tolist() == [0.0, -2.0, -4.0, -6.0, -6.0, -6.0]  # first's ties by index, then second's
+
+
+def test_a_wide_table_with_many_ties_ranks_them_by_block_index():
+    # The decode shape's width (~1K blocks) at the default depth, with scores drawn from a few
+    # values. The full ranking breaks ties by position, as the kernel does; cut at the depth it is
+    # what the kernel must give, entry for entry.
+    torch.manual_seed(3)
+    first = torch.randint(0, 40, (2, 3, 1000)).float()
+    second = torch.randint(0, 9, (2, 3, 1000)).float()
+    first[1, :, 900:] = second[1, :, 900:] = float("-inf")
+    full = reference.combine_by_rank(first, second)
+    want = torch.where(torch.isneginf(full), full, full.clamp(min=-2.0 * 61))
+    got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 61).cpu()
+    assert torch.equal(got, want)

@@ -23,12 +23,6 @@ PROGRAMS_PER_SM = 4
 # Beside a lookup (`begin_decode`) half as many: a second wave of split programs would wait behind
 # the lookup's and the miss copy's programs, which share the SMs meanwhile.
 PROGRAMS_PER_SM_BESIDE_LOOKUP = 2
-# Split launches whose programs take (row, split) items from a queue (`_decode_split_kernel`'s
-# QUEUE): each row's blocks cut into the splits of QUEUE_SPLITS_PER_SM per SM, run by
-# QUEUE_PROGRAMS_PER_SM programs per SM. Off: one program per item, the measured default.
-SPLIT_QUEUE = False
-QUEUE_SPLITS_PER_SM = 8
-QUEUE_PROGRAMS_PER_SM = 3
 
 
 @triton.jit
@@ -52,9 +46,7 @@ def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _split_item(
-    row_head,
-    split,
+def _decode_split_kernel(
     q_ptr,
     pool_ptr,
     slots_ptr,
@@ -97,21 +89,22 @@ def _split_item(
     SCALED: tl.constexpr,
     LATE: tl.constexpr,
 ):
-    """One item of `_decode_split_kernel`: row `row_head` (b * Hkv + h), split `split`. Splits <
-    num_splits share the row's used blocks, split num_splits takes the tail block. Writes partials
-    [b, h*G + g, first_part + split] of num_parts.
+    """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
+    one takes the tail block. Writes partials [b, h*G + g, first_part + split] of num_parts.
 
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
 
-    LATE (splits < num_splits only, no tail item): only the entries that `resident` (laid
+    LATE (grid (B * Hkv, num_splits), no tail program): only the entries that `resident` (laid
     out as the slots) held at -1 and the slots now hold: the blocks a lookup loaded after the
-    resident ones were attended. Each item lists the row's late entries in order into its own
+    resident ones were attended. Each program lists the row's late entries in order into its own
     row of `late_entries` (B * Hkv * num_splits, BLOCK_LOADED) and takes its share of that list.
 
     Selections hold their unused (-1) entries last, often most of U, and how many are used is known
     only here: each (row, KV head) cuts its used prefix into equal whole-tile ranges (at least
-    MIN_PER_SPLIT blocks each), so the work spreads over every split whatever U is."""
+    MIN_PER_SPLIT blocks each), so the work spreads over every split program whatever U is."""
+    row_head = tl.program_id(0)
+    split = tl.program_id(1)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
     g = tl.arange(0, BLOCK_G)
@@ -185,84 +178,6 @@ def _split_item(
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    pool_ptr,
-    slots_ptr,
-    mask_ptr,
-    scales_ptr,
-    tail_k_ptr,
-    tail_v_ptr,
-    tail_len_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    resident_ptr,
-    late_entries_ptr,
-    stride_qb,
-    stride_qh,
-    stride_sb,
-    stride_sh,
-    stride_mb,
-    stride_mh,
-    stride_tb,
-    stride_th,
-    stride_ts,
-    num_kv_heads,
-    num_loaded,
-    num_splits,
-    first_part,
-    num_parts,
-    scaling,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    S: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_U: tl.constexpr,
-    BLOCK_LOADED: tl.constexpr,
-    TAIL_TOKENS: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    IEEE: tl.constexpr,
-    MIN_PER_SPLIT: tl.constexpr,
-    SCALED: tl.constexpr,
-    LATE: tl.constexpr,
-    queue_ptr,
-    num_items,
-    programs_per_row,
-    QUEUE: tl.constexpr,
-):
-    """Grid (B * Hkv, programs_per_row): program (i, j) is item (row_head i, split j) of `_split_item`.
-
-    QUEUE (grid (P,), any P): the P programs take items i * programs_per_row + j from a counter
-    (`queue_ptr`, zero at launch) until num_items are taken, so a program that starts late, behind
-    other kernels sharing the SMs, takes fewer of them instead of a whole split."""
-    # fmt: off
-    if QUEUE:
-        item = tl.atomic_add(queue_ptr, 1)
-        while item < num_items:
-            _split_item(
-                item // programs_per_row, item % programs_per_row,
-                q_ptr, pool_ptr, slots_ptr, mask_ptr, scales_ptr, tail_k_ptr, tail_v_ptr, tail_len_ptr,
-                part_m_ptr, part_l_ptr, part_acc_ptr, resident_ptr, late_entries_ptr,
-                stride_qb, stride_qh, stride_sb, stride_sh, stride_mb, stride_mh, stride_tb, stride_th, stride_ts,
-                num_kv_heads, num_loaded, num_splits, first_part, num_parts, scaling, G, BLOCK_G, S, D, BLOCK_D,
-                BLOCK_U, BLOCK_LOADED, TAIL_TOKENS, HAS_MASK, IEEE, MIN_PER_SPLIT, SCALED, LATE,
-            )
-            item = tl.atomic_add(queue_ptr, 1)
-    else:
-        _split_item(
-            tl.program_id(0), tl.program_id(1),
-            q_ptr, pool_ptr, slots_ptr, mask_ptr, scales_ptr, tail_k_ptr, tail_v_ptr, tail_len_ptr,
-            part_m_ptr, part_l_ptr, part_acc_ptr, resident_ptr, late_entries_ptr,
-            stride_qb, stride_qh, stride_sb, stride_sh, stride_mb, stride_mh, stride_tb, stride_th, stride_ts,
-            num_kv_heads, num_loaded, num_splits, first_part, num_parts, scaling, G, BLOCK_G, S, D, BLOCK_D,
-            BLOCK_U, BLOCK_LOADED, TAIL_TOKENS, HAS_MASK, IEEE, MIN_PER_SPLIT, SCALED, LATE,
-        )
-    # fmt: on
-
-
-@triton.jit
 def _decode_reduce_kernel(
     part_m_ptr,
     part_l_ptr,
@@ -296,16 +211,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (1 off CUDA: the interpreter runs programs one after another)."""
-    return _num_sms(device.index or 0) if device.type == "cuda" else 1
-
-
 def _split_plan(num_programs: int, num_loaded: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Split programs per (row, KV head): enough to fill the GPU, no more than U's few-block ranges."""
     if num_loaded == 0:
         return 0
-    target = per_sm * _sm_count(device)
+    target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
     return max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
 
 
@@ -433,7 +343,6 @@ def _attend_first(
     slots = slots.contiguous()
     if num_splits is None:
         per_sm = PROGRAMS_PER_SM_BESIDE_LOOKUP if late_splits else PROGRAMS_PER_SM
-        per_sm = QUEUE_SPLITS_PER_SM if SPLIT_QUEUE else per_sm
         num_splits = _split_plan(batch * num_kv_heads, num_loaded, query.device, per_sm)
     else:
         num_splits = min(max(num_splits, 1), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)) if num_loaded else 0
@@ -465,9 +374,8 @@ def _launch_split(
     tail_len: torch.Tensor | None,
     late: bool,
 ) -> None:
-    """One launch of the split kernel over (B * Hkv, programs_per_row) items writing partials from
-    `first_part` on: a program per item, or with SPLIT_QUEUE a few per SM taking them from a queue.
-    A late launch has no tail item (its tail pointers are unused)."""
+    """One launch of the split kernel: (B * Hkv, programs_per_row) programs writing partials from
+    `first_part` on. A late launch has no tail program (its tail pointers are unused)."""
     query = pending.query
     mask = pending.head_mask if pending.head_mask is not None else slots  # slots: an unused pointer
     scale_table = pending.scales if pending.scales is not None else query  # query: an unused pointer
@@ -481,13 +389,7 @@ def _launch_split(
     group = num_q_heads // num_kv_heads
     part_m, part_l, part_acc = pending.parts
     block_size = pending.pool.shape[2]
-    items = batch * num_kv_heads * programs_per_row
-    if SPLIT_QUEUE:
-        queue = torch.zeros(1, dtype=torch.int32, device=query.device)  # items taken so far
-        grid = (min(items, QUEUE_PROGRAMS_PER_SM * _sm_count(query.device)),)
-    else:
-        queue, grid = slots, (batch * num_kv_heads, programs_per_row)  # slots: an unused pointer
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
         query, pending.pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
         part_m, part_l, part_acc, pending.resident, late_entries,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
@@ -506,10 +408,6 @@ def _launch_split(
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
         SCALED=pending.scales is not None,
         LATE=late,
-        queue_ptr=queue,
-        num_items=items,
-        programs_per_row=programs_per_row,
-        QUEUE=SPLIT_QUEUE,
         num_warps=4,
     )  # fmt: skip
 
