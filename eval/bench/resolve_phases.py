@@ -13,9 +13,9 @@ it missed.
 Workload: the decode step's shape at B=16 x 32K (8 KV heads, 252 entries per row and head of
 which 95 are picked blocks, 4,072 slots per partition), each (row, head) picking from a working
 set of 160 of its 1,018 blocks that drifts by 1% a step, so the hit rate settles near the
-real-locality runs' ~0.98. For each warp count it reports the whole launch as `triton.testing`
-times it (alone on the GPU) and, from the instrumented copy, each phase's mean over programs in
-microseconds at the SM clock `torch.cuda` reports.
+real-locality runs' ~0.98. For each warp count it reports the whole launch of the instrumented copy
+as `triton.testing` times it (alone on the GPU, L2 flushed before each launch) and each phase's
+mean over programs in microseconds at the SM clock `torch.cuda` reports.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             probe.MAX_WARPS = warps
             cycle = itertools.cycle(selections[80:])
             probe.CLOCKS = torch.zeros(args.heads * 8, dtype=torch.long, device=device)
-            row["launch_us"] = 1000 * triton.testing.do_bench(lambda: triton_resolve.resolve_(next(cycle), 0, tables, counts))
+            row["launch_us"] = 1000 * triton.testing.do_bench(lambda: probe.resolve_(next(cycle), 0, tables, counts))
             for _ in range(3):  # the last launch's clocks count
                 probe.resolve_(next(cycle), 0, tables, counts)
             torch.cuda.synchronize()
