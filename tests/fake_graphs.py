@@ -28,7 +28,7 @@ class FakeGraphs:
         self.pool = None
 
     def warm_up(self, fn):
-        self._before_warm_up = [t.clone() for t in self._tensors().values()]
+        self._before_warm_up = {name: (t, t.clone()) for name, t in self._tensors().items()}
         return fn()
 
     def record(self, fn):
@@ -36,8 +36,9 @@ class FakeGraphs:
         assert self.pool is None or len(self.pool) > 0, "captured into a released graph pool"
         tensors = self._tensors()
         saved = [t.clone() for t in tensors.values()]
-        for t, value in zip(tensors.values(), self._before_warm_up):
-            t.copy_(value)
+        for name, (t, value) in self._before_warm_up.items():
+            if tensors.get(name) is t:  # one the warm-up allocated (a pool it grew) starts as it left it
+                t.copy_(value)
         out = fn()
         for t, value in zip(tensors.values(), saved):
             t.copy_(value)
@@ -103,7 +104,7 @@ class FakePieceCapture:
         return contextlib.nullcontext()
 
     def warm_up(self, fn):
-        self._before_warm_up = [t.clone() for t in self._tensors().values()]
+        self._before_warm_up = {name: (t, t.clone()) for name, t in self._tensors().items()}
         return fn()
 
     def record(self, fn, layer_idx: int):
@@ -112,8 +113,9 @@ class FakePieceCapture:
         assert pool is None or len(pool) > 0, f"captured into the released pool of layer {layer_idx}"
         tensors = self._tensors()
         saved = [t.clone() for t in tensors.values()]
-        for t, value in zip(tensors.values(), self._before_warm_up):
-            t.copy_(value)
+        for name, (t, value) in self._before_warm_up.items():
+            if tensors.get(name) is t:  # one the warm-up allocated (a pool it grew) starts as it left it
+                t.copy_(value)
         picks = [id(layer.last_pick) for layer in self.cache.layers]
         out = fn()
         layer = next(lay for lay, pick in zip(self.cache.layers, picks) if id(getattr(lay, "last_pick", None)) != pick)

@@ -75,9 +75,9 @@ def instrumented_source(source: str) -> str:
         body = replace_once(body, marker, f"    tl.store(clocks_ptr + head * 8 + {index}, _clock(head))\n{marker}")
     body = replace_once(body, "    BLOCK: tl.constexpr,\n):", "    BLOCK: tl.constexpr,\n    clocks_ptr,\n):")
     text = source[:start] + body + source[end:]
-    text = replace_once(text, "    load_counts_ptr,\n    num_entries,", "    load_counts_ptr,\n    clocks_ptr,\n    num_entries,")
+    text = replace_once(text, "    num_entries,\n    per_partition,", "    clocks_ptr,\n    num_entries,\n    per_partition,")
     text = replace_once(text, "stride_head, BLOCK,\n        )  # fmt: skip\n    else:", "stride_head, BLOCK, clocks_ptr,\n        )  # fmt: skip\n    else:")
-    text = replace_once(text, "load_counts, num_entries, per,", "load_counts, CLOCKS, num_entries, per,")
+    text = replace_once(text, "num_entries, per, width,", "CLOCKS, num_entries, per, width,")
     text = replace_once(text, "num_warps=max(4, min(MAX_WARPS, block // 256))", "num_warps=MAX_WARPS")
     return replace_once(text, "@triton.jit\ndef _resolve_kernel(", _CLOCK + "\n@triton.jit\ndef _resolve_kernel(")
 

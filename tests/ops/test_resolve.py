@@ -53,13 +53,13 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
     for step in range(25):
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
-        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
-        k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
+        slots, load_ids, load_slots, load_counts, load_entries = lru.resolve_(ids, first, want, want_counts)
+        k_slots, k_ids, k_slots_loaded, k_counts, k_entries = triton_resolve.resolve_(
             ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
         )
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
-        assert torch.equal(k_counts.cpu(), load_counts), step
+        assert torch.equal(k_counts.cpu(), load_counts) and torch.equal(k_entries.cpu(), load_entries), step
         assert_tables_equal(got, want)
         assert torch.equal(got_counts.cpu(), want_counts)
         if step % 6 == 5:  # freed blocks: both sides forget them the same way (the tensor op)

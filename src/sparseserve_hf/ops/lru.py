@@ -113,7 +113,7 @@ def picked_blocks(
 
 def resolve_(
     selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
     Head h's entries form one row, in (row, entry) order: E = B * U entries, partition
@@ -131,6 +131,9 @@ def resolve_(
         load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
             first appearance), -1 after them.
         load_counts: (H,) long, the misses of each head (the live prefix of its load lists).
+        load_entries: (H, E) for each load, the flat index into `selection` (contiguous) of the
+            entry that claimed it (its block's first entry), -1 after them: where a copy of the
+            block staged by entry (`TieredBlockStore.fetch_beside`) can be read.
     """
     batch, heads, width = selection.shape
     ids = selection.transpose(0, 1).reshape(heads, batch * width)  # (H, E)
@@ -159,7 +162,12 @@ def resolve_(
     miss_rank = miss.cumsum(1) - 1
     load_ids = ids.new_full((num_rows, num_entries + 1), -1)
     load_ids.scatter_(1, torch.where(miss, miss_rank, num_entries), ids)
+    entry = torch.arange(num_entries, device=ids.device)
+    flat = (entry // width) * (heads * width) + entry % width + torch.arange(heads, device=ids.device)[:, None] * width
+    load_entries = ids.new_full((num_rows, num_entries + 1), -1)
+    load_entries.scatter_(1, torch.where(miss, miss_rank, num_entries), flat)
     load_slots, load_ids = load_slots[:, :num_entries].contiguous(), load_ids[:, :num_entries].contiguous()
+    load_entries = load_entries[:, :num_entries].contiguous()
 
     loading = load_ids >= 0
     target = torch.where(loading, load_slots, dump_slot)
@@ -175,7 +183,7 @@ def resolve_(
     _move_used_to_back_(tables, partitions, order, now)
     missed = num_misses.sum()
     counts += torch.stack((hit.sum() + missed, missed))
-    return resolved.contiguous(), load_ids, load_slots, num_misses
+    return resolved.contiguous(), load_ids, load_slots, num_misses, load_entries
 
 
 def _move_used_to_back_(tables: LruTables, partitions: torch.Tensor, order: torch.Tensor, now: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ def _resolve_kernel(
     load_ids_ptr,
     load_slots_ptr,
     load_counts_ptr,
+    load_entries_ptr,
     num_entries,
     per_partition,
     width,
@@ -64,13 +65,13 @@ def _resolve_kernel(
     if ONE_TILE:
         distinct_hits, num_misses = _resolve_one_tile(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
+            load_ids_ptr + lists, load_slots_ptr + lists, load_entries_ptr + lists, clock, part, head,
             num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     else:
         distinct_hits, num_misses = _resolve_tiled(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
+            load_ids_ptr + lists, load_slots_ptr + lists, load_entries_ptr + lists, clock, part, head,
             num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
@@ -88,6 +89,7 @@ def _resolve_one_tile(
     slots_ptr,
     load_ids_ptr,
     load_slots_ptr,
+    load_entries_ptr,
     clock,
     part,
     head,
@@ -124,10 +126,13 @@ def _resolve_one_tile(
     loads = missing & (claim == claim_code)
     rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1
     num_misses = tl.sum(loads.to(tl.int32), axis=0)
+    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(load_ids_ptr + rank, ids, mask=loads)
+    tl.store(load_entries_ptr + rank, out, mask=loads)
     rest = inside & (lanes >= num_misses)
     tl.store(load_ids_ptr + lanes, -1, mask=rest)
     tl.store(load_slots_ptr + lanes, -1, mask=rest)
+    tl.store(load_entries_ptr + lanes, -1, mask=rest)
 
     # 3. victims: the first slots of the eviction order not used by this lookup
     tick = tl.load(slot_tick_ptr + order, mask=in_partition, other=0, volatile=True)
@@ -148,7 +153,6 @@ def _resolve_one_tile(
     tl.store(block_slot_ptr + block, target, mask=loading)
     tl.debug_barrier()
     slot = tl.where(missing, tl.load(block_slot_ptr + ids, mask=missing, other=-1, volatile=True), slot)
-    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
     # 5. the eviction order: kept slots compacted in place (every lane read it above), used slots by index
@@ -173,6 +177,7 @@ def _resolve_tiled(
     slots_ptr,
     load_ids_ptr,
     load_slots_ptr,
+    load_entries_ptr,
     clock,
     part,
     head,
@@ -211,12 +216,15 @@ def _resolve_tiled(
         loads = valid & (claim == entry.to(tl.int64) - num_entries - 2)
         rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1 + num_misses
         tl.store(load_ids_ptr + rank, ids, mask=loads)
+        out = (entry // width) * stride_row + head * stride_head + entry % width
+        tl.store(load_entries_ptr + rank, out, mask=loads)
         num_misses += tl.sum(loads.to(tl.int32), axis=0)
     for start in range(0, num_entries, BLOCK):
         entry = start + lanes
         rest = (entry < num_entries) & (entry >= num_misses)
         tl.store(load_ids_ptr + entry, -1, mask=rest)
         tl.store(load_slots_ptr + entry, -1, mask=rest)
+        tl.store(load_entries_ptr + entry, -1, mask=rest)
 
     # 3. victims: the first slots of the eviction order not used by this lookup
     found = zero
@@ -359,10 +367,11 @@ def resolve_(
     *,
     one_tile: bool = True,
     max_tile: int = MAX_TILE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
-    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
+    Returns slots (B, H, U), the load lists (H, B * U), their lengths (H,) and the loads' entries
+    (H, B * U) (see `ops.lru.resolve_`).
     `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
     compare both with the spec). `max_tile`: the widest tile (a power of two) one program holds.
     """
@@ -374,11 +383,12 @@ def resolve_(
     load_ids = ids.new_empty((heads, num_entries))
     load_slots = ids.new_empty((heads, num_entries))
     load_counts = ids.new_empty((heads,))
+    load_entries = ids.new_empty((heads, num_entries))
     block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
     fits = num_entries <= block and per <= block
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
+        counts, slots, load_ids, load_slots, load_counts, load_entries, num_entries, per, width, heads * width, width,
         BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(MAX_WARPS, block // 256)),
     )  # fmt: skip
-    return slots, load_ids, load_slots, load_counts
+    return slots, load_ids, load_slots, load_counts, load_entries
