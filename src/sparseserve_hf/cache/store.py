@@ -12,6 +12,7 @@ import torch
 from ..config import SparseServeConfig
 from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
+from ..ops.lru import MissLists
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
@@ -90,10 +91,9 @@ class TieredBlockStore:
         self.lookup_beside = config.lookup_beside_attention and config.offload and self.ops.begin_decode is not None
         self._lookup_stream: torch.cuda.Stream | None = None  # made by the first lookup beside attention
         # Beside the lookup, the misses are staged by entry (`fetch_beside`): the staging pool
-        # (n, 2, S, D) for the widest selection so far, its entry numbers, the stream copying into it.
+        # (n, 2, S, D) for the widest selection so far, and the stream copying into it.
         self.staged_misses = self.lookup_beside and config.staged_misses
         self._staging: torch.Tensor | None = None
-        self._entry_numbers: torch.Tensor | None = None
         self._staging_stream: torch.cuda.Stream | None = None
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
@@ -312,10 +312,12 @@ class TieredBlockStore:
         """
         self.prepare_fetch(tuple(picked.shape), first_partition)  # may grow the tables: first
         count = None if reads is None else self._load_count(first_partition, picked.shape[1], *reads)
-        block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables, count)
+        block_ids, resident, *lists = self.ops.picked_blocks(
+            table, picked, valid, self.hbm.tables, count, misses=self.staged_misses
+        )
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self.staged_misses:
-            return block_ids, resident, self._lookup_staged(block_ids, resident, first_partition, main)
+            return block_ids, resident, self._lookup_staged(block_ids, MissLists(*lists), first_partition, main)
         if main is None:
             slots = self.fetch(block_ids, first_partition)
             return block_ids, resident, lambda: (slots, None)
@@ -331,20 +333,18 @@ class TieredBlockStore:
         return block_ids, resident, join
 
     def _lookup_staged(
-        self, block_ids: torch.Tensor, resident: torch.Tensor, first_partition: int, main: torch.cuda.Stream | None
+        self, block_ids: torch.Tensor, misses: MissLists, first_partition: int, main: torch.cuda.Stream | None
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """`fetch_beside`'s lookup with the misses staged by entry: one stream copies every entry
-        that is not resident from DRAM into staging[entry] while another resolves the lookup; the
+        """`fetch_beside`'s lookup with the misses staged by entry: one stream copies the entries
+        that are not resident from DRAM into staging[entry] while another resolves the lookup; the
         second then installs the misses from the staging pool. The join returns each used entry's
         staging index and the staging pool, where the late half of attention reads the misses.
         Without CUDA the same steps run in order."""
-        staging, numbers = self._staging, self._entry_numbers[: block_ids.numel()].view(block_ids.shape)
+        staging = self._staging
         copy_side = self._side_stream("_staging_stream") if main is not None else None
         lookup_side = self._side_stream("_lookup_stream") if main is not None else None
         with _on(copy_side, main):
-            missing = torch.where(resident < 0, block_ids, -1)  # -1 entries copy nothing
-            self.hbm.gather_blocks(self.dram.storage, missing.view(-1), staging, numbers.view(-1))
-            staged = torch.where(block_ids >= 0, numbers, -1)
+            self.hbm.gather_blocks(self.dram.storage, misses.ids, staging, misses.entries, misses.counts)
         with _on(lookup_side, main):
             loads = self.hbm.resolve_loads(block_ids, self.dram, first_partition)
             if lookup_side is not None:
@@ -354,7 +354,7 @@ class TieredBlockStore:
         def join() -> tuple[torch.Tensor, torch.Tensor]:
             if main is not None:
                 main.wait_stream(lookup_side)  # which waited for the copy
-            return staged, staging
+            return misses.staged, staging
 
         return join
 
@@ -378,7 +378,6 @@ class TieredBlockStore:
         if self.staged_misses and (self._staging is None or self._staging.shape[0] < entries):
             self._reallocations += self._staging is not None  # a captured step holds the old one
             self._staging = torch.empty((entries, *self.hbm.block_shape), dtype=self.hbm.pool.dtype, device=self.device)
-            self._entry_numbers = torch.arange(entries, device=self.device)
 
     @property
     def epoch(self) -> int:

@@ -24,6 +24,7 @@ entry at the end of each table instead of being filtered out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -93,22 +94,57 @@ def picked_blocks(
     valid: torch.Tensor,
     tables: LruTables,
     count: LoadCount | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    misses: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The DRAM ids of picked blocks and the slots already holding them.
 
     Args:
         table: (B, H, N) each row's DRAM ids; picked, valid: (B, H, U) indices into a row and
             which of them are real.
         count: where to add what the picks read (`reference.account_loads`), or None.
+        misses: also return the lists that stage the misses by entry (`MissLists`).
     Returns:
         block_ids: (B, H, U) `table` at `picked`, -1 where not valid.
         resident: (B, H, U) the slot holding each block, -1 for misses and unused entries: what a
             decode may attend before `resolve_` of the same ids runs (which never moves a block it hits).
+        With `misses`, then the `MissLists` fields in order.
     """
     if count is not None:
         account_loads(count.totals, valid, count.num_blocks, count.tail_len, count.block_size)
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)
-    return block_ids, torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
+    resident = torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
+    if not misses:
+        return block_ids, resident
+    return block_ids, resident, *miss_lists(block_ids, resident)
+
+
+class MissLists(NamedTuple):
+    """Where a step's misses go when staged by entry (entry e = the flat index of (B, H, U)).
+
+    ids, entries: (B * H, U) per (row, KV head) its missing entries' DRAM ids and entry numbers,
+        in entry order, -1 after them; counts: (B * H,) how many. A copy of `ids` -> staging
+        `entries` (`gather_blocks` with `counts`) stages them.
+    staged: (B, H, U) every used entry's number, -1 where unused: where the staged pool holds
+        each entry's block once staged (misses) or never read (hits attend from their slots)."""
+
+    ids: torch.Tensor
+    entries: torch.Tensor
+    counts: torch.Tensor
+    staged: torch.Tensor
+
+
+def miss_lists(block_ids: torch.Tensor, resident: torch.Tensor) -> MissLists:
+    """`MissLists` of a pick: (B, H, U) ids and their resident slots (-1 = missing or unused)."""
+    batch, heads, width = block_ids.shape
+    numbers = torch.arange(block_ids.numel(), device=block_ids.device).view(batch * heads, width)
+    missing = ((resident < 0) & (block_ids >= 0)).view(batch * heads, width)
+    order = torch.argsort((~missing).to(torch.uint8), dim=1, stable=True)  # misses first, in entry order
+    counts = missing.sum(1)
+    listed = torch.arange(width, device=block_ids.device) < counts[:, None]
+    ids = torch.where(listed, block_ids.view(batch * heads, width).gather(1, order), -1)
+    entries = torch.where(listed, numbers.gather(1, order), -1)
+    staged = torch.where(block_ids >= 0, numbers.view(block_ids.shape), -1)
+    return MissLists(ids, entries, counts, staged)
 
 
 def resolve_(

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lru import LruTables
+from .lru import LruTables, MissLists
 from .reference import LOAD_COUNTERS, LoadCount
 
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
@@ -297,13 +297,14 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
 @triton.jit
 def _picked_kernel(
     table_ptr, picked_ptr, valid_ptr, block_slot_ptr, ids_ptr, resident_ptr,
-    totals_ptr, num_blocks_ptr, tail_len_ptr,
+    totals_ptr, num_blocks_ptr, tail_len_ptr, miss_ids_ptr, miss_entries_ptr, miss_counts_ptr, staged_ptr,
     heads, width, stride_tb, stride_th, stride_totals, block_size,
-    BLOCK_U: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_U: tl.constexpr, COUNT: tl.constexpr, MISSES: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * H,): program (b, h) writes its row of the contiguous (B, H, U) outputs: each
     entry's id from the table, its resident slot. COUNT: adds the row's reads to totals[h]
-    (`reference.account_loads`; integer atomics, so the sums are exact in any order)."""
+    (`reference.account_loads`; integer atomics, so the sums are exact in any order). MISSES:
+    writes its row of `lru.MissLists` too."""
     row_head = tl.program_id(0)
     b, h = row_head // heads, row_head % heads
     u = tl.arange(0, BLOCK_U)
@@ -316,6 +317,18 @@ def _picked_kernel(
     slot = tl.load(block_slot_ptr + ids, mask=ids >= 0, other=-1)
     tl.store(ids_ptr + entry, ids, mask=inside)
     tl.store(resident_ptr + entry, slot, mask=inside)
+    if MISSES:
+        missing = (ids >= 0) & (slot < 0)
+        rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+        num_missing = tl.sum(missing.to(tl.int32), axis=0)
+        row = row_head.to(tl.int64) * width
+        tl.store(miss_ids_ptr + row + rank, ids, mask=missing)
+        tl.store(miss_entries_ptr + row + rank, entry, mask=missing)
+        rest = inside & (u >= num_missing)
+        tl.store(miss_ids_ptr + row + u, -1, mask=rest)
+        tl.store(miss_entries_ptr + row + u, -1, mask=rest)
+        tl.store(miss_counts_ptr + row_head, num_missing.to(tl.int64))
+        tl.store(staged_ptr + entry, tl.where(ids >= 0, entry, -1), mask=inside)
     if COUNT:
         blocks = tl.load(num_blocks_ptr + b).to(tl.int64)
         tail = tl.load(tail_len_ptr + b).to(tl.int64)
@@ -336,27 +349,35 @@ def picked_blocks(
     valid: torch.Tensor,
     tables: LruTables,
     count: LoadCount | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.lru.picked_blocks` in one launch (instead of six, and the accounting's). table (B, H, N)
-    with a contiguous last dim; count's totals with contiguous rows."""
+    misses: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """`ops.lru.picked_blocks` in one launch (instead of six, and the accounting's; with `misses`,
+    of a dozen more). table (B, H, N) with a contiguous last dim; count's totals with contiguous rows."""
     assert table.stride(-1) == 1 and picked.shape == valid.shape
     batch, heads, width = picked.shape
     picked, valid = picked.contiguous(), valid.contiguous()
     block_ids = torch.empty(picked.shape, dtype=table.dtype, device=picked.device)
     resident = torch.empty(picked.shape, dtype=tables.block_slot.dtype, device=picked.device)
+    lists = MissLists(
+        ids=block_ids.new_empty((batch * heads, width)),
+        entries=block_ids.new_empty((batch * heads, width)),
+        counts=block_ids.new_zeros((batch * heads,)),
+        staged=torch.empty_like(block_ids),
+    )
+    outputs = (block_ids, resident, *lists) if misses else (block_ids, resident)
     if batch * heads == 0:
-        return block_ids, resident
+        return outputs
     counting = count is not None
     totals = count.totals if counting else resident
     assert not counting or (totals.shape == (heads, LOAD_COUNTERS) and totals.stride(1) == 1)
     _picked_kernel[(batch * heads,)](
         table, picked, valid.view(torch.int8), tables.block_slot, block_ids, resident,
         totals, count.num_blocks.contiguous() if counting else resident,
-        count.tail_len.contiguous() if counting else resident,
+        count.tail_len.contiguous() if counting else resident, *lists,
         heads, width, table.stride(0), table.stride(1), totals.stride(0), count.block_size if counting else 0,
-        BLOCK_U=triton.next_power_of_2(max(width, 16)), COUNT=counting,
+        BLOCK_U=triton.next_power_of_2(max(width, 16)), COUNT=counting, MISSES=misses,
     )  # fmt: skip
-    return block_ids, resident
+    return outputs
 
 
 def resolve_(
