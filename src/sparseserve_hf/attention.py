@@ -178,8 +178,7 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
         q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
         scales=store.scales_of(block_ids),
     )  # fmt: skip
-    index, late_pool = join()
-    return store.ops.finish_decode(pending, index, late_pool)
+    return store.ops.finish_decode(pending, join())
 
 
 def used_columns(

@@ -175,11 +175,6 @@ class SparseServeConfig:
             attends the misses and merges both halves (`ops.begin_decode`): the lookup leaves the
             critical path. The same attention up to the order of float additions. An ablation
             switch.
-        staged_misses: with `lookup_beside_attention`, a step's misses are copied from DRAM into
-            a staging pool by entry (one block per selected entry of the widest step so far) on a
-            third stream as soon as the picked blocks are known, beside the lookup instead of after
-            it; the late half of attention reads them there, and the lookup installs them into
-            their slots from the staging pool (a device-to-device copy). An ablation switch.
         prefix_caching: the `Generator` keeps the full KV blocks of earlier requests' prompts (and
             their outputs) in the DRAM pool, addressed by the tokens before and in each block
             (`cache.prefix_index`), and a new request whose prompt starts with cached blocks
@@ -220,7 +215,6 @@ class SparseServeConfig:
     fused_norms: bool = True
     fused_activation: bool = True
     lookup_beside_attention: bool = True
-    staged_misses: bool = True
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:  # numpy and other integral types become plain ints (JSON, hashing)
@@ -312,7 +306,6 @@ class SparseServeConfig:
         _check_bool("fused_norms", self.fused_norms)
         _check_bool("fused_activation", self.fused_activation)
         _check_bool("lookup_beside_attention", self.lookup_beside_attention)
-        _check_bool("staged_misses", self.staged_misses)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return
         needs = []  # pools may grow (captured again when they move); these a captured step cannot follow

@@ -115,18 +115,16 @@ def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(ll
     assert store.epoch == epoch and runner.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
 
 
-@pytest.mark.parametrize(
-    "beside,staged", [(True, True), (True, False), (False, False)], ids=["staged_beside", "lookup_beside", "lookup_first"]
-)
-def test_static_step_over_a_growing_hbm_cache_equals_the_eager_path(llama, beside, staged, monkeypatch):
+@pytest.mark.parametrize("beside", [True, False], ids=["lookup_beside", "lookup_first"])
+def test_static_step_over_a_growing_hbm_cache_equals_the_eager_path(llama, beside, monkeypatch):
     """An unlimited HBM cache grows during the steps (a new pool and tables, a new epoch), in the
-    lookup's host-side preparation: with the lookup beside attention (its misses staged by entry or
-    not) or before it, the static step keeps the eager path's tokens."""
+    lookup's host-side preparation: with the lookup beside attention or before it, the static step
+    keeps the eager path's tokens."""
     monkeypatch.setattr(block_cache, "UNLIMITED_INITIAL_SLOTS", 120)  # the rows' blocks pass it mid-run
-    config = static_config(hbm_cache_bytes=None, lookup_beside_attention=beside, staged_misses=staged)
+    config = static_config(hbm_cache_bytes=None, lookup_beside_attention=beside)
     reference = EagerReference(llama, static_config(hbm_cache_bytes=None))
     runner = started_runner(llama, config)
-    assert runner.cache.store.lookup_beside == beside and runner.cache.store.staged_misses == staged
+    assert runner.cache.store.lookup_beside == beside
     epochs = set()
     for step in range(STEPS):
         assert torch.equal(runner.step(), reference.step()), f"step {step}"

@@ -170,34 +170,6 @@ def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(poisoned,
     torch.testing.assert_close(halves, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
-def test_late_entries_read_from_a_staging_pool_by_entry(poisoned, dtype, masked):
-    """Misses staged by entry: `finish_decode(..., late_pool=staging)` reads each late entry from
-    staging[its flat entry index] (the pool's slots for it still hold garbage), the resident ones
-    from the pool; kernel and reference equal `sparse_decode` over the final slots."""
-    gen = torch.Generator().manual_seed(7 + masked)
-    query, pool, slots, head_mask, tail_k, tail_v, tail_len = decode_inputs(3, 2, 4, 8, 16, 11, dtype, masked=masked)
-    late = (torch.rand(slots.shape, generator=gen) < 0.3) & (slots >= 0)
-    resident = torch.where(late, -1, slots)
-    entry = torch.arange(slots.numel()).view(slots.shape)
-    staged = torch.where(slots >= 0, entry, -1)  # every used entry may be staged; only late ones are read
-    staging = torch.full((slots.numel(), *pool.shape[1:]), float("nan"), dtype=dtype)
-    staging[entry[late]] = pool[slots[late]]
-    expected = reference.sparse_decode(query, pool, slots, head_mask, tail_k, tail_v, tail_len, 0.3)
-    stale = pool.clone()
-    stale[slots[late]] = float("nan")  # the lookup has not installed them
-    halves = reference.finish_decode(
-        reference.begin_decode(query, stale, resident, head_mask, tail_k, tail_v, tail_len, 0.3), staged, staging
-    )
-    torch.testing.assert_close(halves, expected, rtol=0, atol=0)
-    q, mask, tk, tv, tlen = (x.to(DEVICE) if x is not None else None for x in (query, head_mask, tail_k, tail_v, tail_len))
-    pending = triton_decode.begin_decode(q, stale.to(DEVICE), resident.to(DEVICE), mask, tk, tv, tlen, 0.3, num_splits=3)
-    got = triton_decode.finish_decode(pending, staged.to(DEVICE), staging.to(DEVICE))
-    assert not got.isnan().any()
-    torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
-
-
 @pytest.mark.parametrize("loaded", [0, 40])
 def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, loaded):
     """8-bit blocks with their scales; 40 entries per row all late, so a late program walks several tiles."""

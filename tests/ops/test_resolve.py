@@ -53,13 +53,13 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
     for step in range(25):
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
-        slots, load_ids, load_slots, load_counts, load_entries = lru.resolve_(ids, first, want, want_counts)
-        k_slots, k_ids, k_slots_loaded, k_counts, k_entries = triton_resolve.resolve_(
+        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
+        k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
             ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
         )
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
-        assert torch.equal(k_counts.cpu(), load_counts) and torch.equal(k_entries.cpu(), load_entries), step
+        assert torch.equal(k_counts.cpu(), load_counts), step
         assert_tables_equal(got, want)
         assert torch.equal(got_counts.cpu(), want_counts)
         if step % 6 == 5:  # freed blocks: both sides forget them the same way (the tensor op)
@@ -126,18 +126,6 @@ def test_repeated_lookups_over_a_partition_wider_than_one_tile(max_tile):
     assert (want.slot_block[:-1] >= 0).view(heads, per).all()  # every slot of both partitions in use
 
 
-def assert_miss_lists(ids: torch.Tensor, resident: torch.Tensor, lists: lru.MissLists) -> None:
-    """The lists name exactly the missing entries, in entry order, with their ids (checked by Python loops)."""
-    flat_ids, flat_resident = ids.flatten().tolist(), resident.flatten().tolist()
-    width = ids.shape[2]
-    for row in range(lists.ids.shape[0]):
-        want = [e for e in range(row * width, (row + 1) * width) if flat_ids[e] >= 0 and flat_resident[e] < 0]
-        n = int(lists.counts[row])
-        assert lists.entries[row, :n].tolist() == want and lists.ids[row, :n].tolist() == [flat_ids[e] for e in want]
-        assert (lists.entries[row, n:] == -1).all() and (lists.ids[row, n:] == -1).all()
-    assert lists.staged.flatten().tolist() == [e if i >= 0 else -1 for e, i in enumerate(flat_ids)]
-
-
 def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves():
     """Before each lookup: the kernel's ids and resident slots of a pick, and the reads it counts on
     every other step, equal the spec's, and every resident slot is the one the lookup itself then
@@ -156,20 +144,17 @@ def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves()
         picked = torch.randint(0, table.shape[2], (batch, heads, width), generator=gen)
         valid = torch.rand(picked.shape, generator=gen) < 0.8
         count = reference.LoadCount(want_totals[1:], num_blocks, tail_len, 32) if step % 2 else None
-        ids, resident, *lists = lru.picked_blocks(table, picked, valid, tables, count, misses=True)
+        ids, resident = lru.picked_blocks(table, picked, valid, tables, count)
         assert torch.equal(ids, torch.where(valid, torch.gather(table, 2, picked), -1))
-        assert_miss_lists(ids, resident, lru.MissLists(*lists))
         on_device = (
             None
             if count is None
             else reference.LoadCount(got_totals[1:], num_blocks.to(DEVICE), tail_len.to(DEVICE), 32)
         )
-        got_ids, got_resident, *got_lists = triton_resolve.picked_blocks(
-            table.to(DEVICE), picked.to(DEVICE), valid.to(DEVICE), copy_tables(tables, DEVICE), on_device, misses=True
+        got_ids, got_resident = triton_resolve.picked_blocks(
+            table.to(DEVICE), picked.to(DEVICE), valid.to(DEVICE), copy_tables(tables, DEVICE), on_device
         )
         assert torch.equal(got_ids.cpu(), ids) and torch.equal(got_resident.cpu(), resident), step
-        for got, want in zip(got_lists, lists):
-            assert torch.equal(got.cpu(), want), step
         assert torch.equal(got_totals.cpu(), want_totals), step
         slots, *_ = lru.resolve_(ids, 0, tables, counts)
         assert bool(((resident == slots) | (resident == -1)).all()), step

@@ -21,17 +21,6 @@ def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
     return (num_slots // partitions) // entries_per_row
 
 
-@dataclasses.dataclass(frozen=True)
-class Loads:
-    """A resolved lookup (`ops.lru.resolve_`'s outputs): the entries' slots and the misses to copy."""
-
-    slots: torch.Tensor
-    load_ids: torch.Tensor
-    load_slots: torch.Tensor
-    load_counts: torch.Tensor
-    load_entries: torch.Tensor
-
-
 class HbmBlockCache:
     """An LRU cache of DRAM head-blocks in device memory, for all requests.
 
@@ -145,36 +134,21 @@ class HbmBlockCache:
         cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
         where unused; the counters `counts()` reads are updated too.
         """
-        loads = self.resolve_loads(block_ids, dram, first_partition)
-        self.install(loads, dram.storage)
-        return loads.slots.view(block_ids.shape)
-
-    @plain_tensors
-    def resolve_loads(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> Loads:
-        """The first half of `lookup`: hits, victims and the updated tables, with the misses still to copy.
-
-        The tables call the misses resident from here on: `install` must follow before anything
-        reads their slots."""
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
         self.prepare(tuple(block_ids.shape), dram, first_partition)
         selection = block_ids.to(self.device)
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
-        return Loads(*self.resolve(selection, first_partition, self.tables, self._counts))
-
-    def install(self, loads: Loads, source: torch.Tensor, by_entry: bool = False) -> None:
-        """The second half of `lookup`: copy the misses into their slots from `source`: the DRAM
-        pool (at their DRAM ids), or with `by_entry` a staging pool holding each selected entry's
-        block at the entry's flat index (at their claiming entries)."""
+        slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
-            source_ids = loads.load_entries if by_entry else loads.load_ids
-            self.gather_blocks(source, source_ids, self.pool, loads.load_slots, loads.load_counts)
+            self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
         except BaseException:
             # The tables already call the misses resident: forget them, or a later lookup would
             # hit slots that never received their blocks.
-            lru.forget_(loads.load_ids.view(-1), self.tables)
+            lru.forget_(load_ids.view(-1), self.tables)
             raise
+        return slots.view(block_ids.shape)
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one

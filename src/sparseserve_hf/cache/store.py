@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +10,6 @@ import torch
 from ..config import SparseServeConfig
 from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
-from ..ops.lru import MissLists
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
 from .dram_pool import DramPool
@@ -90,11 +87,6 @@ class TieredBlockStore:
         # backend splits its attention (`ops.begin_decode`) and an LRU cache sits before the pool.
         self.lookup_beside = config.lookup_beside_attention and config.offload and self.ops.begin_decode is not None
         self._lookup_stream: torch.cuda.Stream | None = None  # made by the first lookup beside attention
-        # Beside the lookup, the misses are staged by entry (`fetch_beside`): the staging pool
-        # (n, 2, S, D) for the widest selection so far, and the stream copying into it.
-        self.staged_misses = self.lookup_beside and config.staged_misses
-        self._staging: torch.Tensor | None = None
-        self._staging_stream: torch.cuda.Stream | None = None
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
@@ -301,68 +293,32 @@ class TieredBlockStore:
         Returns:
             block_ids: (B, Hkv, U) their DRAM ids, -1 where not valid.
             resident: (B, Hkv, U) the slots of those already in the HBM cache, -1 elsewhere.
-            join: makes the current stream wait for the lookup and returns (index, pool): where
-                each entry's block is to be read, in `pool`. With `staged_misses` the staging
-                pool at entry numbers (`_lookup_staged`); else the HBM slots, as `fetch` returns
-                them, and None for the cache's own pool. The lookup (LRU update, victims, the copy
-                of the misses) runs on CUDA on a high-priority side stream, elsewhere at once. It
-                never evicts a block its selection uses, so the resident slots keep their blocks
-                meanwhile.
+            join: makes the current stream wait for the lookup and returns every entry's slot, as
+                `fetch` would. The lookup (LRU update, victims, the copy of the misses) runs on CUDA
+                on a high-priority side stream, elsewhere at once. It never evicts a block its
+                selection uses, so the resident slots keep their blocks meanwhile.
         Launches only, no host sync.
         """
-        self.prepare_fetch(tuple(picked.shape), first_partition)  # may grow the tables: first
+        self.wait_for_saves()
+        self.hbm.prepare(tuple(picked.shape), self.dram, first_partition)  # may grow the tables: first
         count = None if reads is None else self._load_count(first_partition, picked.shape[1], *reads)
-        block_ids, resident, *lists = self.ops.picked_blocks(
-            table, picked, valid, self.hbm.tables, count, misses=self.staged_misses
-        )
+        block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables, count)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self.staged_misses:
-            return block_ids, resident, self._lookup_staged(block_ids, MissLists(*lists), first_partition, main)
         if main is None:
             slots = self.fetch(block_ids, first_partition)
-            return block_ids, resident, lambda: (slots, None)
-        side = self._side_stream("_lookup_stream")
+            return block_ids, resident, lambda: slots
+        if self._lookup_stream is None:
+            self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
+        side = self._lookup_stream
         side.wait_stream(main)  # the selection is written there
         with torch.cuda.stream(side):
             slots = self.fetch(block_ids, first_partition)
 
-        def join() -> tuple[torch.Tensor, None]:
+        def join() -> torch.Tensor:
             main.wait_stream(side)
-            return slots, None
+            return slots
 
         return block_ids, resident, join
-
-    def _lookup_staged(
-        self, block_ids: torch.Tensor, misses: MissLists, first_partition: int, main: torch.cuda.Stream | None
-    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """`fetch_beside`'s lookup with the misses staged by entry: one stream copies the entries
-        that are not resident from DRAM into staging[entry] while another resolves the lookup; the
-        second then installs the misses from the staging pool. The join returns each used entry's
-        staging index and the staging pool, where the late half of attention reads the misses.
-        Without CUDA the same steps run in order."""
-        staging = self._staging
-        copy_side = self._side_stream("_staging_stream") if main is not None else None
-        lookup_side = self._side_stream("_lookup_stream") if main is not None else None
-        with _on(copy_side, main):
-            self.hbm.gather_blocks(self.dram.storage, misses.ids, staging, misses.entries, misses.counts)
-        with _on(lookup_side, main):
-            loads = self.hbm.resolve_loads(block_ids, self.dram, first_partition)
-            if lookup_side is not None:
-                lookup_side.wait_stream(copy_side)  # the install reads the staged blocks
-            self.hbm.install(loads, staging, by_entry=True)
-
-        def join() -> tuple[torch.Tensor, torch.Tensor]:
-            if main is not None:
-                main.wait_stream(lookup_side)  # which waited for the copy
-            return misses.staged, staging
-
-        return join
-
-    def _side_stream(self, name: str) -> torch.cuda.Stream:
-        """A high-priority stream of this store's, made on first use (its few programs start first)."""
-        if getattr(self, name) is None:
-            setattr(self, name, torch.cuda.Stream(self.device, priority=-1))
-        return getattr(self, name)
 
     def scales_of(self, block_ids: torch.Tensor) -> torch.Tensor | None:
         """8-bit blocks: the key and value scales of each entry of `block_ids` (B, Hkv, U), as
@@ -374,10 +330,6 @@ class TieredBlockStore:
         asynchronous saves, check and grow the device cache (a captured fetch runs no Python)."""
         self.wait_for_saves()
         self.hbm.prepare(shape, self.dram, first_partition)
-        entries = math.prod(shape)
-        if self.staged_misses and (self._staging is None or self._staging.shape[0] < entries):
-            self._reallocations += self._staging is not None  # a captured step holds the old one
-            self._staging = torch.empty((entries, *self.hbm.block_shape), dtype=self.hbm.pool.dtype, device=self.device)
 
     @property
     def epoch(self) -> int:
@@ -397,8 +349,6 @@ class TieredBlockStore:
         own = {"dram": self.dram.storage, "metadata": self.metadata, "load_totals": self.load_totals}
         if self.block_scales is not None:
             own["block_scales"] = self.block_scales
-        if self._staging is not None:
-            own["staging"] = self._staging
         return own | self.hbm.graph_tensors()
 
     @property
@@ -535,14 +485,3 @@ def _check_store_args(config: object, ops: object, head_dim: object, dtype: obje
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-
-
-@contextlib.contextmanager
-def _on(side: torch.cuda.Stream | None, main: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run the block's launches on `side` after what `main` has queued so far (in order without CUDA)."""
-    if side is None:
-        yield
-        return
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield

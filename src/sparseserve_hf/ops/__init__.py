@@ -44,7 +44,7 @@ class BlockOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
-    picked_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.picked_blocks`
+    picked_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # signature as `ops.lru.picked_blocks`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec

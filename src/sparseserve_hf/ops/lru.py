@@ -24,7 +24,6 @@ entry at the end of each table instead of being filtered out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -94,62 +93,27 @@ def picked_blocks(
     valid: torch.Tensor,
     tables: LruTables,
     count: LoadCount | None = None,
-    misses: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The DRAM ids of picked blocks and the slots already holding them.
 
     Args:
         table: (B, H, N) each row's DRAM ids; picked, valid: (B, H, U) indices into a row and
             which of them are real.
         count: where to add what the picks read (`reference.account_loads`), or None.
-        misses: also return the lists that stage the misses by entry (`MissLists`).
     Returns:
         block_ids: (B, H, U) `table` at `picked`, -1 where not valid.
         resident: (B, H, U) the slot holding each block, -1 for misses and unused entries: what a
             decode may attend before `resolve_` of the same ids runs (which never moves a block it hits).
-        With `misses`, then the `MissLists` fields in order.
     """
     if count is not None:
         account_loads(count.totals, valid, count.num_blocks, count.tail_len, count.block_size)
     block_ids = torch.where(valid, torch.gather(table, 2, picked), -1)
-    resident = torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
-    if not misses:
-        return block_ids, resident
-    return block_ids, resident, *miss_lists(block_ids, resident)
-
-
-class MissLists(NamedTuple):
-    """Where a step's misses go when staged by entry (entry e = the flat index of (B, H, U)).
-
-    ids, entries: (B * H, U) per (row, KV head) its missing entries' DRAM ids and entry numbers,
-        in entry order, -1 after them; counts: (B * H,) how many. A copy of `ids` -> staging
-        `entries` (`gather_blocks` with `counts`) stages them.
-    staged: (B, H, U) every used entry's number, -1 where unused: where the staged pool holds
-        each entry's block once staged (misses) or never read (hits attend from their slots)."""
-
-    ids: torch.Tensor
-    entries: torch.Tensor
-    counts: torch.Tensor
-    staged: torch.Tensor
-
-
-def miss_lists(block_ids: torch.Tensor, resident: torch.Tensor) -> MissLists:
-    """`MissLists` of a pick: (B, H, U) ids and their resident slots (-1 = missing or unused)."""
-    batch, heads, width = block_ids.shape
-    numbers = torch.arange(block_ids.numel(), device=block_ids.device).view(batch * heads, width)
-    missing = ((resident < 0) & (block_ids >= 0)).view(batch * heads, width)
-    order = torch.argsort((~missing).to(torch.uint8), dim=1, stable=True)  # misses first, in entry order
-    counts = missing.sum(1)
-    listed = torch.arange(width, device=block_ids.device) < counts[:, None]
-    ids = torch.where(listed, block_ids.view(batch * heads, width).gather(1, order), -1)
-    entries = torch.where(listed, numbers.gather(1, order), -1)
-    staged = torch.where(block_ids >= 0, numbers.view(block_ids.shape), -1)
-    return MissLists(ids, entries, counts, staged)
+    return block_ids, torch.where(block_ids >= 0, tables.block_slot[block_ids.clamp(min=0)], -1)
 
 
 def resolve_(
     selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
     Head h's entries form one row, in (row, entry) order: E = B * U entries, partition
@@ -167,9 +131,6 @@ def resolve_(
         load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
             first appearance), -1 after them.
         load_counts: (H,) long, the misses of each head (the live prefix of its load lists).
-        load_entries: (H, E) for each load, the flat index into `selection` (contiguous) of the
-            entry that claimed it (its block's first entry), -1 after them: where a copy of the
-            block staged by entry (`TieredBlockStore.fetch_beside`) can be read.
     """
     batch, heads, width = selection.shape
     ids = selection.transpose(0, 1).reshape(heads, batch * width)  # (H, E)
@@ -198,12 +159,7 @@ def resolve_(
     miss_rank = miss.cumsum(1) - 1
     load_ids = ids.new_full((num_rows, num_entries + 1), -1)
     load_ids.scatter_(1, torch.where(miss, miss_rank, num_entries), ids)
-    entry = torch.arange(num_entries, device=ids.device)
-    flat = (entry // width) * (heads * width) + entry % width + torch.arange(heads, device=ids.device)[:, None] * width
-    load_entries = ids.new_full((num_rows, num_entries + 1), -1)
-    load_entries.scatter_(1, torch.where(miss, miss_rank, num_entries), flat)
     load_slots, load_ids = load_slots[:, :num_entries].contiguous(), load_ids[:, :num_entries].contiguous()
-    load_entries = load_entries[:, :num_entries].contiguous()
 
     loading = load_ids >= 0
     target = torch.where(loading, load_slots, dump_slot)
@@ -219,7 +175,7 @@ def resolve_(
     _move_used_to_back_(tables, partitions, order, now)
     missed = num_misses.sum()
     counts += torch.stack((hit.sum() + missed, missed))
-    return resolved.contiguous(), load_ids, load_slots, num_misses, load_entries
+    return resolved.contiguous(), load_ids, load_slots, num_misses
 
 
 def _move_used_to_back_(tables: LruTables, partitions: torch.Tensor, order: torch.Tensor, now: torch.Tensor) -> None:

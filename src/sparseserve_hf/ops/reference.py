@@ -299,35 +299,19 @@ def sparse_decode(
     Returns:
         (B, Hq, D) in the query's dtype.
     """
-    # Unused entries read slot 0 (clamped) and are zeroed, not just weighted by zero: a pool slot
-    # may hold uninitialized memory (the device pool with offload=False), and 0 * NaN is NaN.
-    blocks = pool[slots.clamp(min=0)]  # (B, Hkv, U, 2, S, D)
-    return _attend_blocks(query, blocks, slots >= 0, head_mask, tail_keys, tail_values, tail_len, scaling, scales)
-
-
-def _attend_blocks(
-    query: torch.Tensor,
-    blocks: torch.Tensor,
-    used_entries: torch.Tensor,
-    head_mask: torch.Tensor | None,
-    tail_keys: torch.Tensor,
-    tail_values: torch.Tensor,
-    tail_len: torch.Tensor,
-    scaling: float,
-    scales: torch.Tensor | None,
-) -> torch.Tensor:
-    """`sparse_decode` over the loaded blocks themselves: blocks (B, Hkv, U, 2, S, D), used_entries (B, Hkv, U)."""
     batch, num_q_heads, dim = query.shape
-    num_kv_heads, block_size = tail_keys.shape[1], blocks.shape[-2]
+    num_kv_heads, block_size = tail_keys.shape[1], pool.shape[2]
     group = num_q_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, dim)  # (B, Hkv, G, D)
-    used = used_entries[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
-    blocks = blocks.float()
+    used = (slots >= 0)[..., None, None, None]  # (B, Hkv, U, 1, 1, 1)
+    # Unused entries read slot 0 (clamped) and are zeroed, not just weighted by zero: a pool slot
+    # may hold uninitialized memory (the device pool with offload=False), and 0 * NaN is NaN.
+    blocks = pool[slots.clamp(min=0)].float()  # (B, Hkv, U, 2, S, D)
     if scales is not None:
         blocks = blocks * scales[..., None, None]
     blocks = torch.where(used, blocks, 0)
     block_logits = torch.einsum("bhgd,bhusd->bhgus", q, blocks[:, :, :, 0]) * scaling  # (B, Hkv, G, U, S)
-    attended = used_entries[:, :, None, :]  # (B, Hkv, 1, U)
+    attended = (slots >= 0)[:, :, None, :]  # (B, Hkv, 1, U)
     if head_mask is not None:
         attended = attended & head_mask.view(batch, num_kv_heads, group, -1)
     block_logits = block_logits.masked_fill(~attended[..., None], float("-inf")).flatten(3)  # (B, Hkv, G, U*S)
@@ -361,37 +345,14 @@ def begin_decode(
     >= 0), as this spec computes it; a kernel merges the halves' partials instead (the same up
     to the order of float additions). Arguments as `sparse_decode`; `scales` covers every entry."""
     return functools.partial(
-        _decode_final, query, pool, resident=resident, head_mask=head_mask, tail_keys=tail_keys,
-        tail_values=tail_values, tail_len=tail_len, scaling=scaling, scales=scales,
+        sparse_decode, query, pool, head_mask=head_mask, tail_keys=tail_keys, tail_values=tail_values,
+        tail_len=tail_len, scaling=scaling, scales=scales,
     )  # fmt: skip
 
 
-def _decode_final(query: torch.Tensor, pool: torch.Tensor, *, slots: torch.Tensor, resident: torch.Tensor, **kw) -> torch.Tensor:
-    """`sparse_decode` over the final slots (`resident` is what `finish_decode` may read instead)."""
-    return sparse_decode(query, pool, slots, **kw)
-
-
-def finish_decode(
-    pending: functools.partial, slots: torch.Tensor, late_pool: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The second half of `begin_decode`: attention over every entry's slot, (B, Hq, D).
-
-    `late_pool` (n, 2, S, D): the entries that were not resident are read from it, at `slots`
-    (B, Hkv, U) indexes into it, instead of from the pool (misses staged by entry beside the lookup)."""
-    if late_pool is None:
-        return pending(slots=slots)
-    query, pool = pending.args
-    resident = pending.keywords["resident"]
-    late = (resident < 0) & (slots >= 0)
-    blocks = torch.where(
-        late[..., None, None, None], late_pool[slots.clamp(min=0)].to(pool.device), pool[resident.clamp(min=0)]
-    )
-    keywords = {k: v for k, v in pending.keywords.items() if k != "resident"}
-    used = (resident >= 0) | late
-    return _attend_blocks(
-        query, blocks, used, keywords["head_mask"], keywords["tail_keys"], keywords["tail_values"],
-        keywords["tail_len"], keywords["scaling"], keywords["scales"],
-    )  # fmt: skip
+def finish_decode(pending: functools.partial, slots: torch.Tensor) -> torch.Tensor:
+    """The second half of `begin_decode`: attention over every entry's slot, (B, Hq, D)."""
+    return pending(slots=slots)
 
 
 def hybrid_parts(metadata: torch.Tensor) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:

@@ -300,14 +300,11 @@ def begin_decode(
     )
 
 
-def finish_decode(pending: PendingDecode, slots: torch.Tensor, late_pool: torch.Tensor | None = None) -> torch.Tensor:
+def finish_decode(pending: PendingDecode, slots: torch.Tensor) -> torch.Tensor:
     """Attend the entries `begin_decode` left out (resident -1, `slots` (B, Hkv, U) >= 0; where
-    resident holds a slot, `slots` holds the same), merge every partial: (B, Hq, D). Launches only.
-    `late_pool`: read those entries from it at `slots` instead of from the pool (as the reference)."""
+    resident holds a slot, `slots` holds the same), merge every partial: (B, Hq, D). Launches only."""
     resident = pending.resident
     assert slots.shape == resident.shape
-    pool = pending.pool if late_pool is None else late_pool
-    assert pool.is_contiguous() and pool.dtype == pending.pool.dtype and pool.shape[1:] == pending.pool.shape[1:]
     batch, num_kv_heads, num_loaded = resident.shape
     slots = slots.contiguous()
     late_entries = torch.empty(
@@ -316,7 +313,7 @@ def finish_decode(pending: PendingDecode, slots: torch.Tensor, late_pool: torch.
         device=resident.device,
     )
     first_part = pending.num_splits + 1
-    _launch_split(pending, slots, late_entries, pending.num_splits, first_part, None, None, None, late=True, pool=pool)
+    _launch_split(pending, slots, late_entries, pending.num_splits, first_part, None, None, None, late=True)
     return _merge(pending)
 
 
@@ -376,12 +373,10 @@ def _launch_split(
     tail_values: torch.Tensor | None,
     tail_len: torch.Tensor | None,
     late: bool,
-    pool: torch.Tensor | None = None,
 ) -> None:
     """One launch of the split kernel: (B * Hkv, programs_per_row) programs writing partials from
-    `first_part` on. A late launch has no tail program (its tail pointers are unused). `pool`: the
-    blocks' pool where it is not the pending decode's."""
-    query, pool = pending.query, pending.pool if pool is None else pool
+    `first_part` on. A late launch has no tail program (its tail pointers are unused)."""
+    query = pending.query
     mask = pending.head_mask if pending.head_mask is not None else slots  # slots: an unused pointer
     scale_table = pending.scales if pending.scales is not None else query  # query: an unused pointer
     batch, num_q_heads, dim = query.shape
@@ -395,7 +390,7 @@ def _launch_split(
     part_m, part_l, part_acc = pending.parts
     block_size = pending.pool.shape[2]
     _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
-        query, pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
+        query, pending.pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
         part_m, part_l, part_acc, pending.resident, late_entries,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lru import LruTables, MissLists
+from .lru import LruTables
 from .reference import LOAD_COUNTERS, LoadCount
 
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
@@ -42,7 +42,6 @@ def _resolve_kernel(
     load_ids_ptr,
     load_slots_ptr,
     load_counts_ptr,
-    load_entries_ptr,
     num_entries,
     per_partition,
     width,
@@ -65,13 +64,13 @@ def _resolve_kernel(
     if ONE_TILE:
         distinct_hits, num_misses = _resolve_one_tile(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, load_entries_ptr + lists, clock, part, head,
+            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
             num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     else:
         distinct_hits, num_misses = _resolve_tiled(
             ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, load_entries_ptr + lists, clock, part, head,
+            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
             num_entries, per_partition, width, stride_row, stride_head, BLOCK,
         )  # fmt: skip
     tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
@@ -89,7 +88,6 @@ def _resolve_one_tile(
     slots_ptr,
     load_ids_ptr,
     load_slots_ptr,
-    load_entries_ptr,
     clock,
     part,
     head,
@@ -126,13 +124,10 @@ def _resolve_one_tile(
     loads = missing & (claim == claim_code)
     rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1
     num_misses = tl.sum(loads.to(tl.int32), axis=0)
-    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(load_ids_ptr + rank, ids, mask=loads)
-    tl.store(load_entries_ptr + rank, out, mask=loads)
     rest = inside & (lanes >= num_misses)
     tl.store(load_ids_ptr + lanes, -1, mask=rest)
     tl.store(load_slots_ptr + lanes, -1, mask=rest)
-    tl.store(load_entries_ptr + lanes, -1, mask=rest)
 
     # 3. victims: the first slots of the eviction order not used by this lookup
     tick = tl.load(slot_tick_ptr + order, mask=in_partition, other=0, volatile=True)
@@ -153,6 +148,7 @@ def _resolve_one_tile(
     tl.store(block_slot_ptr + block, target, mask=loading)
     tl.debug_barrier()
     slot = tl.where(missing, tl.load(block_slot_ptr + ids, mask=missing, other=-1, volatile=True), slot)
+    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
     tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
     # 5. the eviction order: kept slots compacted in place (every lane read it above), used slots by index
@@ -177,7 +173,6 @@ def _resolve_tiled(
     slots_ptr,
     load_ids_ptr,
     load_slots_ptr,
-    load_entries_ptr,
     clock,
     part,
     head,
@@ -216,15 +211,12 @@ def _resolve_tiled(
         loads = valid & (claim == entry.to(tl.int64) - num_entries - 2)
         rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1 + num_misses
         tl.store(load_ids_ptr + rank, ids, mask=loads)
-        out = (entry // width) * stride_row + head * stride_head + entry % width
-        tl.store(load_entries_ptr + rank, out, mask=loads)
         num_misses += tl.sum(loads.to(tl.int32), axis=0)
     for start in range(0, num_entries, BLOCK):
         entry = start + lanes
         rest = (entry < num_entries) & (entry >= num_misses)
         tl.store(load_ids_ptr + entry, -1, mask=rest)
         tl.store(load_slots_ptr + entry, -1, mask=rest)
-        tl.store(load_entries_ptr + entry, -1, mask=rest)
 
     # 3. victims: the first slots of the eviction order not used by this lookup
     found = zero
@@ -297,14 +289,13 @@ def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head
 @triton.jit
 def _picked_kernel(
     table_ptr, picked_ptr, valid_ptr, block_slot_ptr, ids_ptr, resident_ptr,
-    totals_ptr, num_blocks_ptr, tail_len_ptr, miss_ids_ptr, miss_entries_ptr, miss_counts_ptr, staged_ptr,
+    totals_ptr, num_blocks_ptr, tail_len_ptr,
     heads, width, stride_tb, stride_th, stride_totals, block_size,
-    BLOCK_U: tl.constexpr, COUNT: tl.constexpr, MISSES: tl.constexpr,
+    BLOCK_U: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * H,): program (b, h) writes its row of the contiguous (B, H, U) outputs: each
     entry's id from the table, its resident slot. COUNT: adds the row's reads to totals[h]
-    (`reference.account_loads`; integer atomics, so the sums are exact in any order). MISSES:
-    writes its row of `lru.MissLists` too."""
+    (`reference.account_loads`; integer atomics, so the sums are exact in any order)."""
     row_head = tl.program_id(0)
     b, h = row_head // heads, row_head % heads
     u = tl.arange(0, BLOCK_U)
@@ -317,18 +308,6 @@ def _picked_kernel(
     slot = tl.load(block_slot_ptr + ids, mask=ids >= 0, other=-1)
     tl.store(ids_ptr + entry, ids, mask=inside)
     tl.store(resident_ptr + entry, slot, mask=inside)
-    if MISSES:
-        missing = (ids >= 0) & (slot < 0)
-        rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        num_missing = tl.sum(missing.to(tl.int32), axis=0)
-        row = row_head.to(tl.int64) * width
-        tl.store(miss_ids_ptr + row + rank, ids, mask=missing)
-        tl.store(miss_entries_ptr + row + rank, entry, mask=missing)
-        rest = inside & (u >= num_missing)
-        tl.store(miss_ids_ptr + row + u, -1, mask=rest)
-        tl.store(miss_entries_ptr + row + u, -1, mask=rest)
-        tl.store(miss_counts_ptr + row_head, num_missing.to(tl.int64))
-        tl.store(staged_ptr + entry, tl.where(ids >= 0, entry, -1), mask=inside)
     if COUNT:
         blocks = tl.load(num_blocks_ptr + b).to(tl.int64)
         tail = tl.load(tail_len_ptr + b).to(tl.int64)
@@ -349,35 +328,27 @@ def picked_blocks(
     valid: torch.Tensor,
     tables: LruTables,
     count: LoadCount | None = None,
-    misses: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """`ops.lru.picked_blocks` in one launch (instead of six, and the accounting's; with `misses`,
-    of a dozen more). table (B, H, N) with a contiguous last dim; count's totals with contiguous rows."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.lru.picked_blocks` in one launch (instead of six, and the accounting's). table (B, H, N)
+    with a contiguous last dim; count's totals with contiguous rows."""
     assert table.stride(-1) == 1 and picked.shape == valid.shape
     batch, heads, width = picked.shape
     picked, valid = picked.contiguous(), valid.contiguous()
     block_ids = torch.empty(picked.shape, dtype=table.dtype, device=picked.device)
     resident = torch.empty(picked.shape, dtype=tables.block_slot.dtype, device=picked.device)
-    lists = MissLists(
-        ids=block_ids.new_empty((batch * heads, width)),
-        entries=block_ids.new_empty((batch * heads, width)),
-        counts=block_ids.new_zeros((batch * heads,)),
-        staged=torch.empty_like(block_ids),
-    )
-    outputs = (block_ids, resident, *lists) if misses else (block_ids, resident)
     if batch * heads == 0:
-        return outputs
+        return block_ids, resident
     counting = count is not None
     totals = count.totals if counting else resident
     assert not counting or (totals.shape == (heads, LOAD_COUNTERS) and totals.stride(1) == 1)
     _picked_kernel[(batch * heads,)](
         table, picked, valid.view(torch.int8), tables.block_slot, block_ids, resident,
         totals, count.num_blocks.contiguous() if counting else resident,
-        count.tail_len.contiguous() if counting else resident, *lists,
+        count.tail_len.contiguous() if counting else resident,
         heads, width, table.stride(0), table.stride(1), totals.stride(0), count.block_size if counting else 0,
-        BLOCK_U=triton.next_power_of_2(max(width, 16)), COUNT=counting, MISSES=misses,
+        BLOCK_U=triton.next_power_of_2(max(width, 16)), COUNT=counting,
     )  # fmt: skip
-    return outputs
+    return block_ids, resident
 
 
 def resolve_(
@@ -388,11 +359,10 @@ def resolve_(
     *,
     one_tile: bool = True,
     max_tile: int = MAX_TILE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
 
-    Returns slots (B, H, U), the load lists (H, B * U), their lengths (H,) and the loads' entries
-    (H, B * U) (see `ops.lru.resolve_`).
+    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
     `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
     compare both with the spec). `max_tile`: the widest tile (a power of two) one program holds.
     """
@@ -404,12 +374,11 @@ def resolve_(
     load_ids = ids.new_empty((heads, num_entries))
     load_slots = ids.new_empty((heads, num_entries))
     load_counts = ids.new_empty((heads,))
-    load_entries = ids.new_empty((heads, num_entries))
     block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
     fits = num_entries <= block and per <= block
     _resolve_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, load_ids, load_slots, load_counts, load_entries, num_entries, per, width, heads * width, width,
+        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
         BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(MAX_WARPS, block // 256)),
     )  # fmt: skip
-    return slots, load_ids, load_slots, load_counts, load_entries
+    return slots, load_ids, load_slots, load_counts
