@@ -41,12 +41,12 @@ _MARKERS = (
     "    # 5. the eviction",
     "    return distinct_hits",
 )
-_CLOCK = '''
+_CLOCK = """
 @triton.jit
 def _clock(x):
     return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
 
-'''
+"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,8 +75,14 @@ def instrumented_source(source: str) -> str:
         body = replace_once(body, marker, f"    tl.store(clocks_ptr + head * 8 + {index}, _clock(head))\n{marker}")
     body = replace_once(body, "    BLOCK: tl.constexpr,\n):", "    BLOCK: tl.constexpr,\n    clocks_ptr,\n):")
     text = source[:start] + body + source[end:]
-    text = replace_once(text, "    num_entries,\n    per_partition,", "    clocks_ptr,\n    num_entries,\n    per_partition,")
-    text = replace_once(text, "stride_head, BLOCK,\n        )  # fmt: skip\n    else:", "stride_head, BLOCK, clocks_ptr,\n        )  # fmt: skip\n    else:")
+    text = replace_once(
+        text, "    num_entries,\n    per_partition,", "    clocks_ptr,\n    num_entries,\n    per_partition,"
+    )
+    text = replace_once(
+        text,
+        "stride_head, BLOCK,\n        )  # fmt: skip\n    else:",
+        "stride_head, BLOCK, clocks_ptr,\n        )  # fmt: skip\n    else:",
+    )
     text = replace_once(text, "num_entries, per, width,", "CLOCKS, num_entries, per, width,")
     text = replace_once(text, "num_warps=max(4, min(MAX_WARPS, block // 256))", "num_warps=MAX_WARPS")
     return replace_once(text, "@triton.jit\ndef _resolve_kernel(", _CLOCK + "\n@triton.jit\ndef _resolve_kernel(")
@@ -100,7 +106,9 @@ def load_instrumented() -> Any:
     return module
 
 
-def lookups(batch: int, heads: int, steps: int, device: torch.device, blocks: int, width: int, picks: int, working: int):
+def lookups(
+    batch: int, heads: int, steps: int, device: torch.device, blocks: int, width: int, picks: int, working: int
+):
     """`steps` (B, H, width) DRAM-id selections: each (row, head) picks `picks` of a drifting working set."""
     base = (torch.arange(batch, device=device)[:, None] * heads + torch.arange(heads, device=device)) * blocks
     members = torch.stack([torch.randperm(blocks, device=device)[:working] for _ in range(batch * heads)])
@@ -112,6 +120,25 @@ def lookups(batch: int, heads: int, steps: int, device: torch.device, blocks: in
         ids = torch.full((batch, heads, width), -1, dtype=torch.long, device=device)
         ids[..., :picks] = torch.gather(members, -1, pick) + base[..., None]
         yield ids
+
+
+def time_phases(probe: Any, warps: int, selections: list[torch.Tensor], tables: Any, counts: torch.Tensor) -> dict:
+    """The instrumented lookup at `warps` warps over `selections` (cycled): its launch time and
+    the mean time of each phase over its programs, in microseconds."""
+    import triton
+
+    probe.MAX_WARPS = warps
+    heads = selections[0].shape[1]
+    cycle = itertools.cycle(selections)
+    probe.CLOCKS = torch.zeros(heads * 8, dtype=torch.long, device=counts.device)
+    launch_us = 1000 * triton.testing.do_bench(lambda: probe.resolve_(next(cycle), 0, tables, counts))
+    for _ in range(3):  # the last launch's clocks count
+        probe.resolve_(next(cycle), 0, tables, counts)
+    torch.cuda.synchronize()
+    stamps = probe.CLOCKS.view(heads, 8)[:, : len(_MARKERS)].double()
+    cycles_per_us = torch.cuda.get_device_properties(counts.device).clock_rate / 1000  # kHz -> per us
+    phase_us = ((stamps[:, 1:] - stamps[:, :-1]) / cycles_per_us).mean(0).tolist()
+    return {"launch_us": launch_us, "phase_us": dict(zip(PHASES, phase_us)), "phases_total_us": sum(phase_us)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -137,21 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     probe = None if device.type != "cuda" else load_instrumented()
     rows = []
     for warps in args.warps:
-        row: dict[str, Any] = {"warps": warps}
-        if probe is not None:
-            import triton
-
-            probe.MAX_WARPS = warps
-            cycle = itertools.cycle(selections[80:])
-            probe.CLOCKS = torch.zeros(args.heads * 8, dtype=torch.long, device=device)
-            row["launch_us"] = 1000 * triton.testing.do_bench(lambda: probe.resolve_(next(cycle), 0, tables, counts))
-            for _ in range(3):  # the last launch's clocks count
-                probe.resolve_(next(cycle), 0, tables, counts)
-            torch.cuda.synchronize()
-            stamps = probe.CLOCKS.view(args.heads, 8)[:, : len(_MARKERS)].double()
-            cycles_per_us = torch.cuda.get_device_properties(device).clock_rate / 1000  # kHz -> per us
-            phase_us = ((stamps[:, 1:] - stamps[:, :-1]) / cycles_per_us).mean(0).tolist()
-            row |= {"phase_us": dict(zip(PHASES, phase_us)), "phases_total_us": sum(phase_us)}
+        row = {"warps": warps} | ({} if probe is None else time_phases(probe, warps, selections[80:], tables, counts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = run_record(device) | {

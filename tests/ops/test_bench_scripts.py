@@ -242,6 +242,7 @@ def test_step_knobs_refuses_a_knob_that_names_no_constant():
 
 def test_resolve_phases_instruments_every_phase_of_the_shipped_kernel(tmp_path):
     from eval.bench import resolve_phases
+
     from sparseserve_hf.ops import triton_resolve
 
     source = Path(triton_resolve.__file__).read_text()
