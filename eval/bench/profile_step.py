@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.common import pick_device, prepare_triton, run_record, sync
+from eval.bench.common import bench_setup, run_record, sync
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    device = pick_device(args.dry_run)
-    prepare_triton(device)
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
+    device, shape, dtype = bench_setup(args.dry_run)
     if args.dry_run:
         args.batch, args.context, args.steps = 2, 200, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)

@@ -27,15 +27,7 @@ from typing import Any
 
 import torch
 
-from eval.bench.common import (
-    add_config_overrides,
-    apply_knobs,
-    config_overrides,
-    pick_device,
-    prepare_triton,
-    run_record,
-    sync,
-)
+from eval.bench.common import add_config_overrides, apply_knobs, bench_setup, config_overrides, run_record, sync
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.graph import DecodeGraphRunner
@@ -60,10 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = pick_device(args.dry_run)
-    prepare_triton(device)  # before a kernel module is imported: the knobs import theirs
+    device, shape, dtype = bench_setup(args.dry_run)  # prepares Triton before the knobs import a kernel module
     knobs = apply_knobs(args.knob)
-    shape, dtype = ("tiny", torch.float32) if args.dry_run else ("llama3-8b", torch.bfloat16)
     if args.dry_run:
         args.layers, args.batch, args.context, args.warmup, args.steps = 2, 2, 200, 2, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
@@ -84,8 +74,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runner.step()
             sync(device)
             windows.append((time.perf_counter() - start) / args.steps * 1e3)
-    stats = cache.store.stats
-    looked_up = stats.hits + stats.misses
     result = {
         **run_record(device),
         "knobs": knobs,
@@ -95,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "context": args.context,
         "ms_per_step": windows,
         "us_per_layer": min(windows) * 1e3 / args.layers,
-        "hit_rate": stats.hits / looked_up if looked_up else 0.0,
+        "hit_rate": cache.stats()["hit_rate"],
         "config": asdict(cache.config),
     }
     print(json.dumps({k: result[k] for k in ("knobs", "overrides", "us_per_layer", "hit_rate")}))
