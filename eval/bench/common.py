@@ -12,6 +12,7 @@ import ast
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -51,17 +52,19 @@ def config_overrides(settings: list[str]) -> dict[str, Any]:
 
 
 def apply_knobs(knobs: list[str]) -> dict[str, Any]:
-    """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE`; returns {"MODULE.NAME": value}.
-    ValueError names a knob that is malformed or names no existing constant."""
+    """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE` (or `sparseserve_hf.MODULE` where
+    ops has none); returns {"MODULE.NAME": value}. ValueError names a knob that is malformed or
+    names no existing constant."""
     applied = {}
     for knob in knobs:
         target, sep, text = knob.partition("=")
         module_name, dot, name = target.partition(".")
         if not (sep and dot and name):
             raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.PROGRAMS_PER_SM=2")
-        module = importlib.import_module(f"sparseserve_hf.ops.{module_name}")
+        package = "sparseserve_hf.ops" if importlib.util.find_spec(f"sparseserve_hf.ops.{module_name}") else "sparseserve_hf"
+        module = importlib.import_module(f"{package}.{module_name}")
         if not hasattr(module, name) or not name.isupper():
-            raise ValueError(f"knob {knob!r}: sparseserve_hf.ops.{module_name} has no constant {name}")
+            raise ValueError(f"knob {knob!r}: {package}.{module_name} has no constant {name}")
         value = ast.literal_eval(text)
         setattr(module, name, value)
         applied[target] = value

@@ -169,6 +169,11 @@ class SparseServeConfig:
             with the "triton" or "flash" backend computes the MLP's `silu(gate) * up` (Llama's MLP,
             and the families that copy it) as one kernel instead of two, bit for bit the model's
             own; checked once like `fused_norms`. An ablation switch.
+        projections_beside: a decode step that runs as one CUDA graph (`cuda_graphs`,
+            `generate_graphs`) on CUDA runs the attention's k and v projections on a second CUDA
+            stream beside q's (Llama's attention, and the families that copy it), and with
+            `fused_activation` the MLP's up projection beside its gate's: the same kernels on the
+            same inputs, bit for bit; checked once like `fused_norms`. An ablation switch.
         lookup_beside_attention: with offload and the "torch" or "triton" backend, a decode step
             attends the blocks already in the HBM cache (and the tails) while the lookup (LRU
             update, victims) and the copy of the misses run beside it on a second CUDA stream, then
@@ -214,6 +219,7 @@ class SparseServeConfig:
     fused_rope: bool = True
     fused_norms: bool = True
     fused_activation: bool = True
+    projections_beside: bool = True
     lookup_beside_attention: bool = True
 
     def __post_init__(self) -> None:
@@ -305,6 +311,7 @@ class SparseServeConfig:
         _check_bool("fused_rope", self.fused_rope)
         _check_bool("fused_norms", self.fused_norms)
         _check_bool("fused_activation", self.fused_activation)
+        _check_bool("projections_beside", self.projections_beside)
         _check_bool("lookup_beside_attention", self.lookup_beside_attention)
         if self.cuda_graphs is not True:  # None decides per engine: off wherever a capture cannot follow
             return

@@ -13,7 +13,13 @@ set's fused versions, and only then:
   square's additions in the order PyTorch's CUDA reduction makes them), as an instance `forward`
   of each module whose forward is Llama's RMSNorm, removed after the step;
 - the MLP activation `silu(gate) * up` (`ops.silu_mul`, `config.fused_activation`), as an instance
-  `forward` of each module whose forward is Llama's MLP with a SiLU, the three projections its own.
+  `forward` of each module whose forward is Llama's MLP with a SiLU, the three projections its own;
+- on CUDA, independent projections side by side (`config.projections_beside`): in each module whose
+  forward is Llama's attention, the k and v projections run on a second stream while q's runs (as
+  instance `forward`s of the three `nn.Linear`s: q's call starts all three, k's and v's hand over
+  their result), and with the fused activation the MLP's up projection beside its gate. At a
+  decode batch's few rows k's and v's GEMMs are too small to fill the GPU: beside q's they cost
+  little. The same kernels on the same inputs, so the same bits; checked once like the others.
 Any other norm, embedding or MLP (Gemma's `1 + weight`, a LayerNorm, partial rotary, GELU) keeps its own.
 Each fused op first runs once on the model's device and dtype against the model's own op (the
 rotary embedding, the norm and the activation must match bit for bit); one that fails or differs
@@ -23,6 +29,7 @@ is left out, with a warning, and the step runs the model's op.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -47,6 +54,9 @@ def _code_of(function: Callable) -> tuple | None:
 LLAMA_RMS_NORM = _code_of(modeling_llama.LlamaRMSNorm.forward)
 LLAMA_ROPE = _code_of(modeling_llama.apply_rotary_pos_emb)
 LLAMA_MLP = _code_of(modeling_llama.LlamaMLP.forward)
+LLAMA_ATTENTION = _code_of(inspect.unwrap(modeling_llama.LlamaAttention.forward))  # under its kwarg-renaming decorator
+PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+MLP_UP_BESIDE = True  # with `beside`, the MLP's up projection beside its gate's too
 SILU = {_code_of(torch.nn.SiLU.forward), _code_of(getattr(activations, "SiLUActivation", torch.nn.SiLU).forward)}
 
 
@@ -61,6 +71,19 @@ def fusable_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
         module
         for module in model.modules()
         if _runs_class_forward(module, LLAMA_MLP) and _code_of(type(getattr(module, "act_fn", None)).forward) in SILU
+    ]
+
+
+def fusable_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose forward is Llama's attention (`q_proj`, `k_proj`, `v_proj` called
+    in that order on one input), each projection a plain `nn.Linear` running its class's forward."""
+    return [
+        module
+        for module in model.modules()
+        if "forward" not in module.__dict__
+        and _code_of(inspect.unwrap(type(module).forward)) == LLAMA_ATTENTION
+        and all(type(getattr(module, name, None)) is torch.nn.Linear for name in PROJECTIONS)
+        and not any("forward" in getattr(module, name).__dict__ for name in PROJECTIONS)
     ]
 
 
@@ -97,6 +120,7 @@ class FusedModelOps:
         norms: fuse the RMSNorms (`config.fused_norms`).
         head_dim: D of the model's attention (the cache's model shape), for the rotary embedding's check.
         silu_mul: the op set's `silu_mul` (`config.fused_activation`), or None: the model's own.
+        beside: run independent projections side by side on CUDA (`config.projections_beside`).
     """
 
     def __init__(
@@ -107,6 +131,7 @@ class FusedModelOps:
         norms: bool,
         head_dim: int,
         silu_mul: Callable | None = None,
+        beside: bool = False,
     ) -> None:
         self.norms = fusable_norms(model) if norms else []
         if self.norms and not _checked("rms_norm", lambda: _norm_agrees(rms_norm, self.norms[0])):
@@ -120,9 +145,17 @@ class FusedModelOps:
         if self.mlps and not _checked("activation", lambda: _activation_agrees(silu_mul, self.mlps[0])):
             self.mlps = []
         self.silu_mul = silu_mul
+        device = next(model.parameters()).device
+        side = torch.cuda.Stream(device) if beside and device.type == "cuda" else None
+        self.attentions = [ProjectionsBeside(module, side) for module in fusable_attentions(model)] if side else []
+        if self.attentions and not _checked("projections beside", self.attentions[0].agrees):
+            self.attentions = []
+        self.mlp_side = side if self.mlps and MLP_UP_BESIDE else None
+        if self.mlp_side is not None and not _checked("up projection beside", lambda: _mlp_beside_agrees(self)):
+            self.mlp_side = None
 
     def __bool__(self) -> bool:
-        return bool(self.norms) or self.rope is not None or bool(self.mlps)
+        return bool(self.norms) or self.rope is not None or bool(self.mlps) or bool(self.attentions)
 
     def enter(self) -> None:
         """Before the step's forward: this thread's calls take the fused ops."""
@@ -137,7 +170,9 @@ class FusedModelOps:
         for module in self.norms:
             module.forward = functools.partial(self.rms_norm, weight=module.weight, eps=module.variance_epsilon)
         for module in self.mlps:
-            module.forward = functools.partial(_fused_mlp, module, self.silu_mul)
+            module.forward = functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side)
+        for attention in self.attentions:
+            attention.enter()
 
     def exit(self) -> None:
         """After it: the model's own ops again (the module's own function once no step is inside)."""
@@ -152,6 +187,8 @@ class FusedModelOps:
                         del _wrapped[home]
         for module in (*self.norms, *self.mlps):
             module.__dict__.pop("forward", None)
+        for attention in self.attentions:
+            attention.exit()
 
 
 def _checked(name: str, agrees: Callable[[], bool]) -> bool:
@@ -198,9 +235,94 @@ def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
     return True
 
 
-def _fused_mlp(mlp: torch.nn.Module, silu_mul: Callable, x: torch.Tensor) -> torch.Tensor:
-    """Llama's MLP forward with its activation and product as one op."""
-    return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+def _fused_mlp(
+    mlp: torch.nn.Module, silu_mul: Callable, side: torch.cuda.Stream | None, x: torch.Tensor
+) -> torch.Tensor:
+    """Llama's MLP forward with its activation and product as one op; with a `side` stream the up
+    projection runs there beside the gate's (see `ProjectionsBeside` on the streams' memory)."""
+    if side is None:
+        return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        up = mlp.up_proj(x)
+    gate = mlp.gate_proj(x)
+    main.wait_stream(side)
+    return mlp.down_proj(silu_mul(gate, up))
+
+
+def _mlp_beside_agrees(fused: FusedModelOps) -> bool:
+    """The MLP with its up projection beside the gate's equals it without, bit for bit, at a decode
+    batch's shape in the model's dtype on its device."""
+    mlp = fused.mlps[0]
+    weight = mlp.gate_proj.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    got = _fused_mlp(mlp, fused.silu_mul, fused.mlp_side, x)
+    return torch.equal(got, _fused_mlp(mlp, fused.silu_mul, None, x))
+
+
+class ProjectionsBeside:
+    """One attention module's q, k and v projections inside a step: q's call (the first of the
+    three in Llama's attention) starts k's and v's on the `side` stream, then runs q's; k's and v's
+    calls on the same input wait for the side stream and hand over their results. A call out of
+    that order runs the projection's own forward.
+
+    Memory across the two streams: k's and v's outputs are allocated on the side stream and read
+    on the step's; the side stream's next allocation comes after its next fork, which waits for
+    every kernel the step's stream had queued, those reads included, so a freed block is never
+    reused under a pending read. The input, the step's, is freed only after the join.
+    """
+
+    def __init__(self, attention: torch.nn.Module, side: torch.cuda.Stream) -> None:
+        self.q_proj, self.k_proj, self.v_proj = (getattr(attention, name) for name in PROJECTIONS)
+        self.side = side
+        self._pending: list | None = None  # [input, k or None, v or None] between q's call and k's, v's
+
+    def enter(self) -> None:
+        self.q_proj.forward = self.project
+        self.k_proj.forward = functools.partial(self.hand_over, 1, self.k_proj)
+        self.v_proj.forward = functools.partial(self.hand_over, 2, self.v_proj)
+
+    def exit(self) -> None:
+        self._pending = None
+        for linear in (self.q_proj, self.k_proj, self.v_proj):
+            linear.__dict__.pop("forward", None)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """q's projection of `x`; k's and v's start beside it."""
+        main = torch.cuda.current_stream(x.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            k = torch.nn.Linear.forward(self.k_proj, x)
+            v = torch.nn.Linear.forward(self.v_proj, x)
+        self._pending = [x, k, v]
+        return torch.nn.Linear.forward(self.q_proj, x)
+
+    def hand_over(self, index: int, linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """k's (index 1) or v's (2) projection of `x`: the one started beside q's, or its own."""
+        pending = self._pending
+        if pending is None or pending[0] is not x or pending[index] is None:
+            return torch.nn.Linear.forward(linear, x)
+        torch.cuda.current_stream(x.device).wait_stream(self.side)
+        result, pending[index] = pending[index], None
+        if pending[1] is None and pending[2] is None:
+            self._pending = None
+        return result
+
+    def agrees(self) -> bool:
+        """Side by side equals one after another, bit for bit, at a decode batch's shape in the
+        model's dtype on its device."""
+        weight = self.q_proj.weight
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 1, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        want = [torch.nn.Linear.forward(linear, x) for linear in (self.q_proj, self.k_proj, self.v_proj)]
+        self.enter()
+        try:
+            got = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        finally:
+            self.exit()
+        return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _activation_agrees(silu_mul: Callable, mlp: torch.nn.Module) -> bool:

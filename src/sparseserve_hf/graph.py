@@ -182,7 +182,12 @@ class DecodeGraphRunner:
             rope = ops.rope if config.fused_rope else None
             head_dim = self.cache.shape.head_dim
             silu_mul = ops.silu_mul if config.fused_activation else None
-            self._fused = FusedModelOps(self.model, ops.rms_norm, rope, config.fused_norms, head_dim, silu_mul) or None
+            self._fused = (
+                FusedModelOps(
+                    self.model, ops.rms_norm, rope, config.fused_norms, head_dim, silu_mul, config.projections_beside
+                )
+                or None
+            )
             self._fused_checked = True
         self._ids = tokens.reshape(batch, 1).to(device, torch.long).clone()  # static: the graph reads and writes it
         self._positions = positions.reshape(batch, 1).to(device, torch.long).clone()

@@ -131,3 +131,33 @@ def test_fused_norms_replay_the_eager_static_step_and_equal_the_models_norms(dty
         if step == 0:
             assert torch.equal(runners[1].logits, plain.logits)
     assert runners[0].num_captures == 1
+
+
+def kernel_streams(runner: DecodeGraphRunner) -> set[int]:
+    """The CUDA streams one step of `runner` ran kernels on."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        runner.step()
+        torch.cuda.synchronize()
+    return {event.device_resource_id for event in profile.events() if event.device_type.name == "CUDA"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projections_beside_run_on_a_second_stream_and_keep_the_bits(dtype):
+    """`projections_beside`: k's and v's projections (and the MLP's up) run on a stream of their own
+    in the static step, eager or captured, and the logits stay those of the step without it."""
+    model = tiny_model("llama", num_heads=16, num_kv_heads=2).to("cuda", dtype)
+    room = 2 * static_config().hbm_cache_bytes
+    runners = {}
+    for beside, capture in ((True, True), (True, False), (False, False)):
+        cache, tokens = batch_cache(model, static_config(backend="triton", hbm_cache_bytes=room, projections_beside=beside))
+        runners[beside, capture] = DecodeGraphRunner(model, cache, capture=capture)
+        runners[beside, capture].start(tokens)
+    fused = runners[True, True]._fused
+    assert len(fused.attentions) == model.config.num_hidden_layers and fused.mlp_side is not None
+    assert runners[False, False]._fused.attentions == []
+    for step in range(BLOCK + 3):
+        tokens = [runner.step().clone() for runner in runners.values()]
+        assert torch.equal(tokens[0], tokens[2]) and torch.equal(tokens[1], tokens[2]), f"step {step}"
+        assert torch.equal(runners[True, False].logits, runners[False, False].logits), f"step {step}"
+    extra = kernel_streams(runners[True, False]) - kernel_streams(runners[False, False])
+    assert len(extra) == 1, "k's and v's projections ran on the step's own stream"

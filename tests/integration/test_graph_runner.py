@@ -304,6 +304,14 @@ def test_only_llamas_rms_norm_mlp_and_rotary_embedding_are_fused_and_never_over_
         fused_ops.FusedModelOps(tiny_model("qwen3"), reference.rms_norm, reference.rope, False, HEAD_DIM).rope
         is not None
     )
+    llama, qwen3 = tiny_model("llama"), tiny_model("qwen3")  # Qwen3's attention norms q and k: its own
+    attentions = fused_ops.fusable_attentions(llama)
+    assert attentions == [layer.self_attn for layer in llama.model.layers]
+    assert fused_ops.fusable_attentions(qwen3) == []
+    attentions[0].k_proj.forward = functools.partial(torch.nn.Linear.forward, attentions[0].k_proj)
+    assert fused_ops.fusable_attentions(llama) == attentions[1:]
+    beside = fused_ops.FusedModelOps(llama, reference.rms_norm, None, False, HEAD_DIM, reference.silu_mul, True)
+    assert beside.attentions == [] and beside.mlp_side is None  # no second stream off CUDA
 
     home = types.ModuleType("partial_rotary_modeling")  # a family whose rotary embedding is its own
     home.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
