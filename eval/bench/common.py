@@ -61,7 +61,9 @@ def apply_knobs(knobs: list[str]) -> dict[str, Any]:
         module_name, dot, name = target.partition(".")
         if not (sep and dot and name):
             raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.PROGRAMS_PER_SM=2")
-        package = "sparseserve_hf.ops" if importlib.util.find_spec(f"sparseserve_hf.ops.{module_name}") else "sparseserve_hf"
+        package = (
+            "sparseserve_hf.ops" if importlib.util.find_spec(f"sparseserve_hf.ops.{module_name}") else "sparseserve_hf"
+        )
         module = importlib.import_module(f"{package}.{module_name}")
         if not hasattr(module, name) or not name.isupper():
             raise ValueError(f"knob {knob!r}: {package}.{module_name} has no constant {name}")

@@ -174,7 +174,7 @@ def _triton_ops() -> BlockOps:
         triton_resolve,
         triton_rope,
         triton_score,
-        triton_select,
+        triton_two_level,
         triton_transfer,
     )
 
@@ -184,7 +184,7 @@ def _triton_ops() -> BlockOps:
         TORCH_OPS,
         name="triton",
         score_table=triton_score.score_table,
-        select_group_union=triton_select.select_group_union,
+        select_group_union=triton_two_level.select_group_union,
         sparse_decode=triton_decode.sparse_decode,
         begin_decode=triton_decode.begin_decode,
         finish_decode=triton_decode.finish_decode,

@@ -23,7 +23,7 @@ from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
 
 
 @triton.jit
-def _top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
+def top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
     """Rank (0 = best) of each block in each ranking's top-`DEPTH` list, DEPTH where not listed.
 
     x: (2, BN) the two rankings' scores, searched together: each search step is one reduction
@@ -71,7 +71,7 @@ def _combine_kernel(
     which = tl.arange(0, 2)[:, None]  # (2, 1): 0 = first, 1 = second
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, BN)
     scratch = row * 2 * BLOCK_K
-    rank = _top_list_ranks(
+    rank = top_list_ranks(
         both, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K
     )
     # -2j for rank j of the first ranking, -(2j + 1) of the second, the larger where both list it.

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference, triton_rank
+from . import reference, triton_two_level
 
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
@@ -152,7 +152,7 @@ def score_table(
         return parts[0]
     if depth is None:
         return reference.combine_by_rank(*parts)
-    return triton_rank.combine_top_ranks(*parts, depth=depth)
+    return triton_two_level.combine_top_ranks(*parts, depth=depth)
 
 
 def score_parts(

@@ -1,0 +1,333 @@
+"""Two levels of top-k for few rows over wide block tables: the rank interleave and the group union.
+
+`triton_rank.combine_top_ranks` runs one program per (row, query head) and
+`triton_select.select_group_union` one per (row, KV head), each over the row's whole table. With
+a batch of one or two rows and a long context that is a few dozen programs, each holding its
+rows' keys for the whole table (at 256K tokens, 8,187 blocks) through a search of several
+full-width reductions, on a GPU of 132 SMs. Here the table is cut into chunks of CHUNK blocks,
+one program per chunk takes the top of its chunk as candidates, and one program per row then
+runs the one-level kernel's logic over the candidates only:
+- rank interleave: each ranking's top-`depth` within the chunk (their union, ascending, -1
+  padded, per chunk), and the chunk's default output (-2 * depth, or -inf); then each ranking's
+  top-`depth` list among the candidates, ranked, written at the listed blocks;
+- group union: each query head's top-K within the chunk (sink and window forced), and the
+  chunk of the row's union bitmap cleared; then each head's top-K among its candidates, marked
+  in the bitmap, which is compacted into the union (ascending).
+Every block of a top list over the whole table is in its chunk's top list (a block that beats it
+in the table beats it in its chunk, ties going to the lower index in both), and candidates
+ascend in block index, so both results equal the one-level kernels' entry for entry.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_rank, triton_select
+from .triton_rank import top_list_ranks
+from .triton_select import FLOAT_KEY_BITS, FORCED_KEY, ORDER_KEY_BITS, order_key, top_k_rows
+
+# Launch knobs: tables at least MIN_TABLE blocks wide select in two levels of CHUNK-block pieces;
+# None: always one level. Off until measured on a GPU (eval.bench.profile_step --batch 1).
+MIN_TABLE: int | None = None
+CHUNK = 1024
+
+
+@triton.jit
+def _chunk_lists_kernel(
+    first_ptr,
+    second_ptr,
+    out_ptr,
+    cand_ptr,
+    num_table,
+    DEPTH,
+    CHUNK: tl.constexpr,
+    SEGMENT: tl.constexpr,
+):
+    """Grid (B * Hq, chunks), contiguous (B * Hq, N) scores and output: cand[row, c*SEGMENT :
+    (c+1)*SEGMENT] = the blocks of chunk c in either ranking's top-DEPTH within it (ascending, -1
+    padded); out[row, chunk c] = -2 * DEPTH, or -inf where either score is -inf."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    n = c * CHUNK + tl.arange(0, CHUNK)
+    live = n < num_table
+    first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
+    second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
+    which = tl.arange(0, 2)[:, None]
+    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, CHUNK)
+    key = tl.where(live[None, :], order_key(both), 0)
+    listed = tl.max(top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS).to(tl.int32), axis=0)  # (CHUNK,)
+    position = tl.cumsum(listed, axis=0) - 1
+    total = tl.sum(listed, axis=0)
+    segment = cand_ptr + row * (tl.num_programs(1) * SEGMENT) + c * SEGMENT
+    tl.store(segment + position, n, mask=listed > 0)
+    u = tl.arange(0, SEGMENT)
+    tl.store(segment + u, tl.full([SEGMENT], -1, tl.int32), mask=u >= total)
+    floor = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), -2.0 * DEPTH)
+    tl.store(out_ptr + row * num_table + n, floor, mask=live)
+
+
+@triton.jit
+def _rank_candidates_kernel(
+    first_ptr,
+    second_ptr,
+    out_ptr,
+    cand_ptr,
+    scratch_key_ptr,
+    scratch_idx_ptr,
+    scratch_rank_ptr,
+    num_table,
+    num_candidates,
+    DEPTH,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid (B * Hq,): `triton_rank`'s interleave over the row's candidates, written at the listed
+    blocks (the rest keep the chunk pass's floor)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_C)
+    n = tl.load(cand_ptr + row * num_candidates + j, mask=j < num_candidates, other=-1)
+    live = n >= 0
+    first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
+    second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
+    which = tl.arange(0, 2)[:, None]
+    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, BC)
+    scratch = row * 2 * BLOCK_K
+    rank = top_list_ranks(
+        both, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K
+    )
+    scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
+    out = tl.max(scored, axis=0)
+    out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), out)
+    tl.store(out_ptr + row * num_table + n, out, mask=live & (tl.min(rank, axis=0) < DEPTH))
+
+
+@triton.jit
+def _keys(
+    x,
+    n,
+    count,
+    live,
+    score_floor,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    INTEGER_KEYS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """`triton_select`'s selection keys of scores x (BG, W) at block indices n (W,) or (BG, W)."""
+    forced = (n < SINK) | (n >= count - WINDOW)
+    if INTEGER_KEYS:
+        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
+        key = tl.where(forced, (1 << BITS) - 1, small)
+    else:
+        key = tl.where(forced, FORCED_KEY, order_key(x).to(tl.int64))
+    return tl.where(live, key, -1)
+
+
+@triton.jit
+def _chunk_candidates_kernel(
+    scores_ptr,
+    num_blocks_ptr,
+    cand_ptr,
+    bitmap_ptr,
+    stride_sb,
+    stride_sh,
+    num_table,
+    num_kv_heads,
+    score_floor,
+    K: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BITMAP_WIDTH: tl.constexpr,
+    INTEGER_KEYS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Grid (B * Hkv, chunks): cand[row_head, g, c*K : (c+1)*K] = head g's top-K block indices in
+    chunk c, ascending, -1 past their count; bitmap[row_head, chunk c] = 0."""
+    row_head = tl.program_id(0)
+    c = tl.program_id(1)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = c * CHUNK + tl.arange(0, CHUNK)
+    g = tl.arange(0, BLOCK_G)
+    count = tl.load(num_blocks_ptr + b)
+    exist = (n < count) & (n < num_table)
+    live = (g < G)[:, None] & exist[None, :]  # (BG, CHUNK)
+    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
+    key = _keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
+    chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
+    position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+    total = tl.sum(chosen.to(tl.int32), axis=1)  # (BG,) <= K
+    num_chunks = tl.num_programs(1)
+    rows = cand_ptr + (row_head * G + g)[:, None] * (num_chunks * K) + c * K  # (BG, 1) this chunk's segment
+    tl.store(rows + position, n[None, :], mask=chosen)
+    u = tl.arange(0, BLOCK_K)
+    pad = (u[None, :] >= total[:, None]) & (u[None, :] < K) & (g < G)[:, None]
+    tl.store(rows + u[None, :], tl.full([BLOCK_G, BLOCK_K], -1, tl.int32), mask=pad)
+    tl.store(bitmap_ptr + row_head * BITMAP_WIDTH + n, tl.zeros([CHUNK], tl.int8), mask=n < BITMAP_WIDTH)
+
+
+@triton.jit
+def _union_of_candidates_kernel(
+    scores_ptr,
+    num_blocks_ptr,
+    cand_ptr,
+    bitmap_ptr,
+    union_ptr,
+    valid_ptr,
+    stride_sb,
+    stride_sh,
+    num_kv_heads,
+    num_table,
+    num_candidates,
+    score_floor,
+    K: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BITMAP_WIDTH: tl.constexpr,
+    U: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    INTEGER_KEYS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Grid (B * Hkv,): each head's top-K among its candidates, their union compacted into
+    union[row_head, :U] (ascending, 0 past the count) and valid[row_head, :U]."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_C)
+    count = tl.load(num_blocks_ptr + b)
+    in_list = (g < G)[:, None] & (j < num_candidates)[None, :]
+    n = tl.load(cand_ptr + (row_head * G + g)[:, None] * num_candidates + j[None, :], mask=in_list, other=-1)
+    live = n >= 0  # (BG, BC)
+    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n, mask=live, other=0.0)
+    key = _keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
+    chosen = top_k_rows(key, live, K, BITS)
+    bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
+    tl.store(bitmap + n, tl.full([BLOCK_G, BLOCK_C], 1, tl.int8), mask=chosen)
+    tl.debug_barrier()  # the marks of every thread, before any reads the bitmap
+    m = tl.arange(0, BITMAP_WIDTH)
+    union = tl.load(bitmap + m, mask=m < num_table, other=0).to(tl.int32)
+    position = tl.cumsum(union, axis=0) - 1
+    total = tl.sum(union, axis=0)
+    out = row_head * U
+    u = tl.arange(0, BLOCK_U)
+    tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
+    tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
+    tl.store(union_ptr + out + position, m.to(tl.int64), mask=(union > 0) & (position < U))
+
+
+def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
+    """The op (`reference.combine_by_rank` with a depth): two levels where the table is at least
+    MIN_TABLE blocks wide, else `triton_rank`'s one program per (row, query head)."""
+    if MIN_TABLE is not None and first.shape[-1] >= MIN_TABLE:
+        return combine_top_ranks_chunked(first, second, depth, chunk=CHUNK)
+    return triton_rank.combine_top_ranks(first, second, depth)
+
+
+def combine_top_ranks_chunked(
+    first: torch.Tensor, second: torch.Tensor, depth: int, *, chunk: int = 1024
+) -> torch.Tensor:
+    """`triton_rank.combine_top_ranks` in two launches over `chunk`-block pieces of the table (a
+    power of two, >= 16); the same arguments, the same result."""
+    _check_chunk(chunk)
+    depth = min(depth, first.shape[-1])
+    rows, num_table = first.numel() // max(first.shape[-1], 1), first.shape[-1]
+    if rows == 0 or num_table == 0 or depth == 0:
+        return triton_rank.combine_top_ranks(first, second, depth)
+    first, second = first.contiguous(), second.contiguous()
+    out = torch.empty(first.shape, dtype=torch.float32, device=first.device)
+    num_chunks = triton.cdiv(num_table, chunk)
+    segment = triton.next_power_of_2(2 * depth)
+    cand = torch.empty((rows, num_chunks * segment), dtype=torch.int32, device=first.device)
+    _chunk_lists_kernel[(rows, num_chunks)](
+        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment, num_warps=2 if chunk <= 1024 else 8
+    )  # fmt: skip
+    block_k = triton.next_power_of_2(depth)
+    scratch_key = torch.empty((rows, 2 * block_k), dtype=torch.int32, device=first.device)
+    scratch_idx, scratch_rank = torch.empty_like(scratch_key), torch.empty_like(scratch_key)
+    num_candidates = cand.shape[1]
+    block_c = triton.next_power_of_2(num_candidates)
+    _rank_candidates_kernel[(rows,)](
+        first, second, out, cand, scratch_key, scratch_idx, scratch_rank, num_table, num_candidates, depth,
+        BLOCK_C=block_c, BLOCK_K=block_k, num_warps=2 if block_c <= 1024 else 8,
+    )  # fmt: skip
+    return out
+
+
+def _check_chunk(chunk: int) -> None:
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+
+
+def select_group_union(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    num_kv_heads: int,
+    score_floor: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op (`reference.select_group_union`): two levels where the table is at least MIN_TABLE
+    blocks wide, else `triton_select`'s one program per (row, KV head)."""
+    args = (scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, score_floor)
+    if MIN_TABLE is not None and scores.shape[-1] >= MIN_TABLE:
+        return select_group_union_chunked(*args, chunk=CHUNK)
+    return triton_select.select_group_union(*args)
+
+
+def select_group_union_chunked(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    num_kv_heads: int,
+    score_floor: int | None = None,
+    *,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_select.select_group_union` in two launches over `chunk`-block pieces of the table
+    (a power of two, >= 16); the same arguments, the same result."""
+    _check_chunk(chunk)
+    batch, num_q_heads, num_table = scores.shape
+    group = num_q_heads // num_kv_heads
+    width = group * num_selected
+    union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
+    valid = torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
+    if union.numel() == 0:
+        return union, valid
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    num_chunks = triton.cdiv(num_table, chunk)
+    num_candidates = num_chunks * num_selected
+    rows = batch * num_kv_heads
+    cand = torch.empty((rows, group, num_candidates), dtype=torch.int32, device=scores.device)
+    bitmap_width = triton.next_power_of_2(max(num_table, 16))
+    bitmap = torch.empty((rows, bitmap_width), dtype=torch.int8, device=scores.device)
+    integer_keys = score_floor is not None
+    bits = (1 - score_floor + 1).bit_length() if integer_keys else FLOAT_KEY_BITS
+    shared = dict(
+        K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group, BLOCK_G=triton.next_power_of_2(group),
+        BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits,
+    )  # fmt: skip
+    _chunk_candidates_kernel[(rows, num_chunks)](
+        scores, num_blocks, cand, bitmap, scores.stride(0), scores.stride(1), num_table, num_kv_heads,
+        float(score_floor or 0), CHUNK=chunk, BLOCK_K=triton.next_power_of_2(num_selected), **shared,
+        num_warps=4 if chunk <= 1024 else 8,
+    )  # fmt: skip
+    _union_of_candidates_kernel[(rows,)](
+        scores, num_blocks, cand, bitmap, union, valid.view(torch.int8), scores.stride(0), scores.stride(1),
+        num_kv_heads, num_table, num_candidates, float(score_floor or 0), BLOCK_C=triton.next_power_of_2(num_candidates),
+        U=width, BLOCK_U=triton.next_power_of_2(width), **shared, num_warps=4 if num_candidates <= 1024 else 8,
+    )  # fmt: skip
+    return union, valid
