@@ -29,6 +29,8 @@
 #               the real-locality step with it (and stock) and without it (--set lookup_beside_attention=False)
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
+#   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
+#               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
@@ -108,9 +110,17 @@ case $part in
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
     done ;;
+  twolevel)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \
+      2>&1 | tee "$out/gpu_pytest_two_level.log" | tail -5
+    for shape in "--batch 1 --context 262016" "--batch 2 --context 130944"; do
+      for knob in "" "--knob triton_two_level.MIN_TABLE=2048"; do
+        python -m eval.bench.step_knobs $shape $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
+      done
+    done ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac
