@@ -30,7 +30,8 @@
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
-#               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it
+#               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
+#               B=1 x 32K with 256-block chunks
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
@@ -117,6 +118,9 @@ case $part in
       for knob in "" "--knob triton_two_level.MIN_TABLE=2048"; do
         python -m eval.bench.step_knobs $shape $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
       done
+    done
+    for knob in "" "--knob triton_two_level.MIN_TABLE=512 --knob triton_two_level.CHUNK=256"; do
+      python -m eval.bench.step_knobs --batch 1 $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
     done ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
