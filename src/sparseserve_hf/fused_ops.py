@@ -12,6 +12,10 @@ set's fused versions, and only then:
 - the RMSNorms (`ops.rms_norm`, `config.fused_norms`, bit for bit the model's own: the mean
   square's additions in the order PyTorch's CUDA reduction makes them), as an instance `forward`
   of each module whose forward is Llama's RMSNorm, removed after the step;
+- with the RMSNorms, the residual add before each (`ops.add_rms_norm`): in each module whose forward
+  is Llama's decoder layer, as an instance `forward` running the same modules, the add after
+  attention joins the post-attention norm's launch and the add after the MLP joins the next
+  layer's input norm's (that norm's call, on the very tensor the layer returned, takes the result);
 - the MLP activation `silu(gate) * up` (`ops.silu_mul`, `config.fused_activation`), as an instance
   `forward` of each module whose forward is Llama's MLP with a SiLU, the three projections its own;
 - on CUDA, independent projections side by side (`config.projections_beside`): in each module whose
@@ -55,8 +59,10 @@ LLAMA_RMS_NORM = _code_of(modeling_llama.LlamaRMSNorm.forward)
 LLAMA_ROPE = _code_of(modeling_llama.apply_rotary_pos_emb)
 LLAMA_MLP = _code_of(modeling_llama.LlamaMLP.forward)
 LLAMA_ATTENTION = _code_of(inspect.unwrap(modeling_llama.LlamaAttention.forward))  # under its kwarg-renaming decorator
+LLAMA_DECODER = _code_of(inspect.unwrap(modeling_llama.LlamaDecoderLayer.forward))
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MLP_UP_BESIDE = True  # with `beside`, the MLP's up projection beside its gate's too
+ADD_INTO_NORMS = True  # with the fused norms, the residual adds before them too (an ablation knob)
 SILU = {_code_of(torch.nn.SiLU.forward), _code_of(getattr(activations, "SiLUActivation", torch.nn.SiLU).forward)}
 
 
@@ -84,6 +90,20 @@ def fusable_attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
         and _code_of(inspect.unwrap(type(module).forward)) == LLAMA_ATTENTION
         and all(type(getattr(module, name, None)) is torch.nn.Linear for name in PROJECTIONS)
         and not any("forward" in getattr(module, name).__dict__ for name in PROJECTIONS)
+    ]
+
+
+def fusable_decoders(model: torch.nn.Module, norms: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of `model` whose forward is Llama's decoder layer (norm, attention, add, norm,
+    MLP, add), in the model's order, both norms among the fused `norms`."""
+    fused = {id(norm) for norm in norms}
+    return [
+        module
+        for module in model.modules()
+        if "forward" not in module.__dict__
+        and _code_of(inspect.unwrap(type(module).forward)) == LLAMA_DECODER
+        and id(getattr(module, "input_layernorm", None)) in fused
+        and id(getattr(module, "post_attention_layernorm", None)) in fused
     ]
 
 
@@ -121,6 +141,7 @@ class FusedModelOps:
         head_dim: D of the model's attention (the cache's model shape), for the rotary embedding's check.
         silu_mul: the op set's `silu_mul` (`config.fused_activation`), or None: the model's own.
         beside: run independent projections side by side on CUDA (`config.projections_beside`).
+        add_rms_norm: the op set's `add_rms_norm`, with `norms`: the residual adds join the norms.
     """
 
     def __init__(
@@ -132,11 +153,17 @@ class FusedModelOps:
         head_dim: int,
         silu_mul: Callable | None = None,
         beside: bool = False,
+        add_rms_norm: Callable | None = None,
     ) -> None:
         self.norms = fusable_norms(model) if norms else []
         if self.norms and not _checked("rms_norm", lambda: _norm_agrees(rms_norm, self.norms[0])):
             self.norms = []
         self.rms_norm = rms_norm
+        self.add_rms_norm = add_rms_norm
+        self.decoders = fusable_decoders(model, self.norms) if add_rms_norm is not None and ADD_INTO_NORMS else []
+        if self.decoders and not _checked("residual add", lambda: _add_norm_agrees(add_rms_norm, self.norms[0])):
+            self.decoders = []
+        self._handed: tuple | None = None  # (a layer's output, its next norm, that norm of it) until taken
         self.homes = _llama_rope_homes(model) if rope is not None else []
         if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model, head_dim)):
             self.homes = []
@@ -168,7 +195,10 @@ class FusedModelOps:
                         home.apply_rotary_pos_emb = _fused_when_active(entry[0])
                     entry[1] += 1
         for module in self.norms:
-            module.forward = functools.partial(self.rms_norm, weight=module.weight, eps=module.variance_epsilon)
+            module.forward = functools.partial(self._norm, module)
+        for layer, following in zip(self.decoders, [*self.decoders[1:], None]):
+            next_norm = following.input_layernorm if following is not None else None
+            layer.forward = functools.partial(_fused_decoder_layer, self, layer, next_norm)
         for module in self.mlps:
             module.forward = functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side)
         for attention in self.attentions:
@@ -185,10 +215,59 @@ class FusedModelOps:
                     if entry[1] == 0:
                         home.apply_rotary_pos_emb = entry[0]
                         del _wrapped[home]
-        for module in (*self.norms, *self.mlps):
+        for module in (*self.norms, *self.mlps, *self.decoders):
             module.__dict__.pop("forward", None)
+        self._handed = None
         for attention in self.attentions:
             attention.exit()
+
+    def _norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """`norm`'s fused forward: the result the layer before computed with its residual add,
+        when `hidden` is that layer's output, else the fused norm."""
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is hidden and handed[1] is norm:
+            return handed[2]
+        return self.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+
+    def _add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module) -> tuple:
+        """(norm(residual + hidden), residual + hidden) in one op."""
+        return self.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+
+
+def _fused_decoder_layer(
+    fused: FusedModelOps, layer: torch.nn.Module, next_norm: torch.nn.Module | None, hidden_states, *args, **kwargs
+) -> torch.Tensor:
+    """Llama's decoder layer with each residual add joined to the norm after it: the post-attention
+    norm's here, the next layer's input norm's through `fused._handed` (None: the last layer, a
+    plain add). Positional arguments beyond the hidden states: the layer's own forward."""
+    if args:
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    residual = hidden_states
+    hidden, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+    hidden, residual = fused._add_and_norm(hidden, residual, layer.post_attention_layernorm)
+    hidden = layer.mlp(hidden)
+    if next_norm is None:
+        return residual + hidden
+    normed, out = fused._add_and_norm(hidden, residual, next_norm)
+    fused._handed = (out, next_norm, normed)
+    return out
+
+
+def _add_norm_agrees(add_rms_norm: Callable, norm: torch.nn.Module) -> bool:
+    """The fused add and norm equal the model's `residual + hidden` and its norm of the sum, bit
+    for bit, at every row layout of `NORM_CHECK_ROWS`, in the model's dtype on its device."""
+    gen = torch.Generator().manual_seed(1)
+    width = norm.weight.shape[0]
+    for rows in NORM_CHECK_ROWS:
+        scale = 10 ** (torch.rand(rows, 1, 1, generator=gen) * 4 - 2)
+        hidden, residual = ((torch.randn(rows, 1, width, generator=gen) * scale) for _ in range(2))
+        hidden, residual = (t.to(norm.weight.device, norm.weight.dtype) for t in (hidden, residual))
+        want_sum = residual + hidden
+        want = type(norm).forward(norm, want_sum)
+        got, got_sum = add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+        if got.dtype != want.dtype or not (torch.equal(got, want) and torch.equal(got_sum, want_sum)):
+            return False
+    return True
 
 
 def _checked(name: str, agrees: Callable[[], bool]) -> bool:

@@ -184,7 +184,14 @@ class DecodeGraphRunner:
             silu_mul = ops.silu_mul if config.fused_activation else None
             self._fused = (
                 FusedModelOps(
-                    self.model, ops.rms_norm, rope, config.fused_norms, head_dim, silu_mul, config.projections_beside
+                    self.model,
+                    ops.rms_norm,
+                    rope,
+                    config.fused_norms,
+                    head_dim,
+                    silu_mul,
+                    config.projections_beside,
+                    ops.add_rms_norm,
                 )
                 or None
             )

@@ -121,6 +121,7 @@ def test_fused_norms_replay_the_eager_static_step_and_equal_the_models_norms(dty
         runners[-1].start(tokens)
     assert runners[0]._fused.norms, "the fused norm was left out: it differs from the model's"
     assert runners[0]._fused.mlps, "the fused activation was left out: it differs from the model's"
+    assert runners[0]._fused.decoders, "the residual adds were left out of the norms: they differ from the model's"
     cache, tokens = batch_cache(model, static_config(backend="triton", fused_norms=False, hbm_cache_bytes=room))
     plain = DecodeGraphRunner(model, cache, capture=False)
     plain.start(tokens)

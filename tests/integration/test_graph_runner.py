@@ -238,10 +238,11 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
 
 
 def test_fused_ops_run_inside_the_step_only(llama):
-    """The op set's `rope`, `silu_mul` (and with `fused_norms` its `rms_norm`) run for every rotary
-    embedding, MLP activation (and RMSNorm) of the static step; here all are the references, Llama's
-    own ops bit for bit, so the tokens stay the eager path's. Outside the step the model runs its own ops."""
-    calls = {"rope": 0, "rms_norm": 0, "silu_mul": 0}
+    """The op set's `rope`, `silu_mul` (and with `fused_norms` its `rms_norm` and `add_rms_norm`) run
+    for every rotary embedding, MLP activation (and RMSNorm, the residual add before it joined to
+    it) of the static step; here all are the references, Llama's own ops bit for bit, so the tokens
+    stay the eager path's. Outside the step the model runs its own ops."""
+    calls = {"rope": 0, "rms_norm": 0, "silu_mul": 0, "add_rms_norm": 0}
 
     def counted(name, op):
         def run(*args, **kwargs):
@@ -260,22 +261,56 @@ def test_fused_ops_run_inside_the_step_only(llama):
             rope=counted("rope", reference.rope),
             rms_norm=counted("rms_norm", ops.rms_norm),
             silu_mul=counted("silu_mul", reference.silu_mul),
+            add_rms_norm=counted("add_rms_norm", ops.add_rms_norm),
         )
         runners.append(DecodeGraphRunner(llama, cache, capture=False))
         runners[-1].start(tokens)  # first tries each fused op against the model's own
-    assert calls == {"rope": 2, "rms_norm": len(fused_ops.NORM_CHECK_ROWS), "silu_mul": 2}
-    calls.update(rope=0, rms_norm=0, silu_mul=0)
+    checks = len(fused_ops.NORM_CHECK_ROWS)
+    assert calls == {"rope": 2, "rms_norm": checks, "silu_mul": 2, "add_rms_norm": checks}
+    assert len(runners[0]._fused.decoders) == llama.config.num_hidden_layers
+    calls.update(rope=0, rms_norm=0, silu_mul=0, add_rms_norm=0)
     eager = EagerReference(llama, static_config())
     layers = llama.config.num_hidden_layers
+    # per step: the first layer's input norm and the final norm alone; every other norm with its add
+    per_step = {"rope": layers, "rms_norm": 2, "silu_mul": layers, "add_rms_norm": 2 * layers - 1}
     for step in range(6):
         want = eager.step()  # the model's own ops: counts nothing
         assert torch.equal(runners[0].step(), want), f"step {step}"
-        per_step = {"rope": layers, "rms_norm": 2 * layers + 1, "silu_mul": layers}
         assert calls == {name: count * (step + 1) for name, count in per_step.items()}
         assert all("forward" not in module.__dict__ for module in llama.modules())
         assert modeling_llama.apply_rotary_pos_emb is own_rope  # the module's own function again
+        assert runners[0]._fused._handed is None
     runners[1].step()  # fused_norms off: the rotary embedding and the activation only
-    assert calls == {"rope": layers * 7, "rms_norm": (2 * layers + 1) * 6, "silu_mul": layers * 7}
+    assert calls == {
+        "rope": layers * 7,
+        "rms_norm": 2 * 6,
+        "silu_mul": layers * 7,
+        "add_rms_norm": (2 * layers - 1) * 6,
+    }
+
+
+def test_a_layers_handed_norm_is_taken_only_by_that_norm_of_that_tensor(llama, monkeypatch):
+    fused = fused_ops.FusedModelOps(
+        llama, reference.rms_norm, None, True, HEAD_DIM, None, False, reference.add_rms_norm
+    )
+    first, second = (layer.input_layernorm for layer in llama.model.layers[:2])
+    hidden, sentinel = torch.randn(2, 1, llama.config.hidden_size), torch.zeros(2, 1, llama.config.hidden_size)
+    fused._handed = (hidden, first, sentinel)
+    assert torch.equal(fused._norm(second, hidden), reference.rms_norm(hidden, second.weight, second.variance_epsilon))
+    assert fused._handed is None  # any norm's call ends a hand-over
+    fused._handed = (hidden, first, sentinel)
+    assert torch.equal(
+        fused._norm(first, hidden.clone()), reference.rms_norm(hidden, first.weight, first.variance_epsilon)
+    )
+    fused._handed = (hidden, first, sentinel)
+    assert fused._norm(first, hidden) is sentinel
+    monkeypatch.setattr(fused_ops, "ADD_INTO_NORMS", False)
+    assert (
+        fused_ops.FusedModelOps(
+            llama, reference.rms_norm, None, True, HEAD_DIM, None, False, reference.add_rms_norm
+        ).decoders
+        == []
+    )
 
 
 def test_fused_activation_off_runs_the_models_own_mlp(llama):

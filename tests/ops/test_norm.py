@@ -104,7 +104,12 @@ def test_the_probes_fitting_order_is_the_reference_and_its_rivals_differ():
         part = x[:rows]
         assert torch.equal(candidate_mean(part, lanes, True, True, False), reference.cuda_row_mean(part).view(-1))
     lanes = reference.cuda_reduce_lanes(64, 4096)
-    for rival in ((lanes, True, False, False), (lanes, False, True, False), (lanes, True, True, True), (64, True, True, False)):
+    for rival in (
+        (lanes, True, False, False),
+        (lanes, False, True, False),
+        (lanes, True, True, True),
+        (64, True, True, False),
+    ):
         assert not torch.equal(candidate_mean(x, *rival), reference.cuda_row_mean(x).view(-1)), rival
 
 
@@ -114,3 +119,17 @@ def test_the_probe_runs(capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["norm_order_probe", "--device", "cpu", "--rows", "2", "--widths", "576"])
     norm_order_probe.main()
     assert "width 576 rows 2:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16, 1, 4096), (1, 1, 4096), (3, 5, 576)])
+def test_the_residual_add_folded_into_the_kernel_is_the_models_add_then_norm(shape, dtype):
+    hidden, weight = _inputs(shape, dtype, shape[-1] + 7)
+    residual, _ = _inputs(shape, dtype, shape[-1] + 8)
+    hidden, residual, weight = hidden.to(DEVICE), residual.to(DEVICE), weight.to(DEVICE)
+    want_normed, want_sum = reference.add_rms_norm(hidden, residual, weight, 1e-5, cuda_order=True)
+    got_normed, got_sum = triton_norm.fused_add_rms_norm(hidden, residual, weight, 1e-5)
+    assert torch.equal(got_sum, residual + hidden) and torch.equal(got_sum, want_sum)
+    assert got_normed.dtype == want_normed.dtype and torch.equal(got_normed, want_normed)
+    normed, summed = triton_norm.add_rms_norm(hidden, residual, weight, 1e-5)  # the op: the kernel on a GPU
+    assert torch.equal(summed, want_sum) and torch.equal(normed, reference.rms_norm(summed, weight, 1e-5, ON_GPU))

@@ -47,6 +47,7 @@ class BlockOps:
     picked_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # signature as `ops.lru.picked_blocks`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None  # None: the model's own function is the spec
     silu_mul: Callable[..., torch.Tensor] | None  # None: the model's own activation
     append_token: Callable[..., None]  # a decode token into its row's tail block
@@ -69,6 +70,7 @@ TORCH_OPS = BlockOps(
     picked_blocks=lru.picked_blocks,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
+    add_rms_norm=reference.add_rms_norm,
     rope=None,
     silu_mul=None,
     append_token=reference.append_token,
@@ -194,6 +196,7 @@ def _triton_ops() -> BlockOps:
         picked_blocks=triton_resolve.picked_blocks,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,
+        add_rms_norm=triton_norm.add_rms_norm,
         rope=triton_rope.rope,
         silu_mul=triton_activation.silu_mul,
         append_token=triton_append.append_token,

@@ -524,6 +524,15 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, cuda_order:
     return weight * normed.to(hidden.dtype)
 
 
+def add_rms_norm(
+    hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, cuda_order: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and the RMSNorm after it, op for op: (rms_norm(residual +
+    hidden), residual + hidden), the sum in the inputs' dtype as PyTorch's add rounds it."""
+    summed = residual + hidden
+    return rms_norm(summed, weight, eps, cuda_order), summed
+
+
 CUDA_REDUCE_THREADS = 512  # threads of one block of PyTorch's CUDA reduction
 CUDA_WARP = 32
 CUDA_REDUCE_VECTOR = 4  # float32 elements per vector load
