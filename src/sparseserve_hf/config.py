@@ -163,8 +163,9 @@ class SparseServeConfig:
             runs the model's RMSNorms (Llama's, and the families that copy it) as one fused kernel
             each instead of eager PyTorch's eight small ones, bit for bit the model's own norm on
             a GPU (the mean square's additions in the order PyTorch's CUDA reduction makes them).
-            Checked once against the model's norm like `fused_rope`. An ablation switch.
-            Outside the captured step the model runs its own norms.
+            Checked once against the model's norm like `fused_rope`. The residual add before each
+            norm joins its launch (in a decoder layer whose forward is Llama's), checked the same
+            way. An ablation switch. Outside the captured step the model runs its own norms.
         fused_activation: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
             with the "triton" or "flash" backend computes the MLP's `silu(gate) * up` (Llama's MLP,
             and the families that copy it) as one kernel instead of two, bit for bit the model's

@@ -237,6 +237,7 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
         assert loads[0][key] == pytest.approx(loads[1][key]), key
 
 
+@pytest.mark.core  # the decoder layer, attention and MLP it swaps are each version's own code
 def test_fused_ops_run_inside_the_step_only(llama):
     """The op set's `rope`, `silu_mul` (and with `fused_norms` its `rms_norm` and `add_rms_norm`) run
     for every rotary embedding, MLP activation (and RMSNorm, the residual add before it joined to
