@@ -164,6 +164,7 @@ class FusedModelOps:
         if self.decoders and not _checked("residual add", lambda: _add_norm_agrees(add_rms_norm, self.norms[0])):
             self.decoders = []
         self._handed: tuple | None = None  # (a layer's output, its next norm, that norm of it) until taken
+        self._swapped: list[torch.nn.Module] = []  # the modules whose forward `enter` set
         self.homes = _llama_rope_homes(model) if rope is not None else []
         if self.homes and not _checked("rope", lambda: _rope_agrees(rope, model, head_dim)):
             self.homes = []
@@ -194,13 +195,16 @@ class FusedModelOps:
                     if entry[1] == 0:
                         home.apply_rotary_pos_emb = _fused_when_active(entry[0])
                     entry[1] += 1
-        for module in self.norms:
-            module.forward = functools.partial(self._norm, module)
+        swaps = [(module, functools.partial(self._norm, module)) for module in self.norms]
         for layer, following in zip(self.decoders, [*self.decoders[1:], None]):
             next_norm = following.input_layernorm if following is not None else None
-            layer.forward = functools.partial(_fused_decoder_layer, self, layer, next_norm)
-        for module in self.mlps:
-            module.forward = functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side)
+            swaps.append((layer, functools.partial(_fused_decoder_layer, self, layer, next_norm)))
+        swaps += [(module, functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side)) for module in self.mlps]
+        self._swapped = []
+        for module, forward in swaps:
+            if "forward" not in module.__dict__:  # one set since (a hook, a test's fault) stays in place
+                module.forward = forward
+                self._swapped.append(module)
         for attention in self.attentions:
             attention.enter()
 
@@ -215,8 +219,9 @@ class FusedModelOps:
                     if entry[1] == 0:
                         home.apply_rotary_pos_emb = entry[0]
                         del _wrapped[home]
-        for module in (*self.norms, *self.mlps, *self.decoders):
+        for module in self._swapped:
             module.__dict__.pop("forward", None)
+        self._swapped = []
         self._handed = None
         for attention in self.attentions:
             attention.exit()
@@ -357,16 +362,22 @@ class ProjectionsBeside:
         self.q_proj, self.k_proj, self.v_proj = (getattr(attention, name) for name in PROJECTIONS)
         self.side = side
         self._pending: list | None = None  # [input, k or None, v or None] between q's call and k's, v's
+        self._entered = False  # whether `enter` swapped the forwards in
 
     def enter(self) -> None:
-        self.q_proj.forward = self.project
-        self.k_proj.forward = functools.partial(self.hand_over, 1, self.k_proj)
-        self.v_proj.forward = functools.partial(self.hand_over, 2, self.v_proj)
+        """Swap the three forwards in, unless one of them has an instance forward of its own."""
+        self._entered = not any("forward" in linear.__dict__ for linear in (self.q_proj, self.k_proj, self.v_proj))
+        if self._entered:
+            self.q_proj.forward = self.project
+            self.k_proj.forward = functools.partial(self.hand_over, 1, self.k_proj)
+            self.v_proj.forward = functools.partial(self.hand_over, 2, self.v_proj)
 
     def exit(self) -> None:
         self._pending = None
-        for linear in (self.q_proj, self.k_proj, self.v_proj):
-            linear.__dict__.pop("forward", None)
+        if self._entered:
+            for linear in (self.q_proj, self.k_proj, self.v_proj):
+                linear.__dict__.pop("forward", None)
+        self._entered = False
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """q's projection of `x`; k's and v's start beside it."""

@@ -314,6 +314,24 @@ def test_a_layers_handed_norm_is_taken_only_by_that_norm_of_that_tensor(llama, m
     )
 
 
+def test_a_forward_set_after_the_runner_started_stays_in_place(llama, monkeypatch):
+    """A hook or a test's fault set on a layer (or a norm, an MLP) after the fused ops were chosen
+    runs in the step, and is still there after it; the other layers keep the fused ops."""
+    cache, tokens = batch_cache(llama, static_config())
+    runner = DecodeGraphRunner(llama, cache, capture=False)
+    runner.start(tokens)
+    layer, calls = llama.model.layers[1], []
+    own = functools.partial(type(layer).forward, layer)
+    monkeypatch.setattr(layer, "forward", lambda *a, **k: calls.append(1) or own(*a, **k))
+    hooked = layer.forward
+    eager = EagerReference(llama, static_config())
+    for step in range(3):
+        before = len(calls)
+        assert torch.equal(runner.step(), eager.step()), f"step {step}"
+        assert layer.forward is hooked and len(calls) > before
+    assert "forward" not in llama.model.layers[0].__dict__
+
+
 def test_fused_activation_off_runs_the_models_own_mlp(llama):
     cache, tokens = batch_cache(llama, replace(static_config(), fused_activation=False))
     cache.store.ops = replace(cache.store.ops, silu_mul=reference.silu_mul)
