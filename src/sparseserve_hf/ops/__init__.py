@@ -176,8 +176,8 @@ def _triton_ops() -> BlockOps:
         triton_resolve,
         triton_rope,
         triton_score,
-        triton_two_level,
         triton_transfer,
+        triton_two_level,
     )
 
     # select_blocks / union_over_group stay the reference's torch ops (the per-query-head and

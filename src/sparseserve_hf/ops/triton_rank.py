@@ -50,6 +50,21 @@ def top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_pt
 
 
 @triton.jit
+def interleave(
+    first, second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr
+):
+    """The interleave of two rankings' top-DEPTH lists, scores first and second (W,) of blocks n:
+    (W,) -2j for rank j of the first, -(2j + 1) of the second (the larger where both list it),
+    -2 * DEPTH where neither does, -inf where either score is -inf; and (W,) whether either lists it."""
+    which = tl.arange(0, 2)[:, None]  # (2, 1): 0 = first, 1 = second
+    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, W)
+    rank = top_list_ranks(both, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
+    scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
+    out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), tl.max(scored, axis=0))
+    return out, tl.min(rank, axis=0) < DEPTH
+
+
+@triton.jit
 def _combine_kernel(
     first_ptr,
     second_ptr,
@@ -68,16 +83,11 @@ def _combine_kernel(
     live = n < num_table
     first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
     second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
-    which = tl.arange(0, 2)[:, None]  # (2, 1): 0 = first, 1 = second
-    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, BN)
     scratch = row * 2 * BLOCK_K
-    rank = top_list_ranks(
-        both, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K
-    )
-    # -2j for rank j of the first ranking, -(2j + 1) of the second, the larger where both list it.
-    scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
-    out = tl.max(scored, axis=0)
-    out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), out)
+    out, _ = interleave(
+        first, second, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch,
+        DEPTH, BLOCK_K,
+    )  # fmt: skip
     tl.store(out_ptr + row * num_table + n, out, mask=live)
 
 

@@ -81,6 +81,42 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
 
 
 @triton.jit
+def selection_keys(
+    x,
+    n,
+    count,
+    live,
+    score_floor,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    INTEGER_KEYS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """int64 keys of scores x (R, W) at block indices n (1 or R, W) of a row with `count` blocks:
+    sink and window blocks above every score, -1 where not `live` (see `_select_union_kernel`)."""
+    forced = (n < SINK) | (n >= count - WINDOW)
+    if INTEGER_KEYS:
+        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
+        key = tl.where(forced, (1 << BITS) - 1, small)
+    else:
+        key = tl.where(forced, FORCED_KEY, order_key(x).to(tl.int64))
+    return tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
+
+
+@triton.jit
+def write_union(union_ptr, valid_ptr, row_head, member, n, U: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Compact the blocks n (W,) whose `member` (W,) int32 is 1, ascending, into union[row_head, :U]
+    (0 past their count) and valid[row_head, :U]."""
+    position = tl.cumsum(member, axis=0) - 1
+    total = tl.sum(member, axis=0)
+    out = row_head * U
+    u = tl.arange(0, BLOCK_U)
+    tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
+    tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
+    tl.store(union_ptr + out + position, n.to(tl.int64), mask=(member > 0) & (position < U))
+
+
+@triton.jit
 def _select_union_kernel(
     scores_ptr,
     num_blocks_ptr,
@@ -114,24 +150,11 @@ def _select_union_kernel(
     g = tl.arange(0, BLOCK_G)
     count = tl.load(num_blocks_ptr + b)
     exist = (n < count) & (n < num_table)
-    forced = exist & ((n < SINK) | (n >= count - WINDOW))
     live = (g < G)[:, None] & exist[None, :]  # (BG, BN)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
-    if INTEGER_KEYS:
-        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
-        key = tl.where(forced[None, :], (1 << BITS) - 1, small)
-    else:
-        key = tl.where(forced[None, :], FORCED_KEY, order_key(x).to(tl.int64))
-    key = tl.where(live, key, -1)  # never above a threshold of 0: padding and missing blocks are out
+    key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)
-    union = tl.max(chosen.to(tl.int32), axis=0)  # (BN,)
-    position = tl.cumsum(union, axis=0) - 1
-    total = tl.sum(union, axis=0)
-    out = row_head * U
-    u = tl.arange(0, BLOCK_U)
-    tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
-    tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
-    tl.store(union_ptr + out + position, n.to(tl.int64), mask=(union > 0) & (position < U))
+    write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)
 
 
 def select_group_union(

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import triton_rank, triton_select
-from .triton_rank import top_list_ranks
-from .triton_select import FLOAT_KEY_BITS, FORCED_KEY, ORDER_KEY_BITS, order_key, top_k_rows
+from .triton_rank import interleave
+from .triton_select import FLOAT_KEY_BITS, ORDER_KEY_BITS, order_key, selection_keys, top_k_rows, write_union
 
 # Launch knobs: tables at least MIN_TABLE blocks wide select in two levels of CHUNK-block pieces;
 # None: always one level. Off until measured on a GPU (eval.bench.profile_step --batch 1).
@@ -91,38 +91,12 @@ def _rank_candidates_kernel(
     live = n >= 0
     first = tl.load(first_ptr + row * num_table + n, mask=live, other=float("-inf"))
     second = tl.load(second_ptr + row * num_table + n, mask=live, other=float("-inf"))
-    which = tl.arange(0, 2)[:, None]
-    both = tl.where(which == 0, first[None, :], second[None, :])  # (2, BC)
     scratch = row * 2 * BLOCK_K
-    rank = top_list_ranks(
-        both, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch, DEPTH, BLOCK_K
-    )
-    scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
-    out = tl.max(scored, axis=0)
-    out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), out)
-    tl.store(out_ptr + row * num_table + n, out, mask=live & (tl.min(rank, axis=0) < DEPTH))
-
-
-@triton.jit
-def _keys(
-    x,
-    n,
-    count,
-    live,
-    score_floor,
-    SINK: tl.constexpr,
-    WINDOW: tl.constexpr,
-    INTEGER_KEYS: tl.constexpr,
-    BITS: tl.constexpr,
-):
-    """`triton_select`'s selection keys of scores x (BG, W) at block indices n (W,) or (BG, W)."""
-    forced = (n < SINK) | (n >= count - WINDOW)
-    if INTEGER_KEYS:
-        small = tl.where(x >= score_floor, (x - score_floor).to(tl.int64) + 1, 0)
-        key = tl.where(forced, (1 << BITS) - 1, small)
-    else:
-        key = tl.where(forced, FORCED_KEY, order_key(x).to(tl.int64))
-    return tl.where(live, key, -1)
+    out, listed = interleave(
+        first, second, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch,
+        DEPTH, BLOCK_K,
+    )  # fmt: skip
+    tl.store(out_ptr + row * num_table + n, out, mask=live & listed)
 
 
 @triton.jit
@@ -159,7 +133,7 @@ def _chunk_candidates_kernel(
     exist = (n < count) & (n < num_table)
     live = (g < G)[:, None] & exist[None, :]  # (BG, CHUNK)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
-    key = _keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
+    key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
     total = tl.sum(chosen.to(tl.int32), axis=1)  # (BG,) <= K
@@ -210,20 +184,14 @@ def _union_of_candidates_kernel(
     n = tl.load(cand_ptr + (row_head * G + g)[:, None] * num_candidates + j[None, :], mask=in_list, other=-1)
     live = n >= 0  # (BG, BC)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n, mask=live, other=0.0)
-    key = _keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
+    key = selection_keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)
     bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
     tl.store(bitmap + n, tl.full([BLOCK_G, BLOCK_C], 1, tl.int8), mask=chosen)
     tl.debug_barrier()  # the marks of every thread, before any reads the bitmap
     m = tl.arange(0, BITMAP_WIDTH)
-    union = tl.load(bitmap + m, mask=m < num_table, other=0).to(tl.int32)
-    position = tl.cumsum(union, axis=0) - 1
-    total = tl.sum(union, axis=0)
-    out = row_head * U
-    u = tl.arange(0, BLOCK_U)
-    tl.store(valid_ptr + out + u, (u < total).to(tl.int8), mask=u < U)
-    tl.store(union_ptr + out + u, tl.zeros([BLOCK_U], dtype=tl.int64), mask=(u >= total) & (u < U))
-    tl.store(union_ptr + out + position, m.to(tl.int64), mask=(union > 0) & (position < U))
+    member = tl.load(bitmap + m, mask=m < num_table, other=0).to(tl.int32)
+    write_union(union_ptr, valid_ptr, row_head, member, m, U, BLOCK_U)
 
 
 def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
