@@ -29,7 +29,7 @@ from .triton_rank import interleave
 from .triton_select import FLOAT_KEY_BITS, ORDER_KEY_BITS, order_key, selection_keys, top_k_rows, write_union
 
 # Launch knobs: tables at least MIN_TABLE blocks wide select in two levels of CHUNK-block pieces;
-# None: always one level. Off until measured on a GPU (eval.bench.profile_step --batch 1).
+# None (the default): always one level.
 MIN_TABLE: int | None = None
 CHUNK = 1024
 
