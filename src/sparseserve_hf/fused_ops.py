@@ -373,6 +373,7 @@ class ProjectionsBeside:
             self.v_proj.forward = functools.partial(self.hand_over, 2, self.v_proj)
 
     def exit(self) -> None:
+        """Put the three projections' own forwards back (those `enter` swapped)."""
         self._pending = None
         if self._entered:
             for linear in (self.q_proj, self.k_proj, self.v_proj):
