@@ -195,16 +195,17 @@ class FusedModelOps:
                     if entry[1] == 0:
                         home.apply_rotary_pos_emb = _fused_when_active(entry[0])
                     entry[1] += 1
-        swaps = [(module, functools.partial(self._norm, module)) for module in self.norms]
+        self._swapped = []
+        for module in self.norms:
+            self._swap(module, functools.partial(self._norm, module))
+        ours = {id(module) for module in self._swapped}  # a layer joins its adds only to norms of ours
         for layer, following in zip(self.decoders, [*self.decoders[1:], None]):
             next_norm = following.input_layernorm if following is not None else None
-            swaps.append((layer, functools.partial(_fused_decoder_layer, self, layer, next_norm)))
-        swaps += [(module, functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side)) for module in self.mlps]
-        self._swapped = []
-        for module, forward in swaps:
-            if "forward" not in module.__dict__:  # one set since (a hook, a test's fault) stays in place
-                module.forward = forward
-                self._swapped.append(module)
+            if id(layer.post_attention_layernorm) in ours:
+                next_norm = next_norm if id(next_norm) in ours else None
+                self._swap(layer, functools.partial(_fused_decoder_layer, self, layer, next_norm))
+        for module in self.mlps:
+            self._swap(module, functools.partial(_fused_mlp, module, self.silu_mul, self.mlp_side))
         for attention in self.attentions:
             attention.enter()
 
@@ -225,6 +226,13 @@ class FusedModelOps:
         self._handed = None
         for attention in self.attentions:
             attention.exit()
+
+    def _swap(self, module: torch.nn.Module, forward: Callable) -> None:
+        """Set `module`'s forward for the step, unless one was set since the ops were chosen (a
+        hook, a test's fault): that one stays in place."""
+        if "forward" not in module.__dict__:
+            module.forward = forward
+            self._swapped.append(module)
 
     def _norm(self, norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """`norm`'s fused forward: the result the layer before computed with its residual add,

@@ -330,6 +330,10 @@ def test_a_forward_set_after_the_runner_started_stays_in_place(llama, monkeypatc
         assert torch.equal(runner.step(), eager.step()), f"step {step}"
         assert layer.forward is hooked and len(calls) > before
     assert "forward" not in llama.model.layers[0].__dict__
+    norm, norm_calls = llama.model.layers[0].post_attention_layernorm, []
+    own_norm = functools.partial(type(norm).forward, norm)
+    monkeypatch.setattr(norm, "forward", lambda *a: norm_calls.append(1) or own_norm(*a))
+    assert torch.equal(runner.step(), eager.step()) and norm_calls  # its layer calls it: not joined to an add
 
 
 def test_fused_activation_off_runs_the_models_own_mlp(llama):
