@@ -32,6 +32,7 @@
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks
+#   prefill256k the TTFT of one 256K prompt: stock generate(max_new_tokens=1) against an idle Generator
 #   addnorm     the residual adds joined to the norms (fused_norms): the norm and graph tests, then the captured
 #               step per layer (8-layer cut, B=16 x 32K) with and without them, twice each
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
@@ -124,6 +125,9 @@ case $part in
     for knob in "" "--knob triton_two_level.MIN_TABLE=512 --knob triton_two_level.CHUNK=256"; do
       python -m eval.bench.step_knobs --batch 1 $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
     done ;;
+  prefill256k)
+    python -m eval.bench.generator_vs_generate --points prefill256k --localities real_locality \
+      --out "$out/generator_256k.json" 2>&1 | tee "$out/generator_256k.log" | tail -12 ;;
   addnorm)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_norm.py tests/integration/test_decode_graph.py \
       tests/integration/test_graph_runner.py 2>&1 | tee "$out/gpu_pytest_addnorm.log" | tail -5
@@ -134,5 +138,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, addnorm, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, multigpu, tp)" >&2; exit 2 ;;
 esac

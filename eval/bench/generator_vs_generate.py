@@ -3,6 +3,7 @@
     python -m eval.bench.generator_vs_generate --points closed_loop --out eval/results/generator_vs_generate.json
     python -m eval.bench.generator_vs_generate --points capacity --localities real_locality --out ...
     python -m eval.bench.generator_vs_generate --points prefill --out ...
+    python -m eval.bench.generator_vs_generate --points prefill256k --localities real_locality --out ...
     python -m eval.bench.generator_vs_generate --dry-run                      # tiny shapes on CPU
 
 Llama-3-8B shape, random bf16 weights, seeded random-token prompts, the same requests for every
@@ -16,7 +17,7 @@ system, EOS ignored (every system generates every token), greedy. Points:
   block cache of what the cap leaves after the weights, the block metadata (on the device, one
   entry per DRAM pool block) and a headroom.
 - prefill: one 32K prompt. Stock: `generate(max_new_tokens=1)`; ours: submit to an idle
-  `Generator` until its first token (its TTFT).
+  `Generator` until its first token (its TTFT). prefill256k: the same with one 256K prompt.
 Every system first runs one full call of the point's shapes (16 new tokens, or 1 for prefill)
 outside the clock. Ours is `SparseServeConfig(cuda_graphs=True)` with an HBM cache of
 `--hbm-cache-fraction` of the dense KV (closed loop, prefill), at real locality (the recorded
@@ -61,8 +62,9 @@ POINTS = {  # name -> (requests, prompt tokens, new tokens)
     "closed_loop": (16, 16384, 1024),
     "capacity": (16, 32768, 1024),
     "prefill": (1, 32768, 1),
+    "prefill256k": (1, 262016, 1),
 }
-DRY_POINTS = {"closed_loop": (3, 160, 6), "capacity": (3, 160, 6), "prefill": (1, 200, 1)}
+DRY_POINTS = {"closed_loop": (3, 160, 6), "capacity": (3, 160, 6), "prefill": (1, 200, 1), "prefill256k": (1, 400, 1)}
 WARM_NEW_TOKENS = 16
 LOCALITIES = ("real_locality", "random_kv")
 STOCK_BATCHES = (16, 12, 8, 6, 4, 3, 2, 1)  # tried under the cap, largest first
@@ -277,23 +279,25 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     return point
 
 
-MEASURES = {"closed_loop": closed_loop, "capacity": capacity, "prefill": prefill}
+MEASURES = {"closed_loop": closed_loop, "capacity": capacity, "prefill": prefill, "prefill256k": prefill}
 
 
 def headline(points: dict[str, Any]) -> dict[str, Any]:
     """The target keys, at real locality (random KV beside it in the blocks)."""
     out: dict[str, Any] = {}
-    loop, cap, pre = points.get("closed_loop"), points.get("capacity"), points.get("prefill")
+    loop, cap = points.get("closed_loop"), points.get("capacity")
     if loop is not None:
         out["stock_s"] = loop["stock"]["seconds"]
         out["generator_over_stock"] = loop.get("real_locality", {}).get("over_stock")
     if cap is not None:
         out["capacity_stock_batch"] = None if cap["stock"] is None else cap["stock"]["batch"]
         out["capacity_generator_over_stock"] = cap.get("real_locality", {}).get("over_stock")
-    if pre is not None:
-        out["prefill_stock_s"] = pre["stock"]["seconds"]
-        out["prefill_ours_s"] = pre.get("real_locality", {}).get("mean_ttft_s")
-        out["prefill_over_stock"] = pre.get("real_locality", {}).get("over_stock")
+    for name in ("prefill", "prefill256k"):
+        point = points.get(name)
+        if point is not None:
+            out[f"{name}_stock_s"] = point["stock"]["seconds"]
+            out[f"{name}_ours_s"] = point.get("real_locality", {}).get("mean_ttft_s")
+            out[f"{name}_over_stock"] = point.get("real_locality", {}).get("over_stock")
     return out
 
 

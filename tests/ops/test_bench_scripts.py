@@ -104,10 +104,12 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
         assert row["failed_requests"] == row["warm_up_failed_requests"] == 0 and row["errors"] == []
         kinds = row["iterations_by_kind"]
         assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
-    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "capacity", "--localities", "random_kv",
-               "--out", str(out))  # fmt: skip
+    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "capacity,prefill256k", "--localities",
+               "random_kv", "--out", str(out))  # fmt: skip
     merged = json.loads(out.read_text())
-    assert set(merged["points"]) == {"closed_loop", "prefill", "capacity"} and merged["stock_s"] == first["stock_s"]
+    assert set(merged["points"]) == {"closed_loop", "prefill", "capacity", "prefill256k"}
+    assert merged["stock_s"] == first["stock_s"] and merged["prefill256k_stock_s"] > 0
+    assert merged["prefill256k_ours_s"] is None and merged["points"]["prefill256k"]["random_kv"]["over_stock"] > 0
     assert merged["capacity_stock_batch"] == 3 and merged["capacity_generator_over_stock"] is None  # real not run
     tried = merged["points"]["capacity"]["stock_batches_tried"]
     assert tried[-1]["runs"] and all(t["expandable_segments"] is False for t in tried if DEVICE.type != "cuda")
