@@ -31,7 +31,7 @@
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
-#               B=1 x 32K with 256-block chunks
+#               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
 #   prefill256k the TTFT of one 256K prompt: stock generate(max_new_tokens=1) against an idle Generator
 #   addnorm     the residual adds joined to the norms (fused_norms): the norm and graph tests, then the captured
 #               step per layer (8-layer cut, B=16 x 32K) with and without them, twice each
@@ -124,6 +124,9 @@ case $part in
     done
     for knob in "" "--knob triton_two_level.MIN_TABLE=512 --knob triton_two_level.CHUNK=256"; do
       python -m eval.bench.step_knobs --batch 1 $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
+    done
+    for knob in "" "--knob triton_two_level.MIN_TABLE=1024 --knob triton_two_level.CHUNK=256 --knob triton_two_level.CHUNK_WARPS=1"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_two_level.jsonl" 2>&1 | tail -1
     done ;;
   prefill256k)
     python -m eval.bench.generator_vs_generate --points prefill256k --localities real_locality \

@@ -32,6 +32,7 @@ from .triton_select import FLOAT_KEY_BITS, ORDER_KEY_BITS, order_key, selection_
 # None (the default): always one level.
 MIN_TABLE: int | None = None
 CHUNK = 1024
+CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
 
 @triton.jit
@@ -218,7 +219,8 @@ def combine_top_ranks_chunked(
     segment = triton.next_power_of_2(2 * depth)
     cand = torch.empty((rows, num_chunks * segment), dtype=torch.int32, device=first.device)
     _chunk_lists_kernel[(rows, num_chunks)](
-        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment, num_warps=2 if chunk <= 1024 else 8
+        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment,
+        num_warps=CHUNK_WARPS or (2 if chunk <= 1024 else 8)
     )  # fmt: skip
     block_k = triton.next_power_of_2(depth)
     scratch_key = torch.empty((rows, 2 * block_k), dtype=torch.int32, device=first.device)
@@ -291,7 +293,7 @@ def select_group_union_chunked(
     _chunk_candidates_kernel[(rows, num_chunks)](
         scores, num_blocks, cand, bitmap, scores.stride(0), scores.stride(1), num_table, num_kv_heads,
         float(score_floor or 0), CHUNK=chunk, BLOCK_K=triton.next_power_of_2(num_selected), **shared,
-        num_warps=4 if chunk <= 1024 else 8,
+        num_warps=CHUNK_WARPS or (4 if chunk <= 1024 else 8),
     )  # fmt: skip
     _union_of_candidates_kernel[(rows,)](
         scores, num_blocks, cand, bitmap, union, valid.view(torch.int8), scores.stride(0), scores.stride(1),
