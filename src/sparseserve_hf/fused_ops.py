@@ -270,17 +270,23 @@ def _add_norm_agrees(add_rms_norm: Callable, norm: torch.nn.Module) -> bool:
     """The fused add and norm equal the model's `residual + hidden` and its norm of the sum, bit
     for bit, at every row layout of `NORM_CHECK_ROWS`, in the model's dtype on its device."""
     gen = torch.Generator().manual_seed(1)
-    width = norm.weight.shape[0]
     for rows in NORM_CHECK_ROWS:
-        scale = 10 ** (torch.rand(rows, 1, 1, generator=gen) * 4 - 2)
-        hidden, residual = ((torch.randn(rows, 1, width, generator=gen) * scale) for _ in range(2))
-        hidden, residual = (t.to(norm.weight.device, norm.weight.dtype) for t in (hidden, residual))
+        hidden, residual = (_decode_rows(norm.weight, rows, gen, spread=True) for _ in range(2))
         want_sum = residual + hidden
         want = type(norm).forward(norm, want_sum)
         got, got_sum = add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
         if got.dtype != want.dtype or not (torch.equal(got, want) and torch.equal(got_sum, want_sum)):
             return False
     return True
+
+
+def _decode_rows(like: torch.Tensor, rows: int, gen: torch.Generator, spread: bool = False) -> torch.Tensor:
+    """Random (rows, 1, in-width) decode input in `like`'s (a weight's) dtype and device, with rows
+    `spread` decades apart when asked (so a mean's order of additions shows in its last bits)."""
+    x = torch.randn(rows, 1, like.shape[-1], generator=gen)
+    if spread:
+        x = x * 10 ** (torch.rand(rows, 1, 1, generator=gen) * 4 - 2)
+    return x.to(like.device, like.dtype)
 
 
 def _checked(name: str, agrees: Callable[[], bool]) -> bool:
@@ -317,10 +323,8 @@ def _norm_agrees(rms_norm: Callable, norm: torch.nn.Module) -> bool:
     """The fused RMSNorm equals the module's own bit for bit on decode-shaped inputs in the model's
     dtype, on its device, for every row count that lays the mean's additions out differently."""
     gen = torch.Generator().manual_seed(0)
-    width = norm.weight.shape[0]
     for rows in NORM_CHECK_ROWS:
-        scale = 10 ** (torch.rand(rows, 1, 1, generator=gen) * 4 - 2)  # rows decades apart
-        hidden = (torch.randn(rows, 1, width, generator=gen) * scale).to(norm.weight.device, norm.weight.dtype)
+        hidden = _decode_rows(norm.weight, rows, gen, spread=True)
         got, want = rms_norm(hidden, norm.weight, norm.variance_epsilon), type(norm).forward(norm, hidden)
         if got.dtype != want.dtype or not torch.equal(got, want):
             return False
@@ -347,9 +351,7 @@ def _mlp_beside_agrees(fused: FusedModelOps) -> bool:
     """The MLP with its up projection beside the gate's equals it without, bit for bit, at a decode
     batch's shape in the model's dtype on its device."""
     mlp = fused.mlps[0]
-    weight = mlp.gate_proj.weight
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 1, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    x = _decode_rows(mlp.gate_proj.weight, 4, torch.Generator().manual_seed(0))
     got = _fused_mlp(mlp, fused.silu_mul, fused.mlp_side, x)
     return torch.equal(got, _fused_mlp(mlp, fused.silu_mul, None, x))
 
@@ -412,9 +414,7 @@ class ProjectionsBeside:
     def agrees(self) -> bool:
         """Side by side equals one after another, bit for bit, at a decode batch's shape in the
         model's dtype on its device."""
-        weight = self.q_proj.weight
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 1, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        x = _decode_rows(self.q_proj.weight, 4, torch.Generator().manual_seed(0))
         want = [torch.nn.Linear.forward(linear, x) for linear in (self.q_proj, self.k_proj, self.v_proj)]
         self.enter()
         try:

@@ -173,15 +173,13 @@ def select_group_union(
     """
     batch, num_q_heads, num_table = scores.shape
     group = num_q_heads // num_kv_heads
-    width = group * num_selected
-    union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
-    valid = torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
+    union, valid = union_outputs(scores, num_kv_heads, num_selected)
     if union.numel() == 0:
         return union, valid
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     block_n = triton.next_power_of_2(max(num_table, 16))
-    integer_keys = score_floor is not None
-    bits = (1 - score_floor + 1).bit_length() if integer_keys else FLOAT_KEY_BITS  # keys 0 .. 1 - floor, then forced
+    integer_keys, bits = key_bits(score_floor)
+    width = union.shape[-1]
     _select_union_kernel[(batch * num_kv_heads,)](
         scores, num_blocks, union, valid.view(torch.int8),
         scores.stride(0), scores.stride(1), num_table, num_kv_heads, float(score_floor or 0),
@@ -191,3 +189,19 @@ def select_group_union(
         num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
     )  # fmt: skip
     return union, valid
+
+
+def union_outputs(scores: torch.Tensor, num_kv_heads: int, num_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (B, Hkv, G*K) union (long) and validity (bool) for (B, Hq, N) scores."""
+    batch, num_q_heads = scores.shape[:2]
+    width = num_q_heads // num_kv_heads * num_selected
+    union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
+    return union, torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
+
+
+def key_bits(score_floor: int | None) -> tuple[bool, int]:
+    """(INTEGER_KEYS, BITS) of the selection keys: integer scores from `score_floor` up take keys
+    0 .. 1 - floor and the forced key above them; without a floor, float keys."""
+    if score_floor is None:
+        return False, FLOAT_KEY_BITS
+    return True, (1 - score_floor + 1).bit_length()

@@ -26,7 +26,15 @@ import triton.language as tl
 
 from . import triton_rank, triton_select
 from .triton_rank import interleave
-from .triton_select import FLOAT_KEY_BITS, ORDER_KEY_BITS, order_key, selection_keys, top_k_rows, write_union
+from .triton_select import (
+    ORDER_KEY_BITS,
+    key_bits,
+    order_key,
+    selection_keys,
+    top_k_rows,
+    union_outputs,
+    write_union,
+)
 
 # Launch knobs: tables at least MIN_TABLE blocks wide select in two levels of CHUNK-block pieces;
 # None (the default): always one level.
@@ -272,11 +280,10 @@ def select_group_union_chunked(
     _check_chunk(chunk)
     batch, num_q_heads, num_table = scores.shape
     group = num_q_heads // num_kv_heads
-    width = group * num_selected
-    union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
-    valid = torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
+    union, valid = union_outputs(scores, num_kv_heads, num_selected)
     if union.numel() == 0:
         return union, valid
+    width = union.shape[-1]
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     num_chunks = triton.cdiv(num_table, chunk)
     num_candidates = num_chunks * num_selected
@@ -284,8 +291,7 @@ def select_group_union_chunked(
     cand = torch.empty((rows, group, num_candidates), dtype=torch.int32, device=scores.device)
     bitmap_width = triton.next_power_of_2(max(num_table, 16))
     bitmap = torch.empty((rows, bitmap_width), dtype=torch.int8, device=scores.device)
-    integer_keys = score_floor is not None
-    bits = (1 - score_floor + 1).bit_length() if integer_keys else FLOAT_KEY_BITS
+    integer_keys, bits = key_bits(score_floor)
     shared = dict(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group, BLOCK_G=triton.next_power_of_2(group),
         BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits,
