@@ -70,7 +70,7 @@ def test_the_op_takes_two_levels_from_its_minimum_width(monkeypatch):
         lambda *a, **k: launched.append(k["chunk"]) or original(*a, **k),
     )
     monkeypatch.setattr(triton_two_level, "CHUNK", 16)
-    assert triton_two_level.MIN_TABLE is None  # the default: one level
+    assert triton_two_level.MIN_TABLE > 64  # the default: one level at this width
     one = triton_two_level.select_group_union(*args)
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
     two = triton_two_level.select_group_union(*args)

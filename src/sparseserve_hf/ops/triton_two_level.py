@@ -36,9 +36,9 @@ from .triton_select import (
     write_union,
 )
 
-# Launch knobs: tables at least MIN_TABLE blocks wide select in two levels of CHUNK-block pieces;
-# None (the default): always one level.
-MIN_TABLE: int | None = None
+# Launch knobs: tables at least MIN_TABLE blocks wide (64K tokens of 32-token blocks) select in two
+# levels of CHUNK-block pieces, narrower ones in one; None: always one level.
+MIN_TABLE: int | None = 2048
 CHUNK = 1024
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
