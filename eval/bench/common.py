@@ -53,17 +53,15 @@ def config_overrides(settings: list[str]) -> dict[str, Any]:
 
 def apply_knobs(knobs: list[str]) -> dict[str, Any]:
     """Set each `MODULE.NAME=VALUE` on `sparseserve_hf.ops.MODULE` (or `sparseserve_hf.MODULE` where
-    ops has none); returns {"MODULE.NAME": value}. ValueError names a knob that is malformed or
+    ops has none; MODULE may be dotted: `cache.block_cache.FREE_AHEAD=0`); returns {"MODULE.NAME": value}. ValueError names a knob that is malformed or
     names no existing constant."""
     applied = {}
     for knob in knobs:
         target, sep, text = knob.partition("=")
-        module_name, dot, name = target.partition(".")
-        if not (sep and dot and name):
+        module_name, dot, name = target.rpartition(".")
+        if not (sep and dot and name and module_name):
             raise ValueError(f"knob {knob!r}: expected MODULE.NAME=VALUE, e.g. triton_decode.PROGRAMS_PER_SM=2")
-        package = (
-            "sparseserve_hf.ops" if importlib.util.find_spec(f"sparseserve_hf.ops.{module_name}") else "sparseserve_hf"
-        )
+        package = "sparseserve_hf.ops" if _has_module(f"sparseserve_hf.ops.{module_name}") else "sparseserve_hf"
         module = importlib.import_module(f"{package}.{module_name}")
         if not hasattr(module, name) or not name.isupper():
             raise ValueError(f"knob {knob!r}: {package}.{module_name} has no constant {name}")
@@ -71,6 +69,14 @@ def apply_knobs(knobs: list[str]) -> dict[str, Any]:
         setattr(module, name, value)
         applied[target] = value
     return applied
+
+
+def _has_module(name: str) -> bool:
+    """Whether the dotted module `name` exists (False where a parent package does not)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def json_child(module: str, args: list[str], env: dict[str, str], check: bool = False) -> Any:

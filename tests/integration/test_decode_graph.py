@@ -150,7 +150,9 @@ def test_projections_beside_run_on_a_second_stream_and_keep_the_bits(dtype):
     room = 2 * static_config().hbm_cache_bytes
     runners = {}
     for beside, capture in ((True, True), (True, False), (False, False)):
-        cache, tokens = batch_cache(model, static_config(backend="triton", hbm_cache_bytes=room, projections_beside=beside))
+        cache, tokens = batch_cache(
+            model, static_config(backend="triton", hbm_cache_bytes=room, projections_beside=beside)
+        )
         runners[beside, capture] = DecodeGraphRunner(model, cache, capture=capture)
         runners[beside, capture].start(tokens)
     fused = runners[True, True]._fused

@@ -1,4 +1,4 @@
-"""The fused block-cache lookup kernel against `ops.lru.resolve_` (the tensor spec), on random selections."""
+"""The block-cache lookup kernels (claim, then install) against `ops.lru.resolve_` (the tensor spec), on random selections."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_support import DEVICE
-from sparseserve_hf.ops import lru, reference, triton_resolve
+from sparseserve_hf.ops import lru, reference, triton_resolve, triton_transfer
 from sparseserve_hf.ops.reference import LOAD_COUNTERS
 
 
@@ -42,9 +42,10 @@ def assert_tables_equal(got: lru.LruTables, want: lru.LruTables) -> None:
         assert torch.equal(a, b), field.name
 
 
-@pytest.mark.parametrize("one_tile", [True, False], ids=["one_tile", "tiled"])  # both kernels at the same sizes
+@pytest.mark.parametrize("max_tile", [4096, 16], ids=["one_tile", "tiled"])  # both at the same sizes
+@pytest.mark.parametrize("free_ahead", [0, 6])
 @pytest.mark.parametrize("batch,heads,width,partitions,per", [(3, 2, 5, 4, 24), (1, 3, 37, 3, 40), (4, 1, 9, 2, 64)])
-def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, one_tile):
+def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, free_ahead, max_tile):
     gen = torch.Generator().manual_seed(batch * 100 + width)
     num_blocks = 40 * partitions
     want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
@@ -53,9 +54,9 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
     for step in range(25):
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
-        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts)
+        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, free_ahead)
         k_slots, k_ids, k_slots_loaded, k_counts = triton_resolve.resolve_(
-            ids.to(DEVICE), first, got, got_counts, one_tile=one_tile
+            ids.to(DEVICE), first, got, got_counts, free_ahead, max_tile=max_tile
         )
         assert torch.equal(k_slots.cpu(), slots), step
         assert torch.equal(k_ids.cpu(), load_ids) and torch.equal(k_slots_loaded.cpu(), load_slots), step
@@ -69,8 +70,41 @@ def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partit
             assert_tables_equal(got, want)
 
 
-@pytest.mark.parametrize("one_tile", [True, False], ids=["one_tile", "tiled"])
-def test_a_lookup_that_fills_a_partition_over_several_steps(one_tile):
+@pytest.mark.parametrize("free_ahead", [0, 8, 40])
+def test_claims_list_the_early_loads_in_free_slots_and_install_lists_the_rest(free_ahead):
+    """Split at the claims: the early loads (their slots written before `install_` runs) are the
+    first of the spec's load lists and sit in free slots; the late lists hold the rest, from 0."""
+    heads, per, batch, width = 2, 64, 3, 12
+    num_blocks = heads * 150
+    want = lru.empty_tables(heads, per, num_blocks, torch.device("cpu"))
+    got = copy_tables(want, DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(free_ahead)
+    early_total = late_total = 0
+    for step in range(12):
+        ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
+        _, load_ids, load_slots, load_counts = lru.resolve_(ids, 0, want, want_counts, free_ahead)
+        free_before = got.slot_tick.cpu()[:-1] < 0
+        claims = triton_resolve.claim_(ids.to(DEVICE), 0, got, got_counts)
+        early_slots = claims.load_slots.cpu()
+        installed = triton_resolve.install_(ids.to(DEVICE), 0, got, claims, free_ahead)
+        assert_tables_equal(got, want)
+        for head in range(heads):
+            early, misses = int(claims.early_counts[head]), int(load_counts[head])
+            late = int(installed.late_counts[head])
+            assert early + late == misses == int(claims.load_counts[head]), step
+            assert torch.equal(early_slots[head, :early], load_slots[head, :early])
+            assert bool(free_before[load_slots[head, :early]].all())
+            assert torch.equal(installed.late_ids[head, :late].cpu(), load_ids[head, early:misses])
+            assert torch.equal(installed.late_slots[head, :late].cpu(), load_slots[head, early:misses])
+            early_total, late_total = early_total + early, late_total + late
+    assert early_total > 0
+    # a lookup has at most batch * width misses per head: when that many slots are kept free, none is late
+    assert (late_total == 0) == (free_ahead >= batch * width)
+
+
+@pytest.mark.parametrize("max_tile", [4096, 32], ids=["one_tile", "tiled"])
+def test_a_lookup_that_fills_a_partition_over_several_steps(max_tile):
     """A decode step's shape in small: every slot of the partitions used, evictions every step."""
     heads, per, batch, width = 2, 64, 4, 16  # 64 entries per head: exactly one partition
     num_blocks = heads * 200
@@ -81,7 +115,7 @@ def test_a_lookup_that_fills_a_partition_over_several_steps(one_tile):
     for step in range(8):
         ids = random_selection(gen, (batch, heads, width), num_blocks, heads, 0)
         want_out = lru.resolve_(ids, 0, want, want_counts)
-        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts, one_tile=one_tile)
+        got_out = triton_resolve.resolve_(ids.to(DEVICE), 0, got, got_counts, max_tile=max_tile)
         for a, b in zip(got_out, want_out):
             assert torch.equal(a.cpu(), b), step
         assert_tables_equal(got, want)
@@ -159,3 +193,40 @@ def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves()
         slots, *_ = lru.resolve_(ids, 0, tables, counts)
         assert bool(((resident == slots) | (resident == -1)).all()), step
         assert step == 0 or bool((resident >= 0).any())  # later steps hit what earlier ones loaded
+
+
+@pytest.mark.parametrize("per", [64, 24])  # free ahead: 8 slots, then 3 (an eighth of the partition)
+def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per):
+    """`HbmBlockCache` with the claim and install kernels (the early copy beside the install on
+    CUDA, in turn here): every entry's slot holds its block, and the tables are the spec's with the
+    cache's `free_ahead`, lookup after lookup, with blocks forgotten in between."""
+    from sparseserve_hf.cache.block_cache import HbmBlockCache
+    from sparseserve_hf.cache.dram_pool import DramPool
+
+    heads, per_head, shape = 2, 60, (2, 4, 8)
+    dram = DramPool(shape, torch.float32, None, pin=False, device=DEVICE)
+    ids = dram.allocate(heads * per_head)
+    blocks = torch.randn(heads * per_head, *shape, device=DEVICE)
+    dram.storage[ids] = blocks
+    cache = HbmBlockCache(
+        heads * per, shape, torch.float32, DEVICE, triton_transfer.gather_blocks, heads,
+        triton_resolve.resolve_, triton_resolve.claim_, triton_resolve.install_,
+    )  # fmt: skip
+    cache.track_blocks(dram.capacity)
+    assert cache.free_ahead == per // 8
+    want = copy_tables(cache.tables, torch.device("cpu"))
+    counts = torch.zeros(2, dtype=torch.long)
+    gen = torch.Generator().manual_seed(per)
+    for step in range(10):
+        selection = random_selection(gen, (3, heads, 6), heads * per_head, heads, 0)
+        want_slots, *_ = lru.resolve_(selection, 0, want, counts, cache.free_ahead)
+        slots = cache.lookup(selection.to(DEVICE), dram, 0).cpu()
+        used = selection >= 0
+        assert torch.equal(slots, want_slots), step
+        assert torch.equal(cache.pool[slots[used].to(DEVICE)], blocks[selection[used].to(DEVICE)]), step
+        assert_tables_equal(cache.tables, want)
+        if step % 4 == 3:
+            gone = selection[0, 0, :2]
+            cache.invalidate(gone.to(DEVICE))
+            lru.forget_(gone, want)
+    assert cache.counts() == tuple(counts.tolist()) and counts[1] > 0

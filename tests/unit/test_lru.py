@@ -142,3 +142,30 @@ def test_resolve_on_cuda_matches_reference():
             want, _, _ = refs[first + head].lookup(ids[:, head].flatten().tolist())
             assert slots[:, head].flatten().tolist() == want, step
         assert_same_state(lru.LruTables(*(t.cpu() for t in vars(tables).values())), refs)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("free_ahead", [1, 4, 12])
+def test_resolve_keeps_slots_free_ahead_as_the_reference_does(free_ahead):
+    """With `free_ahead` R every lookup leaves R slots of its partitions free (the least recently
+    used it did not touch), so the next lookup's first R misses land in the order's first slots."""
+    gen = torch.Generator().manual_seed(free_ahead)
+    partitions, per, per_head, shape = 3, 12, 24, (2, 2, 4)
+    tables = lru.empty_tables(partitions, per, partitions * per_head, torch.device("cpu"))
+    refs = [lru.ReferenceLru(range(p * per, (p + 1) * per), free_ahead) for p in range(partitions)]
+    counts = torch.zeros(2, dtype=torch.long)
+    for step in range(30):
+        first = int(torch.randint(0, partitions - 1, (1,), generator=gen))
+        ids = random_selection(gen, shape, per_head, first)
+        front = tables.slot_order[first : first + 2].clone()
+        slots, load_ids, load_slots, _ = lru.resolve_(ids, first, tables, counts, free_ahead)
+        for head in range(shape[1]):
+            want_slots, loads, _ = refs[first + head].lookup(ids[:, head].flatten().tolist())
+            assert slots[:, head].flatten().tolist() == want_slots, step
+            n = len(loads)
+            assert list(zip(load_ids[head, :n].tolist(), load_slots[head, :n].tolist())) == loads
+            early = min(n, free_ahead) if step else n  # the first lookup starts from an empty partition
+            assert load_slots[head, :early].tolist() == front[head, :early].tolist()
+        assert_same_state(tables, refs)
+        ticks = tables.slot_tick[tables.slot_order[first : first + 2]]
+        assert bool((ticks[:, : min(free_ahead, per - 8)] == -1).all())  # <= 8 slots used per lookup

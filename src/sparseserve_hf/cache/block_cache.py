@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -13,6 +14,10 @@ from .grow import grown
 from .plain import plain_tensors
 
 UNLIMITED_INITIAL_SLOTS = 256
+# A split lookup's partitions keep this many slots free (at most an eighth of their slots): the next
+# lookup's first misses land there, so their copy starts before the other victims are chosen.
+FREE_AHEAD = 128
+SPLIT_LOOKUP = True  # split the lookup where the op set can (an ablation knob)
 
 
 def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
@@ -29,7 +34,9 @@ class HbmBlockCache:
     with the Triton backend (`ops.triton_resolve`). Residency, the clocks and the hit/miss
     counters are device tensors, and a lookup is that resolve plus one FlashH2D launch: no host
     sync, so a decode step can run ahead of the host and be captured in a CUDA graph. Counters
-    are read (one sync) only by `counts()`.
+    are read (one sync) only by `counts()`. With `claim` and `install` the lookup is split where
+    its misses are known: the copy of those that land in free slots runs while `install` picks
+    the other victims (on a second CUDA stream), and each partition keeps `FREE_AHEAD` slots free.
 
     Args:
         num_slots: fixed number of slots (`num_slots // partitions` per partition; the rest are
@@ -43,6 +50,8 @@ class HbmBlockCache:
         partitions: NP, how many LRU partitions (ignored when unlimited).
         resolve: the backend's lookup (`ops.resolve_blocks`); an unlimited cache always uses the
             tensor one (its single partition spans the whole pool).
+        claim, install: the same lookup in two halves (`ops.claim_blocks`, `ops.install_blocks`),
+            or None: `resolve` whole (an unlimited cache never splits).
     """
 
     @plain_tensors
@@ -55,10 +64,15 @@ class HbmBlockCache:
         gather_blocks: Callable[..., None] = reference.gather_blocks,
         partitions: int = 1,
         resolve: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = lru.resolve_,
+        claim: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+        install: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         self.gather_blocks = gather_blocks
         self.unlimited = num_slots is None
         self.resolve = lru.resolve_ if self.unlimited else resolve
+        splits = SPLIT_LOOKUP and not self.unlimited and claim is not None and install is not None
+        self.split = (claim, install) if splits else None
+        self._install_stream: torch.cuda.Stream | None = None  # made by the first split lookup on CUDA
         self.block_shape = block_shape
         self.device = device
         self.num_partitions = 1 if self.unlimited else partitions
@@ -68,6 +82,7 @@ class HbmBlockCache:
                 f"hbm_cache_bytes holds {num_slots} head-blocks, fewer than the {partitions} (sparse layer, KV head) "
                 "partitions of the HBM block cache; raise hbm_cache_bytes"
             )
+        self.free_ahead = min(FREE_AHEAD, per // 8) if self.split else 0
         self.pool = torch.zeros((self.num_partitions * per, *block_shape), dtype=dtype, device=device)  # (P, 2, S, D)
         self.tables = lru.empty_tables(self.num_partitions, per, 0, device)
         self._counts = torch.zeros(2, dtype=torch.long, device=device)  # blocks looked up, misses
@@ -140,15 +155,44 @@ class HbmBlockCache:
         selection = block_ids.to(self.device)
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
+        if self.split is not None:
+            return self._split_lookup(selection, dram, first_partition).view(block_ids.shape)
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
-        try:
+        with self._forgotten_on_failure(load_ids):
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
+        return slots.view(block_ids.shape)
+
+    def _split_lookup(self, selection: torch.Tensor, dram: DramPool, first_partition: int) -> torch.Tensor:
+        """`lookup` in two halves: the claims, then the copy of the early loads beside the install
+        (on the install stream, on CUDA), then the late loads' copy. Returns the slots."""
+        claim, install = self.split
+        selection = selection.contiguous()
+        claims = claim(selection, first_partition, self.tables, self._counts)
+        with self._forgotten_on_failure(claims.load_ids):
+            current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if current is not None:
+                if self._install_stream is None:
+                    self._install_stream = torch.cuda.Stream(self.device, priority=-1)
+                self._install_stream.wait_stream(current)
+                with torch.cuda.stream(self._install_stream):
+                    installed = install(selection, first_partition, self.tables, claims, self.free_ahead)
+            else:
+                installed = install(selection, first_partition, self.tables, claims, self.free_ahead)
+            self.gather_blocks(dram.storage, claims.load_ids, self.pool, claims.load_slots, claims.early_counts)
+            if current is not None:
+                current.wait_stream(self._install_stream)
+            self.gather_blocks(dram.storage, installed.late_ids, self.pool, installed.late_slots, installed.late_counts)
+        return installed.slots
+
+    @contextlib.contextmanager
+    def _forgotten_on_failure(self, load_ids: torch.Tensor):
+        """A failed copy of the misses forgets them: the tables already call them resident, and a
+        later lookup would hit slots that never received their blocks."""
+        try:
+            yield
         except BaseException:
-            # The tables already call the misses resident: forget them, or a later lookup would
-            # hit slots that never received their blocks.
             lru.forget_(load_ids.view(-1), self.tables)
             raise
-        return slots.view(block_ids.shape)
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one

@@ -132,6 +132,8 @@ class TieredBlockStore:
             self.ops.gather_blocks,
             self.hbm_partitions,
             self.ops.resolve_blocks,
+            self.ops.claim_blocks,
+            self.ops.install_blocks,
         )
         return dram, hbm
 

@@ -44,6 +44,9 @@ class BlockOps:
     gather_blocks: Callable[..., None]
     scatter_blocks: Callable[..., None]
     resolve_blocks: Callable[..., tuple[torch.Tensor, ...]]  # signature as `ops.lru.resolve_`
+    # `resolve_blocks` in two halves around the misses' first copy (`triton_resolve.claim_`); None: not split
+    claim_blocks: Callable[..., tuple[torch.Tensor, ...]] | None
+    install_blocks: Callable[..., tuple[torch.Tensor, ...]] | None
     picked_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # signature as `ops.lru.picked_blocks`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
@@ -67,6 +70,8 @@ TORCH_OPS = BlockOps(
     gather_blocks=reference.gather_blocks,
     scatter_blocks=reference.scatter_blocks,
     resolve_blocks=lru.resolve_,
+    claim_blocks=None,
+    install_blocks=None,
     picked_blocks=lru.picked_blocks,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
@@ -193,6 +198,8 @@ def _triton_ops() -> BlockOps:
         gather_blocks=triton_transfer.gather_blocks,
         scatter_blocks=triton_transfer.scatter_blocks,
         resolve_blocks=triton_resolve.resolve_,
+        claim_blocks=triton_resolve.claim_,
+        install_blocks=triton_resolve.install_,
         picked_blocks=triton_resolve.picked_blocks,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,

@@ -13,7 +13,11 @@ per row:
 - the j-th missing block, in order of first appearance, takes the j-th slot of the partition's
   eviction order ((last use, slot) ascending, free slots first) that this lookup does not use;
 - the partition's eviction order is kept sorted without a sort: the slots used now move to its
-  back, by slot index; the others keep their relative order.
+  back, by slot index; the others keep their relative order;
+- with `free_ahead` = R, the lookup then frees least recently used slots it did not use until R
+  of the partition's slots are free (or none is left to free). Free slots lead the eviction
+  order, so the next lookup's first R misses land in slots known before it starts: their copy
+  can begin before the lookup has chosen the victims of the rest (`triton_resolve.claim_`).
 Every intermediate has a shape known from the inputs' shapes (no `.item()`, `nonzero`, boolean
 indexing): a lookup is a chain of launches a CUDA graph can capture. Masked writes go to a dump
 entry at the end of each table instead of being filtered out.
@@ -112,7 +116,7 @@ def picked_blocks(
 
 
 def resolve_(
-    selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor
+    selection: torch.Tensor, first_partition: int, tables: LruTables, counts: torch.Tensor, free_ahead: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Look a selection up, choose victims for its misses, update the tables.
 
@@ -126,6 +130,7 @@ def resolve_(
         first_partition: the partition of head 0.
         tables: the cache's tables.
         counts: (2,) long, += (distinct blocks looked up, misses).
+        free_ahead: R, the free slots each looked-up partition keeps for the next lookup (see above).
     Returns:
         slots: (B, H, U) the slot of each entry's block, -1 where unused.
         load_ids, load_slots: (H, E) per head its misses' DRAM ids and slots, first (in order of
@@ -173,6 +178,8 @@ def resolve_(
     resolved = torch.where(valid, tables.block_slot[safe_ids], -1).view(heads, batch, width).transpose(0, 1)
 
     _move_used_to_back_(tables, partitions, order, now)
+    if free_ahead > 0:
+        _free_ahead_(tables, partitions, now, free_ahead)
     missed = num_misses.sum()
     counts += torch.stack((hit.sum() + missed, missed))
     return resolved.contiguous(), load_ids, load_slots, num_misses
@@ -189,6 +196,27 @@ def _move_used_to_back_(tables: LruTables, partitions: torch.Tensor, order: torc
     reordered.scatter_(1, torch.where(stays, stays.cumsum(1) - 1, per), order)
     reordered.scatter_(1, torch.where(moved, moved_position, per), own_slots)
     tables.slot_order[partitions] = reordered[:, :per]
+
+
+def _free_ahead_(tables: LruTables, partitions: torch.Tensor, now: torch.Tensor, free_ahead: int) -> None:
+    """Free, in eviction order, the slots not used at `now` until `free_ahead` of each partition's
+    slots are free; the freed slots join the free ones at the front of the order, by slot index."""
+    dump_block, dump_slot = tables.block_slot.shape[0] - 1, tables.slot_block.shape[0] - 1
+    order = tables.slot_order[partitions]  # (H, Pp)
+    ticks = tables.slot_tick[order]
+    free = ticks < 0
+    idle = ~free & (ticks < now)  # used before this lookup: in eviction order, oldest first
+    wanted = (free_ahead - free.sum(1, keepdim=True)).clamp(min=0)
+    freeing = idle & (idle.cumsum(1) <= wanted)
+    target = torch.where(freeing, order, dump_slot).flatten()
+    held = tables.slot_block[target]
+    tables.block_slot.index_fill_(0, torch.where(held >= 0, held, dump_block), -1)
+    tables.slot_block.index_fill_(0, target, -1)
+    tables.slot_tick.index_fill_(0, target, -1)
+    per = order.shape[1]
+    local = torch.arange(per, device=order.device)
+    own_slots = partitions[:, None] * per + local  # (H, Pp) by slot index
+    tables.slot_order[partitions] = own_slots.gather(1, (tables.slot_tick[own_slots] * per + local).argsort(dim=1))
 
 
 def forget_(block_ids: torch.Tensor, tables: LruTables) -> None:
@@ -211,10 +239,12 @@ class ReferenceLru:
 
     Args:
         slots: the partition's slot numbers.
+        free_ahead: the free slots each lookup leaves (`resolve_`'s `free_ahead`).
     """
 
-    def __init__(self, slots: range) -> None:
+    def __init__(self, slots: range, free_ahead: int = 0) -> None:
         self.slots = list(slots)
+        self.free_ahead = free_ahead
         self.slot_block = {s: -1 for s in self.slots}
         self.slot_tick = {s: -1 for s in self.slots}
         self.block_slot: dict[int, int] = {}
@@ -236,6 +266,9 @@ class ReferenceLru:
             self.slot_block[slot], self.slot_tick[slot] = block, self.clock
             self.block_slot[block] = slot
         slots = [self.block_slot[i] if i >= 0 else -1 for i in block_ids]
+        free = sum(self.slot_tick[s] == -1 for s in self.slots)
+        idle = [s for s in self.eviction_order() if -1 < self.slot_tick[s] < self.clock]
+        self.forget([self.slot_block[s] for s in idle[: max(0, self.free_ahead - free)]])
         return slots, list(zip(misses, victims)), len(unique)
 
     def forget(self, block_ids: list[int]) -> None:

@@ -1,21 +1,28 @@
-"""The HBM block-cache lookup in one Triton launch: one program per partition (see `ops.lru`).
+"""The HBM block-cache lookup in two Triton launches, one program per partition (see `ops.lru`).
 
 Each program owns one partition's slots and the blocks looked up in it, so programs never
-touch each other's entries and need no grid-wide synchronisation. Inside a program the phases
-are separated by CTA barriers:
+touch each other's entries and need no grid-wide synchronisation. `claim_` (phases 1-2) and
+`install_` (phases 3-6) split the lookup where its misses are known: the misses that land in
+the partition's free slots (the first of the eviction order, which `free_ahead` keeps free) can
+be copied while `install_` still chooses the other victims. Inside a program the phases are
+separated by CTA barriers:
 1. hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it counts the
    distinct hit); a missing block is claimed by its first entry (`atomic_min` of an encoded
    entry index written into its own `block_slot` entry, which is negative while it misses);
-2. the claiming entries, in row order, append their blocks to the load list;
-3. a scan of the partition's eviction order writes the first evictable slots beside them;
+2. the claiming entries, in row order, append their blocks to the load list; the first of them
+   take the free slots leading the eviction order (the early loads);
+3. a scan of the eviction order writes the victims of the other misses (the late loads);
 4. the loads are installed (the victims' old blocks forgotten), every entry reads its slot;
-5. the eviction order is compacted in place (kept slots) and the used slots appended by index.
+5. the eviction order is compacted in place (kept slots) and the used slots appended by index;
+6. least recently used slots are freed until `free_ahead` are (they lead the order, by index).
 Only this program touches its partition's entries, and the CTA barriers order its global reads
 and writes, so the atomics are relaxed and CTA-scoped: no memory fence per atomic instruction.
 Same decisions as `ops.lru.resolve_`, tested against it on random inputs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,164 +33,26 @@ from .reference import LOAD_COUNTERS, LoadCount
 
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
 MAX_WARPS = 16  # warps of a program (one per 256 lanes of its tile, at least 4)
+MAX_EARLY = 1024  # the most early loads one lookup of a partition may take
 
 
 @triton.jit
-def _resolve_kernel(
-    ids_ptr,
-    first_partition,
-    block_slot_ptr,
-    slot_block_ptr,
-    slot_tick_ptr,
-    order_ptr,
-    clock_ptr,
-    counts_ptr,
-    slots_ptr,
-    load_ids_ptr,
-    load_slots_ptr,
-    load_counts_ptr,
-    num_entries,
-    per_partition,
-    width,
-    stride_row,
-    stride_head,
-    BLOCK: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-):
-    """Program h resolves head h's entries: entry e is ids[e // width, h, e % width].
-
-    ONE_TILE: the entries and the partition's slots each fit one BLOCK-wide tile (a decode step's
-    lookup), so every value a later phase needs stays in registers instead of being read again.
-    """
+def _claim_kernel(
+    ids_ptr, first_partition, block_slot_ptr, slot_tick_ptr, order_ptr, clock_ptr, counts_ptr,
+    load_ids_ptr, load_slots_ptr, load_counts_ptr, early_counts_ptr,
+    num_entries, per_partition, width, stride_row, stride_head,
+    BLOCK: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
+    """Program h, phases 1-2 of head h's entries (entry e is ids[e // width, h, e % width]): its
+    load list (H, E), its misses' count, and the slots of the first ones, which take the free slots
+    leading the eviction order (at most EARLY of them: the early loads)."""
     head = tl.program_id(0)
     part = (first_partition + head).to(tl.int64)
     clock = tl.load(clock_ptr + part) + 1
     tl.store(clock_ptr + part, clock)
-    order_base = order_ptr + part * per_partition
     lists = head.to(tl.int64) * num_entries
-    if ONE_TILE:
-        distinct_hits, num_misses = _resolve_one_tile(
-            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
-        )  # fmt: skip
-    else:
-        distinct_hits, num_misses = _resolve_tiled(
-            ids_ptr, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_base, slots_ptr,
-            load_ids_ptr + lists, load_slots_ptr + lists, clock, part, head,
-            num_entries, per_partition, width, stride_row, stride_head, BLOCK,
-        )  # fmt: skip
-    tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
-    tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64), sem="relaxed")
-    tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
-
-
-@triton.jit
-def _resolve_one_tile(
-    ids_ptr,
-    block_slot_ptr,
-    slot_block_ptr,
-    slot_tick_ptr,
-    order_base,
-    slots_ptr,
-    load_ids_ptr,
-    load_slots_ptr,
-    clock,
-    part,
-    head,
-    num_entries,
-    per_partition,
-    width,
-    stride_row,
-    stride_head,
-    BLOCK: tl.constexpr,
-):
-    """The five phases over one tile of entries and one of slots; returns (distinct hits, misses).
-
-    Hits keep the slot read in phase 1 (a slot this lookup uses is never a victim), the eviction
-    order and its ticks read in phase 3 serve phase 5 (only the victims' ticks change between),
-    so only the misses' slots and the partition's ticks are read a second time."""
-    lanes = tl.arange(0, BLOCK)
-    inside = lanes < num_entries
-    ids = _entry_ids(ids_ptr, lanes, num_entries, width, stride_row, stride_head, head)
-    valid = ids >= 0
-    in_partition = lanes < per_partition
-    order = tl.load(order_base + lanes, mask=in_partition, other=0)  # written only in phase 5
-    # 1. hits touch their slots; misses are claimed by their first entry (claim = e - E - 2 <= -2)
-    slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
-    hit = valid & (slot >= 0)
-    missing = valid & (slot < 0)
-    before = tl.atomic_xchg(slot_tick_ptr + slot, clock, mask=hit, sem="relaxed", scope="cta")
-    distinct_hits = tl.sum((hit & (before != clock)).to(tl.int32), axis=0)
-    claim_code = lanes.to(tl.int64) - num_entries - 2
-    tl.atomic_min(block_slot_ptr + ids, claim_code, mask=missing, sem="relaxed", scope="cta")
-    tl.debug_barrier()
-
-    # 2. the claiming entries append their blocks, in row order
-    claim = tl.load(block_slot_ptr + ids, mask=missing, other=0, volatile=True)
-    loads = missing & (claim == claim_code)
-    rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1
-    num_misses = tl.sum(loads.to(tl.int32), axis=0)
-    tl.store(load_ids_ptr + rank, ids, mask=loads)
-    rest = inside & (lanes >= num_misses)
-    tl.store(load_ids_ptr + lanes, -1, mask=rest)
-    tl.store(load_slots_ptr + lanes, -1, mask=rest)
-
-    # 3. victims: the first slots of the eviction order not used by this lookup
-    tick = tl.load(slot_tick_ptr + order, mask=in_partition, other=0, volatile=True)
-    evictable = in_partition & (tick < clock)
-    victim_rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1
-    victim = evictable & (victim_rank < num_misses)
-    tl.store(load_slots_ptr + victim_rank, order, mask=victim)
-    tl.debug_barrier()
-
-    # 4. install the loads, then the misses read their slots (hits keep theirs)
-    loading = lanes < num_misses
-    block = tl.load(load_ids_ptr + lanes, mask=loading, other=0, volatile=True)
-    target = tl.load(load_slots_ptr + lanes, mask=loading, other=0, volatile=True)
-    evicted = tl.load(slot_block_ptr + target, mask=loading, other=-1, volatile=True)
-    tl.store(block_slot_ptr + evicted, -1, mask=loading & (evicted >= 0))
-    tl.store(slot_block_ptr + target, block, mask=loading)
-    tl.store(slot_tick_ptr + target, clock, mask=loading)
-    tl.store(block_slot_ptr + block, target, mask=loading)
-    tl.debug_barrier()
-    slot = tl.where(missing, tl.load(block_slot_ptr + ids, mask=missing, other=-1, volatile=True), slot)
-    out = (lanes // width) * stride_row + head * stride_head + lanes % width  # the ids' layout, contiguous
-    tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
-
-    # 5. the eviction order: kept slots compacted in place (every lane read it above), used slots by index
-    stays = in_partition & (tick != clock) & ~victim
-    kept_rank = tl.cumsum(stays.to(tl.int32), axis=0) - 1
-    kept = tl.sum(stays.to(tl.int32), axis=0)
-    tl.store(order_base + kept_rank, order, mask=stays)
-    used = tl.load(slot_tick_ptr + part * per_partition + lanes, mask=in_partition, other=0, volatile=True)
-    moved = in_partition & (used == clock)
-    moved_rank = tl.cumsum(moved.to(tl.int32), axis=0) - 1 + kept
-    tl.store(order_base + moved_rank, part * per_partition + lanes, mask=moved)
-    return distinct_hits, num_misses
-
-
-@triton.jit
-def _resolve_tiled(
-    ids_ptr,
-    block_slot_ptr,
-    slot_block_ptr,
-    slot_tick_ptr,
-    order_base,
-    slots_ptr,
-    load_ids_ptr,
-    load_slots_ptr,
-    clock,
-    part,
-    head,
-    num_entries,
-    per_partition,
-    width,
-    stride_row,
-    stride_head,
-    BLOCK: tl.constexpr,
-):
-    """The five phases in BLOCK-wide tiles, for any sizes; returns (distinct hits, misses)."""
+    load_ids_ptr += lists
+    load_slots_ptr += lists
     lanes = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
 
@@ -217,8 +86,44 @@ def _resolve_tiled(
         rest = (entry < num_entries) & (entry >= num_misses)
         tl.store(load_ids_ptr + entry, -1, mask=rest)
         tl.store(load_slots_ptr + entry, -1, mask=rest)
+    # the early loads: free slots lead the eviction order (a hit never uses one)
+    front = tl.arange(0, EARLY)
+    in_front = front < per_partition
+    slot = tl.load(order_ptr + part * per_partition + front, mask=in_front, other=0)
+    free = in_front & (tl.load(slot_tick_ptr + slot, mask=in_front, other=0, volatile=True) < 0)
+    early = tl.minimum(tl.sum(free.to(tl.int32), axis=0), num_misses)
+    tl.store(load_slots_ptr + front, slot, mask=front < early)
+    tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
+    tl.store(early_counts_ptr + head, early.to(tl.int64))
+    tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
 
-    # 3. victims: the first slots of the eviction order not used by this lookup
+
+@triton.jit
+def _install_kernel(
+    ids_ptr, first_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_ptr, clock_ptr, slots_ptr,
+    load_ids_ptr, load_slots_ptr, load_counts_ptr, early_counts_ptr, late_ids_ptr, late_slots_ptr, late_counts_ptr,
+    num_entries, per_partition, width, stride_row, stride_head, free_ahead,
+    BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program h, phases 3-6 after `_claim_kernel`: the late loads' victims (also listed from 0 in
+    `late_*`), the install, every entry's slot, the eviction order and the slots freed ahead."""
+    head = tl.program_id(0)
+    part = (first_partition + head).to(tl.int64)
+    clock = tl.load(clock_ptr + part)
+    order_base = order_ptr + part * per_partition
+    lists = head.to(tl.int64) * num_entries
+    load_ids_ptr += lists
+    load_slots_ptr += lists
+    late_ids_ptr += lists
+    late_slots_ptr += lists
+    num_misses = tl.load(load_counts_ptr + head).to(tl.int32)
+    early = tl.load(early_counts_ptr + head).to(tl.int32)
+    tl.store(late_counts_ptr + head, (num_misses - early).to(tl.int64))
+    lanes = tl.arange(0, BLOCK)
+    zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+
+    # 3. victims: the first slots of the eviction order not used by this lookup (the early loads' first)
     found = zero
     for start in range(0, per_partition, BLOCK):
         position = start + lanes
@@ -227,7 +132,10 @@ def _resolve_tiled(
         tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
         evictable = inside & (tick < clock)
         rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1 + found
-        tl.store(load_slots_ptr + rank, slot, mask=evictable & (rank < num_misses))
+        late = evictable & (rank >= early) & (rank < num_misses)
+        tl.store(load_slots_ptr + rank, slot, mask=late)
+        tl.store(late_slots_ptr + rank - early, slot, mask=late)
+        tl.store(late_ids_ptr + rank - early, tl.load(load_ids_ptr + rank, mask=late, other=0), mask=late)
         found += tl.sum(evictable.to(tl.int32), axis=0)
     tl.debug_barrier()
 
@@ -275,7 +183,24 @@ def _resolve_tiled(
         tl.store(order_base + rank, slot, mask=moved)
         kept += tl.sum(moved.to(tl.int32), axis=0)
 
-    return distinct_hits, num_misses
+    # 6. free ahead: the order's oldest used slots until free_ahead are free, then the free ones by index
+    if FREE_BLOCK > 0:
+        tl.debug_barrier()
+        front = tl.arange(0, FREE_BLOCK)
+        in_front = front < tl.minimum(free_ahead, per_partition)
+        slot = tl.load(order_base + front, mask=in_front, other=0, volatile=True)
+        tick = tl.load(slot_tick_ptr + slot, mask=in_front, other=0, volatile=True)
+        free = in_front & (tick < 0)
+        idle = in_front & (tick >= 0) & (tick < clock)
+        wanted = free_ahead - tl.sum(free.to(tl.int32), axis=0)
+        freeing = idle & (tl.cumsum(idle.to(tl.int32), axis=0) <= wanted)
+        held = tl.load(slot_block_ptr + slot, mask=freeing, other=-1, volatile=True)
+        tl.store(block_slot_ptr + held, -1, mask=freeing & (held >= 0))
+        tl.store(slot_block_ptr + slot, -1, mask=freeing)
+        tl.store(slot_tick_ptr + slot, -1, mask=freeing)
+        now_free = free | freeing  # a prefix of the order: free slots lead it, the oldest used follow
+        by_index = tl.sort(tl.where(now_free, slot, per_partition * (part + 1)))
+        tl.store(order_base + front, by_index, mask=now_free)
 
 
 @triton.jit
@@ -351,34 +276,100 @@ def picked_blocks(
     return block_ids, resident
 
 
-def resolve_(
+class Claims(NamedTuple):
+    """What `claim_` decided: (H, E) load lists, their lengths (H,) and the early loads' (H,) (the
+    first of each list, whose slots are already written: free ones, known before `install_`)."""
+
+    load_ids: torch.Tensor
+    load_slots: torch.Tensor
+    load_counts: torch.Tensor
+    early_counts: torch.Tensor
+
+
+class Installed(NamedTuple):
+    """What `install_` decided: every entry's slot (B, H, U) and the late loads (those after the
+    early ones, listed from 0: (H, E) ids and slots, (H,) lengths)."""
+
+    slots: torch.Tensor
+    late_ids: torch.Tensor
+    late_slots: torch.Tensor
+    late_counts: torch.Tensor
+
+
+def _launch_shape(num_entries: int, per: int, max_tile: int) -> tuple[int, int]:
+    """(tile width, warps) of a lookup's programs."""
+    block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
+    return block, max(4, min(MAX_WARPS, block // 256))
+
+
+def claim_(
     ids: torch.Tensor,
     first_partition: int,
     tables: LruTables,
     counts: torch.Tensor,
     *,
-    one_tile: bool = True,
+    max_early: int = MAX_EARLY,
     max_tile: int = MAX_TILE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`.
-
-    Returns slots (B, H, U), the load lists (H, B * U) and their lengths (H,) (see `ops.lru.resolve_`).
-    `one_tile`: take the one-tile kernel wherever it fits; False forces the tiled one (the tests
-    compare both with the spec). `max_tile`: the widest tile (a power of two) one program holds.
-    """
+) -> Claims:
+    """Phases 1-2 of `ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition
+    `first_partition + h`: hits marked used, misses listed, the early loads' slots written.
+    `install_` of the same ids must follow before any other lookup of these partitions."""
     batch, heads, width = ids.shape
-    ids = ids.contiguous()
+    num_entries = batch * width
+    load_ids = ids.new_empty((heads, num_entries))
+    load_slots = ids.new_empty((heads, num_entries))
+    load_counts, early_counts = ids.new_empty((heads,)), ids.new_empty((heads,))
+    per = tables.slots_per_partition
+    block, warps = _launch_shape(num_entries, per, max_tile)
+    early = triton.next_power_of_2(max(1, min(max_early, per, num_entries)))
+    _claim_kernel[(heads,)](
+        ids, first_partition, tables.block_slot, tables.slot_tick, tables.slot_order, tables.clock, counts,
+        load_ids, load_slots, load_counts, early_counts, num_entries, per, width, heads * width, width,
+        BLOCK=block, EARLY=early, num_warps=warps,
+    )  # fmt: skip
+    return Claims(load_ids, load_slots, load_counts, early_counts)
+
+
+def install_(
+    ids: torch.Tensor,
+    first_partition: int,
+    tables: LruTables,
+    claims: Claims,
+    free_ahead: int = 0,
+    *,
+    max_tile: int = MAX_TILE,
+) -> Installed:
+    """Phases 3-6 of `ops.lru.resolve_` after `claim_` of the same (B, H, U) ids: victims, install,
+    each entry's slot, the eviction order and `free_ahead` (`ops.lru.resolve_`'s)."""
+    batch, heads, width = ids.shape
     num_entries = batch * width
     per = tables.slots_per_partition
     slots = torch.empty_like(ids)
-    load_ids = ids.new_empty((heads, num_entries))
-    load_slots = ids.new_empty((heads, num_entries))
-    load_counts = ids.new_empty((heads,))
-    block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
-    fits = num_entries <= block and per <= block
-    _resolve_kernel[(heads,)](
+    late_ids, late_slots = torch.empty_like(claims.load_ids), torch.empty_like(claims.load_slots)
+    late_counts = torch.empty_like(claims.load_counts)
+    block, warps = _launch_shape(num_entries, per, max_tile)
+    free_block = triton.next_power_of_2(min(free_ahead, per)) if free_ahead > 0 else 0
+    _install_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        counts, slots, load_ids, load_slots, load_counts, num_entries, per, width, heads * width, width,
-        BLOCK=block, ONE_TILE=fits and one_tile, num_warps=max(4, min(MAX_WARPS, block // 256)),
+        slots, *claims, late_ids, late_slots, late_counts, num_entries, per, width, heads * width, width, free_ahead,
+        BLOCK=block, FREE_BLOCK=free_block, num_warps=warps,
     )  # fmt: skip
-    return slots, load_ids, load_slots, load_counts
+    return Installed(slots, late_ids, late_slots, late_counts)
+
+
+def resolve_(
+    ids: torch.Tensor,
+    first_partition: int,
+    tables: LruTables,
+    counts: torch.Tensor,
+    free_ahead: int = 0,
+    *,
+    max_tile: int = MAX_TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition `first_partition + h`:
+    `claim_` then `install_`. Returns slots (B, H, U), the load lists (H, B * U) and their lengths
+    (H,) (see `ops.lru.resolve_`). `max_tile`: the widest tile (a power of two) one program holds."""
+    ids = ids.contiguous()
+    claims = claim_(ids, first_partition, tables, counts, max_tile=max_tile)
+    installed = install_(ids, first_partition, tables, claims, free_ahead, max_tile=max_tile)
+    return installed.slots, claims.load_ids, claims.load_slots, claims.load_counts
