@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -158,8 +157,13 @@ class HbmBlockCache:
         if self.split is not None:
             return self._split_lookup(selection, dram, first_partition).view(block_ids.shape)
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
-        with self._forgotten_on_failure(load_ids):
+        try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
+        except BaseException:
+            # The tables already call the misses resident: forget them, or a later lookup would
+            # hit slots that never received their blocks.
+            lru.forget_(load_ids.view(-1), self.tables)
+            raise
         return slots.view(block_ids.shape)
 
     def _split_lookup(self, selection: torch.Tensor, dram: DramPool, first_partition: int) -> torch.Tensor:
@@ -168,8 +172,8 @@ class HbmBlockCache:
         claim, install = self.split
         selection = selection.contiguous()
         claims = claim(selection, first_partition, self.tables, self._counts)
-        with self._forgotten_on_failure(claims.load_ids):
-            current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
             if current is not None:
                 if self._install_stream is None:
                     self._install_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -182,17 +186,10 @@ class HbmBlockCache:
             if current is not None:
                 current.wait_stream(self._install_stream)
             self.gather_blocks(dram.storage, installed.late_ids, self.pool, installed.late_slots, installed.late_counts)
-        return installed.slots
-
-    @contextlib.contextmanager
-    def _forgotten_on_failure(self, load_ids: torch.Tensor):
-        """A failed copy of the misses forgets them: the tables already call them resident, and a
-        later lookup would hit slots that never received their blocks."""
-        try:
-            yield
         except BaseException:
-            lru.forget_(load_ids.view(-1), self.tables)
+            lru.forget_(claims.load_ids.view(-1), self.tables)  # as in `lookup`
             raise
+        return installed.slots
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one
