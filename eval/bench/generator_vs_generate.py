@@ -266,7 +266,9 @@ def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens:
     prompts = _prompts(shape, 1, context, device)
     stock_model = build_model(shape, "sdpa", device, dtype, context + 64)
     timed_generate(stock_model, prompts, 1)  # the warm-up call
+    reset_peak(prompts.device)
     point: dict[str, Any] = {"stock": {"seconds": timed_generate(stock_model, prompts, 1)}}
+    point["stock"]["peak_gib"] = peak_gib(prompts.device)
     del stock_model
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + 64)
@@ -298,6 +300,8 @@ def headline(points: dict[str, Any]) -> dict[str, Any]:
             out[f"{name}_stock_s"] = point["stock"]["seconds"]
             out[f"{name}_ours_s"] = point.get("real_locality", {}).get("mean_ttft_s")
             out[f"{name}_over_stock"] = point.get("real_locality", {}).get("over_stock")
+            ours_peak, stock_peak = point.get("real_locality", {}).get("peak_gib"), point["stock"].get("peak_gib")
+            out[f"{name}_peak_vs_stock"] = ours_peak / stock_peak if ours_peak and stock_peak else None
     return out
 
 

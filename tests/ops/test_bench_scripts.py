@@ -110,6 +110,7 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     assert set(merged["points"]) == {"closed_loop", "prefill", "capacity", "prefill256k"}
     assert merged["stock_s"] == first["stock_s"] and merged["prefill256k_stock_s"] > 0
     assert merged["prefill256k_ours_s"] is None and merged["points"]["prefill256k"]["random_kv"]["over_stock"] > 0
+    assert merged["prefill256k_peak_vs_stock"] is None and "peak_gib" in merged["points"]["prefill256k"]["stock"]  # CPU
     assert merged["capacity_stock_batch"] == 3 and merged["capacity_generator_over_stock"] is None  # real not run
     tried = merged["points"]["capacity"]["stock_batches_tried"]
     assert tried[-1]["runs"] and all(t["expandable_segments"] is False for t in tried if DEVICE.type != "cuda")
