@@ -110,7 +110,6 @@ for _name, (_share, _bits, _stage1) in TWO_STAGE.items():
     VARIANTS[_name] = dict(_stage1, selection="kv_head")
 KEY_BITS = 4
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
-VARIANTS["interleave"] = dict(selection="group_interleave")  # the default metadata, the group's rankings in turn
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
 

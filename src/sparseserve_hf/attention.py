@@ -271,11 +271,6 @@ def pick_blocks(
             rank_floor(config),
         )  # (B, Hkv, G*K)
         return picked, valid, None
-    if config.selection == "group_interleave":
-        picked, valid = ops.select_group_interleave(
-            scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, num_kv_heads
-        )  # (B, Hkv, K)
-        return picked, valid, None
     if config.selection == "kv_head":
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
     per_query_head = config.selection == "query_head"  # a union follows, which orders the blocks itself

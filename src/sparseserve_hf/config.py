@@ -11,7 +11,7 @@ METADATA_KINDS = ("quest", "cuboid", "hybrid")
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
 KV_DTYPES = ("auto", "float8_e4m3fn")
 HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
-SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head", "group_interleave")
+SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
 PREFILL_MODES = ("layer_segmented", "chunked", "full")
@@ -41,8 +41,7 @@ class SparseServeConfig:
             `block_size x head_dim` keys plus as many values, for one KV head.
         token_budget: tokens each query head selects at decode, counting the sink, window
             and top-k blocks and the partial tail block (with "group_union" a head attends
-            to the union of its group's selections, up to G x this). With "kv_head" and
-            "group_interleave" it is what each KV head loads, exactly (`budget_per_kv_head`).
+            to the union of its group's selections, up to G x this).
         sink_blocks: leading blocks always selected (attention sinks).
         window_blocks: most recent full blocks always selected (the partial tail block
             is always attended on top of these).
@@ -80,13 +79,9 @@ class SparseServeConfig:
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
             transfers, up to G x the attention work) or "kv_head" (one selection per
-            KV head from its query heads' scores, aggregated by `group_aggregation`) or
-            "group_interleave" (each KV head loads exactly the budget: sink and window, then its
-            query heads' rankings taken in turn, each head's best block not yet taken, until the
-            budget is full; every query head attends all of them). "group_union" is the default:
-            at the same transfers it keeps the most needles on the real model (per KV head keeps
-            fewer at the same nominal budget). "group_interleave" runs the reference's tensor
-            ops on every backend (no fused kernel yet).
+            KV head from its query heads' scores, aggregated by `group_aggregation`).
+            "group_union" is the default: at the same transfers it keeps the most needles on
+            the real model (per KV head keeps fewer at the same nominal budget).
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
         hbm_cache_bytes: bytes of the device block cache, split evenly into one LRU partition
             per (sparse layer, KV head), each shared by all requests. None = unlimited: no
@@ -338,12 +333,6 @@ class SparseServeConfig:
     def selected_full_blocks(self) -> int:
         """Full blocks selected per query head (or KV head): sink + window + top-k."""
         return self.budget_blocks - 1
-
-    @property
-    def budget_per_kv_head(self) -> bool:
-        """True when `token_budget` is what each KV head loads ("kv_head", "group_interleave"),
-        False when it is each query head's and a KV head loads its group's union."""
-        return self.selection in ("kv_head", "group_interleave")
 
     @property
     def topk_blocks(self) -> int:

@@ -19,8 +19,6 @@ def test_initial_estimate_is_the_budget_per_layer_and_kv_head(llama):
     assert initial_working_set(config, llama.config, 50) == 2 * 2 * 3  # 50 tokens: 3 full blocks + tail
     per_kv_head = SparseServeConfig(block_size=16, token_budget=96, selection="kv_head")
     assert initial_working_set(per_kv_head, llama.config, 1000) == 2 * 2 * 5
-    interleaved = SparseServeConfig(block_size=16, token_budget=96, selection="group_interleave")
-    assert initial_working_set(interleaved, llama.config, 1000) == 2 * 2 * 5  # the budget is the KV head's
 
 
 def test_measured_union_grows_with_the_window_and_is_bounded(llama):

@@ -47,7 +47,7 @@ def allowed_positions(layer, pads: list[int], num_positions: int) -> torch.Tenso
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("selection", ["query_head", "group_union", "kv_head", "group_interleave"])
+@pytest.mark.parametrize("selection", ["query_head", "group_union", "kv_head"])
 @pytest.mark.parametrize("metadata", ["quest", "cuboid"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 def test_sparse_decode_equals_masked_dense(selection, metadata, padded):

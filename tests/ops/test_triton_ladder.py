@@ -58,17 +58,13 @@ def test_unlimited_hbm_cache_equals_dynamic_cache():
     assert torch.equal(greedy(model, ids, cache, 10), greedy(sdpa, ids, DynamicCache(config=sdpa.config), 10))
 
 
-@pytest.mark.parametrize("selection", ["group_union", "group_interleave"])
-def test_small_budget_triton_equals_torch_backend(selection):
+def test_small_budget_triton_equals_torch_backend():
     """Below the length: the Triton path selects and attends exactly as the reference path."""
     model = tiny_llama("sparseserve")
     ids = random_ids(1, 150)
     caches = {
         backend: SparseServeCache(
-            model.config,
-            SparseServeConfig(
-                block_size=16, token_budget=64, backend=backend, hbm_cache_bytes=1 << 17, selection=selection
-            ),
+            model.config, SparseServeConfig(block_size=16, token_budget=64, backend=backend, hbm_cache_bytes=1 << 17)
         )
         for backend in ("torch", "triton")
     }

@@ -77,16 +77,3 @@ def test_reset_starts_the_counters_afresh():
     cache.reset()
     stats = cache.stats()
     assert stats["decode_steps"] == 0 and stats["loaded_tokens_per_kv_head"] == 0.0
-
-
-@pytest.mark.parametrize("budget_blocks", [3, 4, 6])
-def test_group_interleave_loads_exactly_its_budget_per_kv_head(budget_blocks):
-    """With selection="group_interleave" `token_budget` is what each KV head loads: every decode step
-    reads exactly the budget (its full blocks plus the tail) while rows are longer than it."""
-    cache = run(budget_blocks * BLOCK, new_tokens=5, selection="group_interleave")
-    for layer in cache.layers:
-        _, valid, head_mask, _ = layer.last_pick
-        assert head_mask is None and valid.shape[-1] == budget_blocks - 1 and bool(valid.all())
-    stats = cache.stats()
-    tails = [91 + step - 5 * BLOCK for step in range(4)]  # rows of 91..94 tokens hold 5 full blocks
-    assert stats["loaded_tokens_per_kv_head"] == pytest.approx((budget_blocks - 1) * BLOCK + sum(tails) / 4)

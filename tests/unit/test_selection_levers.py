@@ -1,16 +1,14 @@
-"""Selection levers: sub-block metadata (`metadata_sub_blocks`) and the group interleave, against hand-computed values."""
+"""Selection levers: sub-block metadata (`metadata_sub_blocks`), against hand-computed values."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
 import torch
 
-from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.ops import reference
-from tiny_models import greedy, random_ids, tiny_model
 
 
 def test_quest_sub_block_metadata_by_hand():
@@ -143,47 +141,3 @@ def test_shallow_combination_equals_the_full_one_on_the_top_ranks():
     assert torch.equal(shallow[in_lists], full[in_lists])
     rest = ~in_lists & ~full.isneginf()
     assert bool((shallow[rest] == -16).all()) and torch.equal(shallow.isneginf(), full.isneginf())
-
-
-def interleave_by_hand(scores, count, num_selected, sink, window, group):
-    """The spec of `select_group_interleave` for one row and KV head, as a loop: forced blocks, then
-    the group's rankings in turn (ties: the lower block first), until `num_selected` are taken."""
-    forced = [b for b in range(count) if b < sink or b >= count - window]
-    rankings = []
-    for head in range(group):
-        row = [float("-inf") if math.isnan(s) else s for s in scores[head, :count].tolist()]  # NaN ranks lowest
-        rest = sorted((b for b in range(count) if b not in forced), key=lambda b: (-row[b], b))
-        rankings.append(forced + rest)
-    taken: list[int] = []
-    for rank in range(count):
-        for ranking in rankings:
-            if rank < len(ranking) and ranking[rank] not in taken and len(taken) < num_selected:
-                taken.append(ranking[rank])
-    return sorted(taken)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_group_interleave_takes_the_group_rankings_in_turn(seed):
-    gen = torch.Generator().manual_seed(seed)
-    batch, kv_heads, group, capacity, num_selected = 3, 2, 3, 12, 5
-    scores = torch.randint(0, 6, (batch, kv_heads * group, capacity), generator=gen).float()  # many ties
-    scores[0, 1, 3] = float("nan")
-    counts = torch.tensor([12, 7, 4])  # the last row has fewer blocks than the budget
-    scores[torch.arange(capacity)[None, None, :] >= counts[:, None, None].expand_as(scores)] = float("-inf")
-    picked, valid = reference.select_group_interleave(scores, counts, num_selected, 1, 1, kv_heads)
-    assert picked.shape == (batch, kv_heads, num_selected)
-    for b in range(batch):
-        for h in range(kv_heads):
-            want = interleave_by_hand(scores[b, h * group : (h + 1) * group], int(counts[b]), num_selected, 1, 1, group)
-            got = picked[b, h][valid[b, h]].tolist()
-            assert got == want, (b, h)
-            assert valid[b, h].sum() == min(num_selected, int(counts[b]))
-
-
-def test_group_interleave_through_generate_equals_dense_when_the_budget_covers_the_rows():
-    model = tiny_model("llama", "sparseserve")
-    dense = tiny_model("llama")
-    ids = random_ids(2, 70)
-    config = SparseServeConfig(block_size=16, token_budget=256, selection="group_interleave")
-    cache = SparseServeCache(model.config, config)
-    assert torch.equal(greedy(model, ids, cache, max_new_tokens=6), greedy(dense, ids, max_new_tokens=6))

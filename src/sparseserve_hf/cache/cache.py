@@ -527,7 +527,7 @@ def _is_rank_share(model_heads: int, given: int) -> bool:
 
 def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:
     """Head-blocks one layer can select per KV head for one request (the union over a KV group)."""
-    if config.budget_per_kv_head:
+    if config.selection == "kv_head":
         return config.selected_full_blocks
     group = model_config.get_text_config().num_attention_heads // _model_shape(model_config).num_kv_heads
     return group * config.selected_full_blocks

@@ -109,7 +109,7 @@ def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int
     """
     text = model_config.get_text_config()
     model_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    group = 1 if config.budget_per_kv_head else text.num_attention_heads // model_kv_heads
+    group = 1 if config.selection == "kv_head" else text.num_attention_heads // model_kv_heads
     num_kv_heads = model_kv_heads // tp_size
     per_head = config.sink_blocks + config.window_blocks + group * config.topk_blocks
     full_blocks = max(num_tokens - 1, 0) // config.block_size  # the tail keeps 1..block_size tokens

@@ -37,7 +37,6 @@ class BlockOps:
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     select_group_union: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    select_group_interleave: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sparse_decode: Callable[..., torch.Tensor]
     # `sparse_decode` in two halves around a lookup (`reference.begin_decode`); None: not split
     begin_decode: Callable[..., object] | None
@@ -65,7 +64,6 @@ TORCH_OPS = BlockOps(
     select_blocks=reference.select_blocks,
     union_over_group=reference.union_over_group,
     select_group_union=reference.select_group_union,
-    select_group_interleave=reference.select_group_interleave,
     sparse_decode=reference.sparse_decode,
     begin_decode=reference.begin_decode,
     finish_decode=reference.finish_decode,

@@ -270,57 +270,6 @@ def select_group_union(
     return union, union_valid
 
 
-def select_group_interleave(
-    scores: torch.Tensor,
-    num_blocks: torch.Tensor,
-    num_selected: int,
-    sink_blocks: int,
-    window_blocks: int,
-    num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each KV head loads exactly `num_selected` blocks (all of a row's when it has fewer): sink and
-    window blocks first, then its group's query-head rankings taken in turn (rank 0 of head 0, of
-    head 1, ..., then rank 1 of each), every head's next block skipped when already taken.
-
-    So each query head keeps its own best blocks, and what a KV head loads does not grow with the
-    group (the group union loads up to G x a head's budget). Ties rank the lower block first.
-
-    Args:
-        scores: (B, Hq, N) block scores, -inf past a row's blocks; NaN ranks lowest among real blocks.
-        num_blocks, num_selected, sink_blocks, window_blocks: as in `select_blocks` (K = num_selected).
-        num_kv_heads: Hkv.
-    Returns:
-        picked, valid: (B, Hkv, K) block indices, ascending among valid entries, valid first (0 where invalid).
-    """
-    batch, num_q_heads, capacity = scores.shape
-    group = num_q_heads // num_kv_heads
-    width = max(capacity, num_selected)
-    position = torch.arange(width, device=scores.device)
-    count = num_blocks.view(batch, 1, 1)
-    exists = position < count  # (B, 1, N')
-    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
-    rank = torch.nan_to_num(
-        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
-    )
-    if width > capacity:
-        rank = torch.nn.functional.pad(rank, (0, width - capacity), value=float("-inf"))
-    rank.masked_fill_(~exists, float("-inf")).masked_fill_(forced, float("inf"))
-    # Each head's blocks best first, ties by position (a stable sort of the descending scores).
-    order = rank.argsort(dim=-1, descending=True, stable=True)[..., :num_selected]  # (B, Hq, K)
-    real = order < count
-    turn = torch.arange(num_selected, device=scores.device) * group  # rank r of head h comes at r * G + h
-    turn = turn + torch.arange(num_q_heads, device=scores.device).remainder(group)[:, None]  # (Hq, K)
-    never = group * num_selected  # past every turn
-    first_turn = torch.full((batch, num_kv_heads, width), never, dtype=torch.long, device=scores.device)
-    entries = torch.where(real, turn.expand_as(order), never).view(batch, num_kv_heads, group * num_selected)
-    first_turn.scatter_reduce_(2, order.reshape(batch, num_kv_heads, -1), entries, reduce="amin")
-    key, picked = first_turn.topk(num_selected, dim=-1, largest=False, sorted=True)  # (B, Hkv, K)
-    # the ties of topk are only among never-taken blocks (turns are distinct): they stay invalid
-    picked = torch.where(key < never, picked, width).sort(dim=-1).values
-    valid = picked < width
-    return torch.where(valid, picked, 0), valid
-
-
 def sparse_decode(
     query: torch.Tensor,
     pool: torch.Tensor,
