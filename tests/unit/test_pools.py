@@ -136,3 +136,19 @@ def test_a_growing_host_pool_grows_short_of_doubling_where_the_host_has_less(mon
     with pytest.raises(ValueError, match="growing DRAM pool"):
         pool.allocate(200)
     assert pool.capacity == full + 100  # nothing changed
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_both_device_tiers_are_device_blocks(offload):
+    """The store reads blocks through `DeviceBlocks` with and without offload, and both tiers
+    have every member it names (attributes and methods)."""
+    from sparseserve_hf.cache.device_blocks import DeviceBlocks
+    from sparseserve_hf.cache.store import TieredBlockStore
+    from sparseserve_hf.config import SparseServeConfig
+    from sparseserve_hf.ops import TORCH_OPS
+
+    config = SparseServeConfig(block_size=4, offload=offload, hbm_cache_bytes=1 << 16 if offload else None)
+    store = TieredBlockStore(config, TORCH_OPS, 8, torch.float32, torch.device("cpu"), hbm_partitions=2)
+    assert isinstance(store.hbm, DeviceBlocks)
+    members = [name for name in vars(DeviceBlocks) if not name.startswith("_")] + ["unlimited", "reallocations"]
+    assert all(hasattr(store.hbm, name) for name in members)

@@ -12,6 +12,7 @@ from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
 from .block_cache import HbmBlockCache
+from .device_blocks import DeviceBlocks
 from .dram_pool import DramPool
 from .grow import grown
 from .plain import plain_tensors
@@ -119,7 +120,7 @@ class TieredBlockStore:
         # Eager decode steps replay each layer's captured attention (None: launched op by op).
         self.layer_graphs = LayerGraphs(self) if _captures_layers(config, self.ops, device) else None
 
-    def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, HbmBlockCache | ResidentBlocks]:
+    def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, DeviceBlocks]:
         """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
         config, device = self.config, self.device
         if not config.offload:
