@@ -209,7 +209,7 @@ def _free_ahead_(tables: LruTables, partitions: torch.Tensor, now: torch.Tensor,
     wanted = (free_ahead - free.sum(1, keepdim=True)).clamp(min=0)
     freeing = idle & (idle.cumsum(1) <= wanted)
     target = torch.where(freeing, order, dump_slot).flatten()
-    held = tables.slot_block[target]
+    held = torch.where(freeing.flatten(), tables.slot_block[target], -1)  # the dump's content is meaningless
     tables.block_slot.index_fill_(0, torch.where(held >= 0, held, dump_block), -1)
     tables.slot_block.index_fill_(0, target, -1)
     tables.slot_tick.index_fill_(0, target, -1)
