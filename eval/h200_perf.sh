@@ -15,7 +15,7 @@
 #   capacity    the same under a 40 GiB cap: 16 x 32K x 1024 new, stock at the largest batch that fits
 #   prefill     peak HBM of one 128K prefill: dense vs chunked vs layer-segmented
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
-#   lookup      one layer's HBM block-cache lookup: tensor spec vs the fused resolve kernel
+#   lookup      one layer's HBM block-cache lookup: tensor spec vs the claim + install kernels
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
 #               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV: whole_step (a cache

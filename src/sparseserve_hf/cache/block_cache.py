@@ -31,7 +31,7 @@ class HbmBlockCache:
     The slots are split into `partitions` equal LRU partitions (`ops.lru`); the store gives each
     (sparse layer, KV head) its own, so a layer's lookup is one independent program per KV head
     with the Triton backend (`ops.triton_resolve`). Residency, the clocks and the hit/miss
-    counters are device tensors, and a lookup is that resolve plus one FlashH2D launch: no host
+    counters are device tensors, and a lookup is that resolve plus FlashH2D launches: no host
     sync, so a decode step can run ahead of the host and be captured in a CUDA graph. Counters
     are read (one sync) only by `counts()`. With `claim` and `install` the lookup is split where
     its misses are known: the copy of those that land in free slots runs while `install` picks

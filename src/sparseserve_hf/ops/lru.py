@@ -1,4 +1,4 @@
-"""The HBM block cache's residency and LRU as fixed-shape tensor ops: the spec of the resolve kernel.
+"""The HBM block cache's residency and LRU as fixed-shape tensor ops: the spec of the lookup kernels.
 
 The device pool's P slots are split into NP equal partitions of Pp slots; partition p owns slots
 [p * Pp, (p + 1) * Pp). The cache gives each (sparse layer, KV head) its own partition, so one
