@@ -136,3 +136,27 @@ def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
         "select_group_union_chunked",
     }
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_two_levels_only_where_the_one_level_programs_cannot_fill_the_gpu(monkeypatch):
+    monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
+    monkeypatch.setattr(triton_two_level, "_multiprocessors", lambda device: 132)
+    device = torch.device("cpu")
+    assert triton_two_level.takes_two_levels(64, 64, device)  # B=2 x 32 query heads: half the SMs idle
+    assert not triton_two_level.takes_two_levels(132, 4096, device)  # a program for every SM already
+    assert not triton_two_level.takes_two_levels(64, 63, device)  # a narrower table
+    monkeypatch.setattr(triton_two_level, "MIN_TABLE", None)
+    assert not triton_two_level.takes_two_levels(1, 1 << 20, device)
+
+
+def test_the_ops_keep_one_level_when_the_rows_fill_the_gpu(monkeypatch):
+    counts = [60, 33]
+    scores = scores_for(2, 4, 64, counts).to(DEVICE)
+    launched = []
+    for name in ("combine_top_ranks_chunked", "select_group_union_chunked"):
+        monkeypatch.setattr(triton_two_level, name, lambda *a, name=name, **k: launched.append(name))
+    monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
+    monkeypatch.setattr(triton_two_level, "_multiprocessors", lambda device: 2)  # 2 x 4 rows x heads fill it
+    triton_two_level.combine_top_ranks(scores, scores, 6)
+    triton_two_level.select_group_union(scores, torch.tensor(counts).to(DEVICE), 6, 1, 1, 2)
+    assert launched == []

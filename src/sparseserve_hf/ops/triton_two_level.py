@@ -20,6 +20,8 @@ ascend in block index, so both results equal the one-level kernels' entry for en
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,8 @@ from .triton_select import (
 )
 
 # Launch knobs: tables at least MIN_TABLE blocks wide (64K tokens of 32-token blocks) select in two
-# levels of CHUNK-block pieces, narrower ones in one; None: always one level.
+# levels of CHUNK-block pieces when the one-level kernel's programs (one per row and head) are fewer
+# than the GPU's SMs, so cannot fill it; else in one level. None: always one level.
 MIN_TABLE: int | None = 2048
 CHUNK = 1024
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
@@ -204,11 +207,30 @@ def _union_of_candidates_kernel(
 
 
 def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
-    """The op (`reference.combine_by_rank` with a depth): two levels where the table is at least
-    MIN_TABLE blocks wide, else `triton_rank`'s one program per (row, query head)."""
-    if MIN_TABLE is not None and first.shape[-1] >= MIN_TABLE:
+    """The op (`reference.combine_by_rank` with a depth): two levels where `takes_two_levels`, else
+    `triton_rank`'s one program per (row, query head)."""
+    if takes_two_levels(first.numel() // max(first.shape[-1], 1), first.shape[-1], first.device):
         return combine_top_ranks_chunked(first, second, depth, chunk=CHUNK)
     return triton_rank.combine_top_ranks(first, second, depth)
+
+
+def takes_two_levels(programs: int, num_table: int, device: torch.device) -> bool:
+    """Whether a one-level selection of `programs` programs over `num_table`-block tables runs in
+    two levels instead: a table of at least MIN_TABLE blocks, and fewer programs than the GPU has
+    SMs (on CPU, the interpreter's: any number)."""
+    return MIN_TABLE is not None and num_table >= MIN_TABLE and programs < _multiprocessors(device)
+
+
+def _multiprocessors(device: torch.device) -> int | float:
+    """SMs of a CUDA device; no limit elsewhere."""
+    if device.type != "cuda":
+        return float("inf")
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def combine_top_ranks_chunked(
@@ -256,10 +278,10 @@ def select_group_union(
     num_kv_heads: int,
     score_floor: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op (`reference.select_group_union`): two levels where the table is at least MIN_TABLE
-    blocks wide, else `triton_select`'s one program per (row, KV head)."""
+    """The op (`reference.select_group_union`): two levels where `takes_two_levels`, else
+    `triton_select`'s one program per (row, KV head)."""
     args = (scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, score_floor)
-    if MIN_TABLE is not None and scores.shape[-1] >= MIN_TABLE:
+    if takes_two_levels(scores.shape[0] * num_kv_heads, scores.shape[-1], scores.device):
         return select_group_union_chunked(*args, chunk=CHUNK)
     return triton_select.select_group_union(*args)
 
