@@ -35,9 +35,6 @@
 #   prefill256k the TTFT of one 256K prompt: stock generate(max_new_tokens=1) against an idle Generator
 #   addnorm     the residual adds joined to the norms (fused_norms): the norm and graph tests, then the captured
 #               step per layer (8-layer cut, B=16 x 32K) with and without them, twice each
-#   claims      attention over the resident blocks after the lookup's claims (store.ATTENTION_AFTER_CLAIMS)
-#               instead of beside them: its graph test, then the 8-layer cut with it at 2, 3 and 4 split
-#               programs per SM, the default before and after
 #   dropin256k  the drop-in at B=1 x 256K, real locality (peak HBM and ms/step against stock's)
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
@@ -141,14 +138,6 @@ case $part in
     for knob in "" "--knob fused_ops.ADD_INTO_NORMS=False" "" "--knob fused_ops.ADD_INTO_NORMS=False"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_addnorm.jsonl" 2>&1 | tail -1
     done ;;
-  claims)
-    python -m pytest -q -rf -p no:cacheprovider tests/integration/test_decode_graph.py -k "graph_tokens_equal" \
-      2>&1 | tee "$out/gpu_pytest_claims.log" | tail -3
-    after="--knob cache.store.ATTENTION_AFTER_CLAIMS=True"
-    for knob in "" "$after" "$after --knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=3" \
-      "$after --knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=4" ""; do
-      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_claims.jsonl" 2>&1 | tail -1
-    done ;;
   dropin256k)
     python -m eval.bench.dropin --points 256k --localities real_locality --out "$out/dropin_256k.json" 2>&1 \
       | tee "$out/dropin_256k.log" | tail -30 ;;
@@ -156,5 +145,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, claims, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

@@ -13,7 +13,6 @@ import torch
 from test_graph_runner import EagerReference
 from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 
-from sparseserve_hf.cache import store as store_module
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
 from tiny_models import random_ids, tiny_model
@@ -33,12 +32,9 @@ def runner_for(model, capture: bool, **kwargs) -> DecodeGraphRunner:
     return runner
 
 
-@pytest.mark.parametrize("after_claims", [False, True], ids=["beside", "attention_after_claims"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype, after_claims, monkeypatch):
-    """Plan test (a) (also with attention waiting for the lookup's claims); afterwards the ordinary
-    eager path takes the rows over."""
-    monkeypatch.setattr(store_module, "ATTENTION_AFTER_CLAIMS", after_claims)
+def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype):
+    """Plan test (a); afterwards the ordinary eager path takes the rows over."""
     model = model_on_cuda(dtype)
     graph, eager = runner_for(model, capture=True), runner_for(model, capture=False)
     reference = EagerReference(model, static_config(backend="triton"))

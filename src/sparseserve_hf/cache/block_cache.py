@@ -141,19 +141,12 @@ class HbmBlockCache:
             )
 
     @plain_tensors
-    def lookup(
-        self,
-        block_ids: torch.Tensor,
-        dram: DramPool,
-        first_partition: int = 0,
-        claimed: torch.cuda.Event | None = None,
-    ) -> torch.Tensor:
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
         """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
         KV head h's blocks live in partition `first_partition + h` (all in the one partition of a
         cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
-        where unused; the counters `counts()` reads are updated too. `claimed`: an event recorded
-        on the current stream once the lookup has decided its misses (CUDA only).
+        where unused; the counters `counts()` reads are updated too.
         """
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
@@ -162,10 +155,8 @@ class HbmBlockCache:
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
         if self.split is not None:
-            return self._split_lookup(selection, dram, first_partition, claimed).view(block_ids.shape)
+            return self._split_lookup(selection, dram, first_partition).view(block_ids.shape)
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
-        if claimed is not None:
-            claimed.record()
         try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
         except BaseException:
@@ -175,16 +166,12 @@ class HbmBlockCache:
             raise
         return slots.view(block_ids.shape)
 
-    def _split_lookup(
-        self, selection: torch.Tensor, dram: DramPool, first_partition: int, claimed: torch.cuda.Event | None
-    ) -> torch.Tensor:
+    def _split_lookup(self, selection: torch.Tensor, dram: DramPool, first_partition: int) -> torch.Tensor:
         """`lookup` in two halves: the claims, then the copy of the early loads beside the install
         (on the install stream, on CUDA), then the late loads' copy. Returns the slots."""
         claim, install = self.split
         selection = selection.contiguous()
         claims = claim(selection, first_partition, self.tables, self._counts)
-        if claimed is not None:
-            claimed.record()
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
             if current is not None:

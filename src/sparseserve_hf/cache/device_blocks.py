@@ -50,14 +50,8 @@ class DeviceBlocks(Protocol):
         """The host side of a lookup of a (B, H, U) selection, decided from its shape."""
         ...
 
-    def lookup(
-        self,
-        block_ids: torch.Tensor,
-        dram: DramPool,
-        first_partition: int = 0,
-        claimed: torch.cuda.Event | None = None,
-    ) -> torch.Tensor:
-        """The slots holding `block_ids`, loading what misses; records `claimed` once the misses are known."""
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+        """The slots holding `block_ids`, loading what misses."""
         ...
 
     def invalidate(self, block_ids: torch.Tensor) -> None:

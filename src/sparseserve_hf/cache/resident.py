@@ -56,17 +56,8 @@ class ResidentBlocks:
         """Nothing to forget: freed ids are the pool's business."""
 
     @plain_tensors
-    def lookup(
-        self,
-        block_ids: torch.Tensor,
-        dram: DramPool,
-        first_partition: int = 0,
-        claimed: torch.cuda.Event | None = None,
-    ) -> torch.Tensor:
-        """Slots of `block_ids` (any shape, -1 = unused): the ids themselves (nothing misses, so
-        `claimed` is recorded at once)."""
-        if claimed is not None:
-            claimed.record()
+    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+        """Slots of `block_ids` (any shape, -1 = unused): the ids themselves (nothing misses)."""
         ordered = block_ids.reshape(-1).sort().values
         distinct = ordered >= 0
         distinct[1:] &= ordered[1:] != ordered[:-1]  # first copy of each id: rows may share blocks

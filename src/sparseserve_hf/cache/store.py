@@ -18,9 +18,6 @@ from .grow import grown
 from .plain import plain_tensors
 from .resident import ResidentBlocks
 
-# Attention over the resident blocks waits until the lookup beside it has decided its misses (an
-# experiment knob: its programs then do not hold the SMs the lookup's first launch needs).
-ATTENTION_AFTER_CLAIMS = False
 LOAD_SUMMARY_KEYS = (
     "decode_steps",
     "loaded_tokens_per_kv_head",
@@ -269,18 +266,15 @@ class TieredBlockStore:
         return out
 
     @plain_tensors
-    def fetch(
-        self, block_ids: torch.Tensor, first_partition: int = 0, claimed: torch.cuda.Event | None = None
-    ) -> torch.Tensor:
+    def fetch(self, block_ids: torch.Tensor, first_partition: int = 0) -> torch.Tensor:
         """HBM slots for a selection (B, Hkv, U) (-1 = unused; rows may share blocks), loading misses.
 
         KV head h's blocks live in HBM partition `first_partition + h` (a layer's first one).
-        Same shape out. Launches only, no host sync (`HbmBlockCache.lookup`, which records
-        `claimed` once the misses are decided); the hit/miss counters stay on the device until
-        `stats` is read.
+        Same shape out. Launches only, no host sync (`HbmBlockCache.lookup`); the hit/miss
+        counters stay on the device until `stats` is read.
         """
         self.wait_for_saves()
-        return self.hbm.lookup(block_ids, self.dram, first_partition, claimed)
+        return self.hbm.lookup(block_ids, self.dram, first_partition)
 
     @plain_tensors
     def fetch_beside(
@@ -320,11 +314,8 @@ class TieredBlockStore:
             self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
         side = self._lookup_stream
         side.wait_stream(main)  # the selection is written there
-        claimed = torch.cuda.Event() if ATTENTION_AFTER_CLAIMS else None
         with torch.cuda.stream(side):
-            slots = self.fetch(block_ids, first_partition, claimed)
-        if claimed is not None:
-            main.wait_event(claimed)  # attention's programs launch after the lookup's first, not beside it
+            slots = self.fetch(block_ids, first_partition)
 
         def join() -> torch.Tensor:
             main.wait_stream(side)

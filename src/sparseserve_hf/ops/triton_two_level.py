@@ -42,7 +42,7 @@ from .triton_select import (
 # levels of CHUNK-block pieces when the one-level kernel's programs (one per row and head) are fewer
 # than the GPU's SMs, so cannot fill it; else in one level. None: always one level.
 MIN_TABLE: int | None = 2048
-CHUNK = 1024
+CHUNK = 2048
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
 
@@ -234,7 +234,7 @@ def _cuda_multiprocessors(index: int) -> int:
 
 
 def combine_top_ranks_chunked(
-    first: torch.Tensor, second: torch.Tensor, depth: int, *, chunk: int = 1024
+    first: torch.Tensor, second: torch.Tensor, depth: int, *, chunk: int = CHUNK
 ) -> torch.Tensor:
     """`triton_rank.combine_top_ranks` in two launches over `chunk`-block pieces of the table (a
     power of two, >= 16); the same arguments, the same result."""
@@ -295,7 +295,7 @@ def select_group_union_chunked(
     num_kv_heads: int,
     score_floor: int | None = None,
     *,
-    chunk: int = 1024,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`triton_select.select_group_union` in two launches over `chunk`-block pieces of the table
     (a power of two, >= 16); the same arguments, the same result."""
