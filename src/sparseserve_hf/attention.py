@@ -14,6 +14,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -104,12 +105,13 @@ def dense_attention_with_past(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )[0]
-    past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
-    keys, values = torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
     if batch == 1 and getattr(module, "sliding_window", None) is None and _unpadded(attention_mask, num_new):
         # One full-attention row without padding (the Generator's prefill): its past is whole, so the
         # mask is causal aligned to the last key. A materialized (T, L + T) mask costs GiBs at 64K tokens.
+        keys, values = layer.past_with(key, value)  # (1, Hkv, L + T, D)
         return causal_attention_over_past(query, keys, values, scaling, dropout)
+    past_keys, past_values, past_valid = layer.past()  # (B, Hkv, L, D), (B, L)
+    keys, values = torch.cat((past_keys, key), dim=2), torch.cat((past_values, value), dim=2)
     if attention_mask is None:
         new_part = torch.ones(num_new, num_new, dtype=torch.bool, device=query.device).tril()
     else:
@@ -133,13 +135,27 @@ def causal_attention_over_past(
     """(B, T, Hq, D) attention of T new queries over L + T keys, query t seeing keys up to L + t.
 
     query (B, Hq, T, D); keys/values (B, Hkv, L + T, D). PyTorch's lower-right causal bias runs
-    flash / memory-efficient SDPA on CUDA without building the mask (CPU builds it).
+    flash / memory-efficient SDPA on CUDA without building the mask (CPU builds it). Flash reads
+    each KV head for its whole query group; elsewhere the KV heads are repeated first.
     """
-    groups = query.shape[1] // keys.shape[1]
-    keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)  # (B, Hq, L + T, D)
     bias = causal_lower_right(query.shape[2], keys.shape[2])
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    grouped = flash_takes_groups(query, keys, values, dropout)
+    if not grouped:
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)  # (B, Hq, L + T, D)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=grouped
+    )
     return out.transpose(1, 2).contiguous()
+
+
+def flash_takes_groups(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dropout: float) -> bool:
+    """Whether flash SDPA runs these inputs with KV heads shared by query groups (CUDA only): then no
+    (B, Hq, L + T, D) copy of the past is made. The memory-efficient kernel takes no groups."""
+    if query.device.type != "cuda" or query.shape[1] == keys.shape[1]:
+        return False
+    params = SDPAParams(query, keys, values, None, dropout, False, True)
+    return can_use_flash_attention(params)
 
 
 def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:

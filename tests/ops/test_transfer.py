@@ -41,6 +41,21 @@ def test_gather_blocks_matches_reference(dtype, shape, unused):
     assert torch.equal(got[written.to(DEVICE)].cpu(), src[src_ids[(src_ids >= 0) & (dst_slots >= 0)]].cpu())
 
 
+def test_gather_and_scatter_take_strided_id_views():
+    """A column of a block table, (Hkv,) over (B, Hkv, N), is a view of stride N (as is a flattened
+    (Hkv, 1) slice): the kernels read its entries, not the table's next columns."""
+    src = host_pool(37, BLOCK_SHAPES[0], torch.float32)
+    table = random_ids(12, 37, 0).view(1, 4, 3).to(DEVICE)  # (B, Hkv, N)
+    column, slots = table[0, :, 1], torch.arange(4, device=DEVICE)
+    assert column.stride() == (3,)
+    got = torch.full((4, *BLOCK_SHAPES[0]), SENTINEL, device=DEVICE)
+    triton_transfer.gather_blocks(src, column, got, slots)
+    assert torch.equal(got.cpu(), src[column.cpu()].cpu())
+    pool = torch.full((37, *BLOCK_SHAPES[0]), SENTINEL, device=DEVICE)
+    triton_transfer.scatter_blocks(got, pool, column, max_programs=None)
+    assert torch.equal(pool[column].cpu(), got.cpu())
+
+
 @pytest.mark.parametrize("count", [0, 1, 6, 11])
 def test_gather_blocks_with_device_count_copies_only_the_first_entries(count):
     shape, dtype = (2, 8, 16), torch.float16

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparseserve_hf import attention
 from sparseserve_hf.attention import causal_attention_over_past
 
 
@@ -37,10 +38,26 @@ def test_equals_the_masked_reference(past, new):
     torch.testing.assert_close(out, masked_reference(query, keys, values, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.core
+def test_grouped_kv_heads_unrepeated_equal_the_masked_reference(monkeypatch):
+    """The branch flash takes on CUDA (`enable_gqa`: each KV head read for its query group, no
+    repeated copy), run here by SDPA's math kernel."""
+    monkeypatch.setattr(attention, "flash_takes_groups", lambda *args: True)
+    query, keys, values = random_case(33, 7, "cpu", torch.float32)
+    out = causal_attention_over_past(query, keys, values, scaling=0.125)
+    torch.testing.assert_close(out, masked_reference(query, keys, values, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_takes_groups_only_on_cuda_with_fewer_kv_heads():
+    query, keys, values = random_case(33, 7, "cpu", torch.float32)
+    assert not attention.flash_takes_groups(query, keys, values, 0.0)  # CPU: repeated, as before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("past", "new"), [(4096, 1000), (300, 2048)])
 def test_equals_the_masked_reference_on_cuda_bf16(past, new):
     query, keys, values = random_case(past, new, "cuda", torch.bfloat16)
+    assert attention.flash_takes_groups(query, keys, values, 0.0)  # KV heads not repeated
     out = causal_attention_over_past(query, keys, values, scaling=0.125)
     reference = masked_reference(query.float(), keys.float(), values.float(), 0.125)
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)

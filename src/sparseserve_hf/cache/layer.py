@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Callable
 
 import torch
@@ -66,6 +67,7 @@ class SparseServeLayer(CacheLayerMixin):
         # tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
         self.caller_owns_tails = False
         self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
+        self._row_counts_read: tuple[tuple, tuple, tuple[int, int]] | None = None  # see _first_row_counts
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
         self.last_pick: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
@@ -396,6 +398,48 @@ class SparseServeLayer(CacheLayerMixin):
         valid = torch.arange(longest, device=self.device) < lengths[:, None]
         return keys, values, valid
 
+    def past_with(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-row layer's stored tokens followed by new keys/values (1, Hkv, T, D): keys and
+        values (1, Hkv, L + T, D), built in one buffer (the prefill over a stored past).
+
+        The full blocks go from DRAM straight to their token positions (`TieredBlockStore.read_tokens`),
+        then the tail and the new tokens: no stacked copy of the past to concatenate, one read-back
+        (the row's block and tail counts)."""
+        if self.tail.shape[0] != 1:
+            raise ValueError(f"past_with reads one row, the layer holds {self.tail.shape[0]}")
+        count, held = self._first_row_counts()
+        _, num_kv_heads, _, size, head_dim = self.tail.shape
+        start, total = count * size + held, count * size + held + keys.shape[2]
+        buffer = torch.empty(
+            (2, num_kv_heads, -(-total // size) * size, head_dim), dtype=self.dtype, device=self.device
+        )
+        self.store.read_tokens(self.block_ids[0, :, :count], buffer)
+        buffer[:, :, count * size : start] = self.tail[0, :, :, :held].transpose(0, 1)  # (2, Hkv, held, D)
+        buffer[0, :, start:total] = keys[0]
+        buffer[1, :, start:total] = values[0]
+        return buffer[0, None, :, :total], buffer[1, None, :, :total]
+
+    def _first_row_counts(self) -> tuple[int, int]:
+        """Row 0's (full blocks, tail tokens), read back once: the commit after `past_with` finds them
+        here while `num_blocks` and `tail_len` are the same tensors at the same in-place versions."""
+        tensors, versions = (self.num_blocks, self.tail_len), (_version(self.num_blocks), _version(self.tail_len))
+        read = self._row_counts_read
+        if (
+            read is not None
+            and read[0] == versions
+            and None not in versions
+            and all(map(operator.is_, read[1], tensors))
+        ):
+            return read[2]
+        counts = self._row_counts(0)
+        self._row_counts_read = (versions, tensors, counts)
+        return counts
+
+    def _row_counts(self, row: int) -> tuple[int, int]:
+        """A row's (full blocks, tail tokens), in one read-back."""
+        count, held = torch.stack((self.num_blocks[row], self.tail_len[row])).tolist()
+        return count, held
+
     def _row_tokens(self, row: int) -> torch.Tensor:
         """(Hkv, 2, n, D) every stored token of one row, oldest first."""
         count = int(self.num_blocks[row])
@@ -508,12 +552,11 @@ class SparseServeLayer(CacheLayerMixin):
         before the save and the save is all or nothing, so a failure leaves the row as it was.
         """
         size = self.config.block_size
-        held = 0 if empty else int(self.tail_len[row])
+        start, held = (0, 0) if empty else self._first_row_counts() if row == 0 else self._row_counts(row)
         joined = torch.cat((self.tail[row, :, :, :held], new), dim=2) if held else new  # a prompt's KV: no copy
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
             num_kv_heads, _, _, head_dim = joined.shape
-            start = 0 if empty else int(self.num_blocks[row])
             self._ensure_capacity(start + num_full)
             blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
             ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1), beside_compute=True)  # head-major: (Hkv*n,)

@@ -266,6 +266,37 @@ class TieredBlockStore:
         return out
 
     @plain_tensors
+    def read_tokens(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Full blocks `ids` (Hkv, n) into `out` (2, Hkv, W, D) in token order (W a multiple of S):
+        head h's block j lands at out[:, h, j*S : (j+1)*S], its keys in out[0], values in out[1].
+
+        A block is (2, S, D): its keys and its values are each S x D contiguous, and so is their
+        place in `out`, so one gather of half-blocks writes them where attention reads them (no
+        (n, 2, S, D) copy to permute). 8-bit blocks take `read` (their dequantization) instead.
+        """
+        num_kv_heads, count = ids.shape
+        if count == 0:
+            return
+        size, head_dim = self.dram.block_shape[1:]
+        width = out.shape[2] // size  # blocks of room per head
+        if self.block_scales is not None:
+            blocks = self.read(ids).view(num_kv_heads, count, 2, size, head_dim)
+            out[:, :, : count * size] = blocks.permute(2, 0, 1, 3, 4).reshape(2, num_kv_heads, count * size, head_dim)
+            return
+        self.wait_for_saves()
+        ids = ids.to(self.device)
+        place = torch.arange(num_kv_heads, device=self.device)[:, None] * width + torch.arange(
+            count, device=self.device
+        )
+        src = torch.stack(
+            (2 * ids, 2 * ids + 1)
+        )  # (2, Hkv, n): half-block c of the pool is block c // 2's keys or values
+        dst = torch.stack((place, place + num_kv_heads * width))  # (2, Hkv, n) half-block places in `out`
+        halves = self.dram.storage.view(-1, size, head_dim)  # (2C, S, D)
+        self.ops.gather_blocks(halves, src.flatten(), out.view(-1, size, head_dim), dst.flatten())
+        self._stats.dense_read_bytes += ids.numel() * self.block_bytes
+
+    @plain_tensors
     def fetch(self, block_ids: torch.Tensor, first_partition: int = 0) -> torch.Tensor:
         """HBM slots for a selection (B, Hkv, U) (-1 = unused; rows may share blocks), loading misses.
 

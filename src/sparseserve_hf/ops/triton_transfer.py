@@ -145,9 +145,9 @@ def gather_blocks(
     per_list = None if count is None else max(1, COUNTED_PROGRAMS // count.numel())
     _launch(
         src_words,
-        src_ids.reshape(-1),
+        src_ids.reshape(-1).contiguous(),  # a view's ids may be strided (a size-1 dim keeps any stride)
         _as_words(pool_dst),
-        dst_slots.reshape(-1),
+        dst_slots.reshape(-1).contiguous(),
         count,
         src_words.numel() // pool_src.shape[0],
         per_list,
@@ -178,4 +178,4 @@ def scatter_blocks(
         return
     src_words = _as_words(src_blocks.contiguous())
     block_words = src_words.numel() // src_blocks.shape[0]
-    _launch(src_words, None, _as_words(pool_dst), dst_ids.reshape(-1), None, block_words, max_programs)
+    _launch(src_words, None, _as_words(pool_dst), dst_ids.reshape(-1).contiguous(), None, block_words, max_programs)

@@ -1,0 +1,95 @@
+"""`SparseServeLayer.past_with`: a row's past read from DRAM straight into token order, then the
+new tokens, equals the stored past (`past()`) concatenated with them; and a prefill over a stored
+past (a second turn) gives the logits of one prompt of both turns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.cache.layer import SparseServeLayer
+from tiny_models import random_ids
+
+SIZE = 16
+
+
+def filled(model, length: int, **overrides) -> SparseServeCache:
+    cache = SparseServeCache(model.config, SparseServeConfig(block_size=SIZE, **overrides))
+    with torch.no_grad():
+        model(random_ids(1, length, seed=length).to(model.device), past_key_values=cache)
+    return cache
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("length", [1, 16, 17, 64, 70])  # tails of 1..16 tokens, 0..4 full blocks
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"backend": "triton"}, {"offload": False}, {"kv_dtype": "float8_e4m3fn"}],
+    ids=["torch", "triton", "no_offload", "fp8_kv"],
+)
+def test_past_with_equals_the_past_then_the_new_tokens(llama, length, overrides):
+    cache = filled(llama, length, **overrides)
+    for layer in cache.layers:
+        past_keys, past_values, valid = layer.past()
+        assert valid.all()
+        new_keys = torch.randn(1, past_keys.shape[1], 5, past_keys.shape[-1])
+        new_values = torch.randn_like(new_keys)
+        keys, values = layer.past_with(new_keys, new_values)
+        assert keys.shape == values.shape == (1, past_keys.shape[1], length + 5, past_keys.shape[-1])
+        assert torch.equal(keys, torch.cat((past_keys, new_keys), dim=2))
+        assert torch.equal(values, torch.cat((past_values, new_values), dim=2))
+
+
+def test_past_with_reads_one_row_only(llama):
+    cache = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE))
+    with torch.no_grad():
+        llama(random_ids(2, 20), past_key_values=cache)
+    layer = cache.layers[0]
+    new = torch.zeros(2, layer.tail.shape[1], 1, layer.tail.shape[-1])
+    with pytest.raises(ValueError, match="one row"):
+        layer.past_with(new, new)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("first", [16, 37])
+def test_a_second_turn_over_the_stored_past_gives_the_one_prompt_logits(llama, first):
+    ids = random_ids(1, first + 11, seed=first)
+    with torch.no_grad():
+        whole = llama(ids).logits
+        cache = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE))
+        llama(ids[:, :first], past_key_values=cache)
+        second = llama(ids[:, first:], past_key_values=cache).logits
+    torch.testing.assert_close(second, whole[:, first:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.core
+def test_a_prompt_over_a_stored_past_reads_each_layers_counts_back_once(llama, monkeypatch):
+    """`past_with` reads a layer's block and tail counts back (a host sync on CUDA); the commit
+    after it appends with the same counts instead of reading them again."""
+    reads = []
+    real = SparseServeLayer._row_counts
+    monkeypatch.setattr(SparseServeLayer, "_row_counts", lambda layer, row: reads.append(row) or real(layer, row))
+    cache, ids = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE)), random_ids(1, 90)
+    with torch.no_grad():
+        llama(ids[:, :50], past_key_values=cache)
+        reads.clear()
+        llama(ids[:, 50:], past_key_values=cache)
+    assert reads == [0] * llama.config.num_hidden_layers
+    assert [int(layer.row_lengths()[0]) for layer in cache.layers] == [90] * len(cache.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_past_with_on_cuda_reads_pinned_dram_into_token_order(llama, dtype):
+    model = llama.to("cuda", dtype)
+    try:
+        cache = filled(model, 70)
+        for layer in cache.layers:
+            past_keys, past_values, _ = layer.past()
+            new = torch.randn(1, past_keys.shape[1], 3, past_keys.shape[-1], device="cuda", dtype=dtype)
+            keys, values = layer.past_with(new, -new)
+            assert torch.equal(keys, torch.cat((past_keys, new), dim=2))
+            assert torch.equal(values, torch.cat((past_values, -new), dim=2))
+    finally:
+        llama.to("cpu", torch.float32)
