@@ -19,8 +19,9 @@ prefix runs other kernel shapes than one prefilled with its document), the same 
 float32 over a shorter document (`prefix_tokens_equal_fp32`, the `check` block) and where the bf16
 runs first part (`first_difference`, per question: the index of the first differing token).
 
-`--profile PATH` also writes the profile of one later question's prefill with prefix caching
-(the kernels and host operations that take its TTFT), as markdown.
+`--profile PATH` also writes the profile of one later question's TTFT with prefix caching (submit
+to first token: the kernels and host operations that take it), as markdown, and its timeline as
+`PATH.trace.json`.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ def ask_in_turn(
     for number, question in enumerate(questions):
         profiled = profile is not None and number == 2
         with profiled_region(profiled) as profiler:
-            first, output = _ask(gen, document + question, params, device)
+            request, first, events = _first_token(gen, document + question, params, device)
         if profiled:
             write_profile(profiler, profile, "One later question's TTFT with prefix caching, profiled")
+            profiler.export_chrome_trace(f"{profile}.trace.json")  # the timeline, for chrome://tracing
         ttft.append(first)
-        tokens.append(output)
+        tokens.append(_finish(gen, request, events))
     row = {"ttft_s": ttft, "dram_bytes_after": gen.dram_bytes_in_use(), "tokens": tokens,
            "totals": {k: v for k, v in gen.metrics()["totals"].items() if k.startswith("prefix_")},
            "config": config.to_dict()}  # fmt: skip
@@ -87,20 +89,24 @@ def ask_in_turn(
     return row
 
 
-def _ask(gen: Generator, prompt: list[int], params: SamplingParams, device) -> tuple[float, list[int]]:
-    """(TTFT in s, output tokens) of one request on an idle Generator."""
+def _first_token(gen: Generator, prompt: list[int], params: SamplingParams, device) -> tuple[int, float, list]:
+    """Submit one request to an idle Generator and step until its first token: (request id, TTFT
+    in s, the events so far)."""
     sync(device)
     start = time.perf_counter()
     request = gen.submit(prompt, params)
-    first, tokens = None, []
-    while gen.has_unfinished:
-        for event in gen.step():
-            if event.request_id == request and first is None and event.token_id is not None:
-                sync(device)
-                first = time.perf_counter() - start
-            if event.finished:
-                tokens = list(event.output.token_ids)
-    return first, tokens
+    events = []
+    while not any(e.request_id == request and e.token_id is not None for e in events):
+        events += gen.step()
+    sync(device)
+    return request, time.perf_counter() - start, events
+
+
+def _finish(gen: Generator, request: int, events: list) -> list[int]:
+    """Step until the request ends; its output tokens."""
+    while not any(e.request_id == request and e.finished for e in events):
+        events += gen.step()
+    return list(next(e for e in events if e.request_id == request and e.finished).output.token_ids)
 
 
 def compare_runs(model, base: SparseServeConfig, sizes: dict[str, int], vocab: int, device, profile=None):
