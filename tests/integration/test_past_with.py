@@ -4,11 +4,14 @@ past (a second turn) gives the logits of one prompt of both turns."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.layer import SparseServeLayer
+from sparseserve_hf.ops import reference
 from tiny_models import random_ids
 
 SIZE = 16
@@ -70,20 +73,51 @@ def test_a_second_turn_over_the_stored_past_gives_the_one_prompt_logits(llama, f
     torch.testing.assert_close(second, whole[:, first:], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.core
-def test_a_prompt_over_a_stored_past_reads_each_layers_counts_back_once(llama, monkeypatch):
-    """`past_with` reads a layer's block and tail counts back (a host sync on CUDA); the commit
-    after it appends with the same counts instead of reading them again."""
+def counting_reads(monkeypatch) -> list[int]:
+    """The rows whose block and tail counts layers read back (a host sync on CUDA), as they happen."""
     reads = []
     real = SparseServeLayer._row_counts
     monkeypatch.setattr(SparseServeLayer, "_row_counts", lambda layer, row: reads.append(row) or real(layer, row))
+    return reads
+
+
+@pytest.mark.core
+def test_a_prompt_after_a_prompt_reads_no_counts_back(llama, monkeypatch):
+    """The first prompt's commit leaves each layer's counts known on the host: the second prompt's
+    `past_with` and commit read nothing back."""
+    reads = counting_reads(monkeypatch)
     cache, ids = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE)), random_ids(1, 90)
     with torch.no_grad():
         llama(ids[:, :50], past_key_values=cache)
-        reads.clear()
         llama(ids[:, 50:], past_key_values=cache)
-    assert reads == [0] * llama.config.num_hidden_layers
+    assert reads == []
     assert [int(layer.row_lengths()[0]) for layer in cache.layers] == [90] * len(cache.layers)
+
+
+@pytest.mark.core
+def test_counts_a_kernel_changed_are_read_again(llama, monkeypatch):
+    """Decode appends through a kernel, which changes `tail_len` without a version bump (simulated
+    here by writing through `.data`): the next prompt reads the counts back, once per layer, and
+    its logits are the one-pass logits."""
+    reads = counting_reads(monkeypatch)
+    cache = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE))
+    ids = random_ids(1, 66, seed=5)
+    with torch.no_grad():
+        whole = llama(ids).logits
+        llama(ids[:, :50], past_key_values=cache)
+        store = cache.layers[0].store
+        store.ops = dataclasses.replace(store.ops, append_token=append_unversioned)
+        for position in range(50, 53):
+            llama(ids[:, position : position + 1], past_key_values=cache)
+        reads.clear()
+        last = llama(ids[:, 53:], past_key_values=cache).logits
+    assert reads == [0] * llama.config.num_hidden_layers
+    torch.testing.assert_close(last, whole[:, 53:], atol=1e-5, rtol=1e-5)
+
+
+def append_unversioned(tail, tail_len, keys, values) -> None:
+    """`reference.append_token` writing as a kernel does: the tensors' version counters stay."""
+    reference.append_token(tail.data, tail_len.data, keys, values)
 
 
 @pytest.mark.gpu

@@ -67,7 +67,7 @@ class SparseServeLayer(CacheLayerMixin):
         # tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
         self.caller_owns_tails = False
         self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
-        self._row_counts_read: tuple[tuple, tuple, tuple[int, int]] | None = None  # see _first_row_counts
+        self._known_counts: tuple[tuple, tuple, tuple[int, int]] | None = None  # see _first_row_counts
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
         self.last_pick: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
@@ -224,6 +224,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_blocks.fill_(count)
         self.store.retain(ids)
         self.num_positions = count * self.config.block_size
+        self._remember_first_row_counts(count, 0)
 
     # ---- moving rows between caches over one store (the batching Generator) ---------------
 
@@ -367,6 +368,7 @@ class SparseServeLayer(CacheLayerMixin):
         if self.caller_owns_tails:
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
+            self._known_counts = None  # the kernel below changes tail_len without a version bump
             self.store.ops.append_token(self.tail, self.tail_len, keys, values)  # every tail has room
             return None
         if keys.shape[-2] == 1 and (valid is None or bool(valid.all())):  # a prompt never reads `valid` here
@@ -398,6 +400,7 @@ class SparseServeLayer(CacheLayerMixin):
         valid = torch.arange(longest, device=self.device) < lengths[:, None]
         return keys, values, valid
 
+    @plain_tensors  # the buffer is written in place by the store, outside inference mode
     def past_with(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-row layer's stored tokens followed by new keys/values (1, Hkv, T, D): keys and
         values (1, Hkv, L + T, D), built in one buffer (the prefill over a stored past).
@@ -420,20 +423,29 @@ class SparseServeLayer(CacheLayerMixin):
         return buffer[0, None, :, :total], buffer[1, None, :, :total]
 
     def _first_row_counts(self) -> tuple[int, int]:
-        """Row 0's (full blocks, tail tokens), read back once: the commit after `past_with` finds them
-        here while `num_blocks` and `tail_len` are the same tensors at the same in-place versions."""
+        """Row 0's (full blocks, tail tokens): known on the host where the last change to them was
+        made from the host (`adopt_blocks`, a prompt's `_append_row`, or a read), else read back.
+
+        Known counts are trusted while `num_blocks` and `tail_len` are the same tensors at the same
+        in-place versions. Kernels and graph replays change them without a version bump, so the
+        paths that run those (`_append_token`, a caller that owns the tails) forget them first."""
         tensors, versions = (self.num_blocks, self.tail_len), (_version(self.num_blocks), _version(self.tail_len))
-        read = self._row_counts_read
+        known = self._known_counts
         if (
-            read is not None
-            and read[0] == versions
+            known is not None
+            and known[0] == versions
             and None not in versions
-            and all(map(operator.is_, read[1], tensors))
+            and all(map(operator.is_, known[1], tensors))
         ):
-            return read[2]
+            return known[2]
         counts = self._row_counts(0)
-        self._row_counts_read = (versions, tensors, counts)
+        self._remember_first_row_counts(*counts)
         return counts
+
+    def _remember_first_row_counts(self, count: int, held: int) -> None:
+        """Row 0 holds `count` full blocks and `held` tail tokens as of now (see `_first_row_counts`)."""
+        tensors = (self.num_blocks, self.tail_len)
+        self._known_counts = ((_version(self.num_blocks), _version(self.tail_len)), tensors, (count, held))
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         """A row's (full blocks, tail tokens), in one read-back."""
@@ -452,6 +464,7 @@ class SparseServeLayer(CacheLayerMixin):
     def _append_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode fast path: full tails go to DRAM first (`roll_full_tails`), then one token per row joins its tail."""
         lengths = self._host_tail_len()
+        self._known_counts = None  # `append_token` may change tail_len without a version bump
         full = [row for row, length in enumerate(lengths) if length == self.config.block_size]
         if full:  # host work (DRAM allocation), once per block_size tokens of a row
             self.roll_full_tails(full)
@@ -512,9 +525,10 @@ class SparseServeLayer(CacheLayerMixin):
         """Drop the host copy of the tail lengths, so the next eager decode step reads them back.
 
         A CUDA-graph replay advances `tail_len` without bumping its version, so after one the
-        copy would still look current while holding old lengths.
+        copy would still look current while holding old lengths (and so would row 0's known counts).
         """
         self._tail_len_mirror = None
+        self._known_counts = None
 
     @plain_tensors
     def set_table_width(self, width: int) -> None:
@@ -565,6 +579,8 @@ class SparseServeLayer(CacheLayerMixin):
         rest = joined[:, :, num_full * size :]
         self.tail[row, :, :, : rest.shape[2]] = rest
         self.tail_len[row].fill_(rest.shape[2])  # the scalar as a kernel argument, not a host-to-device copy
+        if row == 0:
+            self._remember_first_row_counts(start + num_full, rest.shape[2])
 
     def _truncate_rows(self, targets: list[tuple[int, int]]) -> None:
         """Cut each (row, length) of `targets` to `length` stored tokens (at most its current length).
