@@ -180,7 +180,12 @@ class TieredBlockStore:
         """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata (and their
         scales, for 8-bit blocks); returns the ids on the device."""
         self._track_capacity()
-        device_ids = self._on_device(ids)  # one host-to-device copy of the ids, not one per use
+        # One host-to-device copy of the ids, not one per use. On CUDA through pinned memory,
+        # asynchronously: a copy from pageable memory would wait for all the work queued before it.
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            device_ids = ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            device_ids = ids.to(self.device)
         stored = blocks
         if self.block_scales is not None:
             stored, scales = reference.quantize_blocks(blocks, self.kv_dtype)
@@ -201,13 +206,6 @@ class TieredBlockStore:
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids
-
-    def _on_device(self, ids: torch.Tensor) -> torch.Tensor:
-        """Host `ids` on the store's device. On CUDA through pinned memory, asynchronously: a copy
-        from pageable memory would wait for all the work queued before it (a prompt's layer)."""
-        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return ids.to(self.device)
-        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _saves_can_go_beside(self) -> bool:
         """A side-stream save needs CUDA, a host pool (a device pool's copy is no PCIe wait) and no
