@@ -406,8 +406,8 @@ class SparseServeLayer(CacheLayerMixin):
         values (1, Hkv, L + T, D), built in one buffer (the prefill over a stored past).
 
         The full blocks go from DRAM straight to their token positions (`TieredBlockStore.read_tokens`),
-        then the tail and the new tokens: no stacked copy of the past to concatenate, one read-back
-        (the row's block and tail counts)."""
+        then the tail and the new tokens: no stacked copy of the past to concatenate, and no
+        read-back where the row's block and tail counts are known on the host (`_first_row_counts`)."""
         if self.tail.shape[0] != 1:
             raise ValueError(f"past_with reads one row, the layer holds {self.tail.shape[0]}")
         count, held = self._first_row_counts()
@@ -566,7 +566,10 @@ class SparseServeLayer(CacheLayerMixin):
         before the save and the save is all or nothing, so a failure leaves the row as it was.
         """
         size = self.config.block_size
-        start, held = (0, 0) if empty else self._first_row_counts() if row == 0 else self._row_counts(row)
+        if empty:
+            start, held = 0, 0
+        else:  # row 0's counts are usually known on the host (`_first_row_counts`): no read-back then
+            start, held = self._first_row_counts() if row == 0 else self._row_counts(row)
         joined = torch.cat((self.tail[row, :, :, :held], new), dim=2) if held else new  # a prompt's KV: no copy
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
