@@ -290,13 +290,11 @@ class TieredBlockStore:
             return
         self.wait_for_saves()
         ids = ids.to(self.device)
-        place = torch.arange(num_kv_heads, device=self.device)[:, None] * width + torch.arange(
-            count, device=self.device
-        )
-        src = torch.stack(
-            (2 * ids, 2 * ids + 1)
-        )  # (2, Hkv, n): half-block c of the pool is block c // 2's keys or values
-        dst = torch.stack((place, place + num_kv_heads * width))  # (2, Hkv, n) half-block places in `out`
+        heads, blocks = torch.arange(num_kv_heads, device=self.device), torch.arange(count, device=self.device)
+        place = heads[:, None] * width + blocks  # (Hkv, n): each block's keys' half-block place in `out`
+        # Half-block c of the pool is block c // 2's keys (c even) or values (c odd).
+        src = torch.stack((2 * ids, 2 * ids + 1))  # (2, Hkv, n)
+        dst = torch.stack((place, place + num_kv_heads * width))  # (2, Hkv, n): values after every head's keys
         halves = self.dram.storage.view(-1, size, head_dim)  # (2C, S, D)
         self.ops.gather_blocks(halves, src.flatten(), out.view(-1, size, head_dim), dst.flatten())
         self._stats.dense_read_bytes += ids.numel() * self.block_bytes

@@ -23,23 +23,16 @@ on the host (`seqused_k` stays on the device; `max_seqlen_k` defaults to the tab
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from flash_attn.cute import flash_attn_varlen_func
 
+from .device_info import sm_count
 from .flash_plan import merge_partials, num_chunks, page_tables, tail_attention
 
 FA4_DTYPES = (torch.float16, torch.bfloat16)  # fa4 asserts fp16/bf16/fp8 inputs; fp8 is SM100-only
 
 
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_num_sms = sm_count  # a module name of its own: tests set the SM count here
 
 
 def sparse_decode(

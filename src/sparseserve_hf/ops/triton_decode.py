@@ -10,12 +10,13 @@ The G query heads of a group ride the rows of one `tl.dot`, so a block is read o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .device_info import sm_count
 
 TILE_TOKENS = 64  # tokens per inner iteration: 2 blocks of 32 (16 KiB of bf16 K+V at D=128)
 MIN_BLOCKS_PER_SPLIT = 4  # fewer makes the partials' write + reduce cost more than the split gains
@@ -206,16 +207,11 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _split_plan(num_programs: int, num_loaded: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Split programs per (row, KV head): enough to fill the GPU, no more than U's few-block ranges."""
     if num_loaded == 0:
         return 0
-    target = per_sm * (_num_sms(device.index or 0) if device.type == "cuda" else 1)
+    target = per_sm * (sm_count(device) if device.type == "cuda" else 1)
     return max(1, min(triton.cdiv(target, max(num_programs, 1)), triton.cdiv(num_loaded, MIN_BLOCKS_PER_SPLIT)))
 
 

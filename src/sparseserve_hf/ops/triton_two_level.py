@@ -20,13 +20,12 @@ ascend in block index, so both results equal the one-level kernels' entry for en
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import triton_rank, triton_select
+from .device_info import sm_count
 from .triton_rank import interleave
 from .triton_select import (
     ORDER_KEY_BITS,
@@ -223,14 +222,7 @@ def takes_two_levels(programs: int, num_table: int, device: torch.device) -> boo
 
 def _multiprocessors(device: torch.device) -> int | float:
     """SMs of a CUDA device; no limit elsewhere."""
-    if device.type != "cuda":
-        return float("inf")
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return sm_count(device) if device.type == "cuda" else float("inf")
 
 
 def combine_top_ranks_chunked(
