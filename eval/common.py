@@ -1,6 +1,7 @@
 """What the accuracy runners share: methods to compare, greedy answers, and result files.
 
-A method is dense attention or `SparseServeCache` at one token budget. Every runner writes, under
+A method is dense attention, `SparseServeCache` at one token budget, or the block oracle
+(`eval.oracle_attention`) at one budget: the ceiling of a selector. Every runner writes, under
 its output folder: `samples.jsonl` (one JSON line per sample and method), `summary.json`
 (score per task and method, and sparse/dense ratios), `results.md` (the same as a table) and
 `score_vs_budget.png`.
@@ -22,6 +23,7 @@ from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation.sizing import EngineSizes
 
 DENSE = "dense"
+ORACLE = "oracle"  # the block oracle's method family (`eval.oracle_attention`)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Method:
 
     name: str
     config: SparseServeConfig | None = None
+    oracle: bool = False  # attend through the block oracle at `config`'s budget (dense KV, no cache)
 
     @property
     def budget(self) -> int | None:
@@ -77,10 +80,13 @@ def _parse_value(field: str, raw: str) -> Any:
     return raw
 
 
-def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None) -> list:
+def sparse_methods(
+    budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None, oracle: bool = False
+) -> list:
     """Dense, then every budget for each metadata kind ("quest_<b>", "cuboid_<b>"; the default
-    configuration's kind is "sparse_<b>") and for each `--variant` family ("FAMILY:field=value:..."
-    -> "FAMILY_<b>", other fields at their defaults).
+    configuration's kind is "sparse_<b>"), for each `--variant` family ("FAMILY:field=value:..."
+    -> "FAMILY_<b>", other fields at their defaults) and, with `oracle`, the block oracle
+    ("oracle_<b>": exactly the budget's blocks per KV head, as `selection="kv_head"` loads).
     """
     methods = []
     for kind in metadata_kinds:
@@ -89,10 +95,13 @@ def sparse_methods(budgets: list[int], metadata_kinds: list[str], variants: list
         methods += methods_for(budgets, config, family)
     for text in variants or []:
         family, overrides = parse_variant(text)
-        if family in ("dense", "sparse", *metadata_kinds):
+        if family in ("dense", "sparse", ORACLE, *metadata_kinds):
             raise ValueError(f"--variant family {family!r} clashes with a built-in method family")
         methods += methods_for(budgets, SparseServeConfig(**overrides), family)
-    methods = [m for i, m in enumerate(methods) if m.name != "dense" or i == 0] or methods_for([])
+    if oracle:
+        base = SparseServeConfig(selection="kv_head")
+        methods += [Method(f"{ORACLE}_{b}", replace(base, token_budget=b), oracle=True) for b in budgets]
+    methods = [Method(DENSE)] + [m for m in methods if m.name != DENSE]
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"two methods share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -165,6 +174,8 @@ def answer_batch(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked anyway
     input_ids, attention_mask = left_pad(prompts, pad_id)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    if method.oracle:
+        return _answer_with_oracle(model, tokenizer, input_ids, attention_mask, method, kwargs)
     if method.config is not None:
         if cache is None:
             tokens = len(prompts) * (input_ids.shape[1] + max_new_tokens)
@@ -183,6 +194,19 @@ def answer_batch(
     # collect also clears cycles elsewhere (e.g. in generate's outputs) that could hold device memory.
     gc.collect()
     return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), loads
+
+
+def _answer_with_oracle(
+    model, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, method: Method, kwargs: dict[str, Any]
+) -> tuple[list[str], dict[str, float]]:
+    """`answer_batch` for an oracle method: the model attends through `eval.oracle_attention` over a
+    dense cache, and the loads are the oracle's (no metadata)."""
+    from eval.oracle_attention import oracle_run
+
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+    with torch.inference_mode(), oracle_run(model, method.config) as run:
+        out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), run.loads()
 
 
 def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, dtype: torch.dtype) -> SparseServeConfig:

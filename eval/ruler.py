@@ -728,6 +728,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='a selection variant as its own method family, repeatable: "FAMILY:field=value[:field=value]", '
         'e.g. "quest_s8:metadata_sub_blocks=4" -> methods quest_s8_<budget>',
     )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also the block oracle at every budget (methods oracle_<budget>: true attention picks each KV "
+        "head's blocks, eval.oracle_attention): the ceiling T7 is judged against",
+    )
     return parser.parse_args(argv)
 
 
@@ -750,7 +756,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     lengths = _parse_list(args.lengths, "--lengths", int)
-    methods = sparse_methods(parse_budgets(args.budgets), metadata_kinds(args.metadata), args.variant)
+    methods = sparse_methods(parse_budgets(args.budgets), metadata_kinds(args.metadata), args.variant, args.oracle)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from eval.common import DENSE, split_method
+from eval.common import DENSE, ORACLE, split_method
 
 FRACTIONS = {"1_16": 1 / 16, "1_32": 1 / 32}
 TARGETS = {"1_16": 0.99, "1_32": 0.97}
@@ -27,8 +27,9 @@ def t7_at_loaded(
 
     Keys: ratio_at_1_16 / _1_32 (None where no method loads that little), loaded_fraction_1_16 /
     _1_32 (the chosen method's mean), method_at_1_16 / _1_32, ci90_1_16 / _1_32 ([low, high]),
-    metadata_fraction (the family's mean), oracle_at_1_16 / _1_32 (None: the suite has no oracle
-    method), target_1_16 / _1_32, n_tasks, n_samples_per_task (the smallest over the tasks), tasks.
+    metadata_fraction (the family's mean), oracle_at_1_16 / _1_32 (the block oracle's ratio, picked
+    the same way from the "oracle" family over the same tasks; None without one),
+    target_1_16 / _1_32, n_tasks, n_samples_per_task (the smallest over the tasks), tasks.
     """
     at_length = [r for r in rows if r["task"].endswith(f"@{length}")]
     scores = _scores_by_task(at_length)  # task -> method -> {sample index: score}
@@ -38,14 +39,17 @@ def t7_at_loaded(
         return None
     block: dict = {"tasks": tasks, "n_tasks": len(tasks)}
     block["metadata_fraction"] = sum(m for _, m in loads.values()) / len(loads)
+    oracle_loads = _family_loads(at_length, ORACLE)
     counts = []
     for key, fraction in FRACTIONS.items():
-        fitting = {m: f for m, (f, _) in loads.items() if f <= fraction and all(m in scores[t] for t in tasks)}
-        method = max(fitting, key=fitting.get) if fitting else None
+        method = _largest_fitting(loads, fraction, scores, tasks)
         block[f"method_at_{key}"] = method
-        block[f"loaded_fraction_{key}"] = fitting.get(method)
+        block[f"loaded_fraction_{key}"] = loads[method][0] if method else None
         block[f"target_{key}"] = TARGETS[key]
-        block[f"oracle_at_{key}"] = None
+        oracle = _largest_fitting(oracle_loads, fraction, scores, tasks)
+        block[f"oracle_at_{key}"] = (
+            _ratio({t: _paired(scores[t][DENSE], scores[t][oracle]) for t in tasks}) if oracle else None
+        )
         if method is None:
             block[f"ratio_at_{key}"] = block[f"ci90_{key}"] = None
             continue
@@ -55,6 +59,14 @@ def t7_at_loaded(
         block[f"ci90_{key}"] = _bootstrap(pairs, resamples, seed)
     block["n_samples_per_task"] = min(counts) if counts else 0
     return block
+
+
+def _largest_fitting(
+    loads: dict[str, tuple[float, float]], fraction: float, scores: dict, tasks: list[str]
+) -> str | None:
+    """The method loading the most at or below `fraction` among those every task has, or None."""
+    fitting = {m: f for m, (f, _) in loads.items() if f <= fraction and all(m in scores[t] for t in tasks)}
+    return max(fitting, key=fitting.get) if fitting else None
 
 
 def families_with_loads(rows: list[dict]) -> list[str]:

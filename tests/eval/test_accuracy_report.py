@@ -121,3 +121,16 @@ def test_t7_is_judged_at_the_loaded_fraction_with_a_paired_bootstrap(tmp_path):
     kvh = report["t7_by_family"]["kvh"]
     assert kvh["method_at_1_16"] == "kvh_512" and kvh["ratio_at_1_16"] == 1.0 and kvh["ci90_1_16"] == [1.0, 1.0]
     assert "T7 at 8K by loaded tokens" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_t7_reads_the_oracle_family_at_the_same_loaded_fractions(tmp_path):
+    scores = {"dense": [100] * 10, "sparse_256": [100] * 8 + [0] * 2, "oracle_256": [100] * 10}
+    scores["oracle_128"] = [100] * 9 + [0]
+    rows = _rows("niah@8192", scores)
+    rows = _loaded(_loaded(rows, "sparse_256", 0.05), "oracle_256", 0.04, metadata_fraction=0.0)
+    rows = _loaded(rows, "oracle_128", 0.02, metadata_fraction=0.0)
+    _write(tmp_path / "run", rows)
+    t7 = accuracy_report.main(["--ruler", str(tmp_path / "run"), "--out", str(tmp_path)])["t7"]
+    assert t7["ratio_at_1_16"] == pytest.approx(0.8)
+    assert t7["oracle_at_1_16"] == 1.0  # oracle_256: the most the oracle loads at or below 1/16
+    assert t7["oracle_at_1_32"] == pytest.approx(0.9)  # oracle_128

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from eval.common import Method, answer, answer_batch, batches, left_pad, methods_for, sized_dram_pool, split_method
+from eval.common import (
+    Method,
+    answer,
+    answer_batch,
+    batches,
+    left_pad,
+    methods_for,
+    sized_dram_pool,
+    sparse_methods,
+    split_method,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import sparseserve_hf  # noqa: F401  (registers "sparseserve")
@@ -43,6 +55,20 @@ def test_batched_answers_equal_single_answers(tiny, method):
         assert loads == {}
     else:  # 64 tokens per query head of 150-178 stored: a KV head reads part of the context
         assert 0 < loads["loaded_fraction"] < 1 and loads["loaded_tokens_per_kv_head"] >= 64
+
+
+def test_the_oracle_method_answers_in_batches_and_reports_its_loads(tiny):
+    tokenizer = word_tokenizer(vocab_size=VOCAB)
+    prompts = _prompts([150, 171, 163])
+    assert [m.name for m in sparse_methods([256, 512], [], oracle=True)] == ["dense", "oracle_256", "oracle_512"]
+    oracle = next(m for m in sparse_methods([256], [], oracle=True) if m.oracle)
+    assert oracle.name == "oracle_256" and oracle.config.selection == "kv_head"
+    config = replace(oracle.config, block_size=8, token_budget=64)  # 7 blocks of 8 + the tail
+    method = Method("oracle_64", config, oracle=True)
+    together, loads = answer_batch(tiny, tokenizer, prompts, method, max_new_tokens=8)
+    assert len(together) == 3 and all(text.strip() for text in together)
+    assert 7 * 8 < loads["loaded_tokens_per_kv_head"] <= 8 * 8 and loads["metadata_fraction"] == 0.0
+    assert tiny.config._attn_implementation == "sparseserve"  # restored after the batch
 
 
 def test_left_pad_right_aligns():

@@ -242,7 +242,7 @@ def test_runner_rejects_bad_options(argv, message):
 @pytest.mark.slow
 def test_runner_end_to_end_on_the_default_model(tmp_path, monkeypatch):
     """2 samples of niah_single_1 and qa_1 at ~1K tokens, batched, dense and budget 256 with the
-    default metadata (hybrid: family "sparse") and quest, on the real model (CPU)."""
+    default metadata (hybrid: family "sparse"), quest and the block oracle, on the real model (CPU)."""
     pytest.importorskip("long_context_eval")
     out, dump = tmp_path / "ruler", tmp_path / "samples.jsonl"
     checkpointed, evaluate = [], ruler.evaluate
@@ -254,27 +254,29 @@ def test_runner_end_to_end_on_the_default_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ruler, "evaluate", evaluate_and_read_the_checkpoint)
     argv = ["--tasks", "niah_single_1,qa_1", "--lengths", "1024", "--samples", "2", "--budgets", "256"]
-    argv += ["--batch-size", "2", "--metadata", "hybrid,quest"]
+    argv += ["--batch-size", "2", "--metadata", "hybrid,quest", "--oracle"]
     argv += ["--max-new-tokens", "12"]  # the answer prefix puts the answer first; 12 tokens hold it
     summary = ruler.main(argv + ["--out", str(out), "--dump-samples", str(dump), "--device", "cpu"])
     assert set(summary["score"]) == {"niah_single_1@1024", "qa_1@1024"}
-    assert all(set(per) == {"dense", "sparse_256", "quest_256"} for per in summary["score"].values())
+    assert all(set(per) == {"dense", "sparse_256", "quest_256", "oracle_256"} for per in summary["score"].values())
     for name in ("samples.jsonl", "summary.json", "results.md", "score_vs_budget.png"):
         assert (out / name).is_file()
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert checkpointed == rows  # written batch by batch as the run went,
     assert not (out / "partial.jsonl").exists()  # and gone once samples.jsonl holds every row
-    assert len(rows) == 12 and all(0 <= r["score"] <= 100 and "prediction" in r for r in rows)
+    assert len(rows) == 16 and all(0 <= r["score"] <= 100 and "prediction" in r for r in rows)
     assert {r["budget"] for r in rows} == {None, 256} and {r["prompt_tokens"] for r in rows} <= set(range(800, 993))
     assert len(ruler.read_samples(dump)) == 4
     for row in rows:  # every sparse row names what its budget read; dense rows read everything
         if row["budget"] is None:
             assert "loaded_fraction" not in row
+        elif row["method"] == "oracle_256":  # exactly 7 full blocks per KV head and the tail; no metadata
+            assert 7 * 32 < row["loaded_tokens_per_kv_head"] <= 8 * 32 and row["metadata_fraction"] == 0.0
         else:
             assert 0 < row["loaded_fraction"] < 1 and row["loaded_tokens_per_kv_head"] > 256
             assert row["loaded_tokens_p95_over_heads"] >= row["loaded_tokens_per_kv_head"] * 0.5
             assert 0 < row["metadata_fraction"] < 0.1
-    assert set(summary["loads"]) == {"sparse_256", "quest_256"}
+    assert set(summary["loads"]) == {"sparse_256", "quest_256", "oracle_256"}
     assert "loaded tokens / KV head" in (out / "results.md").read_text()
     # The passkey at 1K is easy for the model with full attention.
     assert summary["score"]["niah_single_1@1024"]["dense"] == 100.0
