@@ -29,9 +29,10 @@
 #               the real-locality step with it (and stock) and without it (--set lookup_beside_attention=False)
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
-#   sharing     what slows the resident half of attention beside the lookup (8-layer cut, us per layer): the miss
-#               copy on 16 and 32 programs against the default 1,024, then attention alone (the lookup first) with
-#               2 and 4 split programs per SM
+#   critical    the layer's critical path (8-layer cut, us per layer): the score kernel's stores after both
+#               parts (triton_score.STORES_LAST), the miss copy on 16 and 32 programs against the default 1,024,
+#               each against the default in the same call, then attention alone (the lookup first) with 2 and 4
+#               split programs per SM
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -118,13 +119,14 @@ case $part in
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
     done ;;
-  sharing)
-    for knob in "" "--knob triton_transfer.COUNTED_PROGRAMS=16" "--knob triton_transfer.COUNTED_PROGRAMS=32" ""; do
-      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_sharing.jsonl" 2>&1 | tail -1
+  critical)
+    for knob in "" "--knob triton_score.STORES_LAST=True" "--knob triton_transfer.COUNTED_PROGRAMS=16" \
+      "--knob triton_transfer.COUNTED_PROGRAMS=32" "" "--knob triton_score.STORES_LAST=True"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_critical.jsonl" 2>&1 | tail -1
     done
     for per_sm in 2 4; do
       python -m eval.bench.step_knobs --set lookup_beside_attention=False --knob triton_decode.PROGRAMS_PER_SM=$per_sm \
-        --out "$out/step_knobs_sharing.jsonl" 2>&1 | tail -1
+        --out "$out/step_knobs_critical.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \

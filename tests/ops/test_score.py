@@ -113,3 +113,23 @@ def test_a_bf16_query_of_wide_range_over_float8_metadata_scores_as_in_fp32(kind)
     largest = float(expected[expected.isfinite()].abs().max())
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4 * largest, rtol=1e-5)
     assert (got.cpu()[2][expected[2].isfinite()] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "quest", "cuboid"])
+@pytest.mark.parametrize("eight_bit", [False, True], ids=["kv_dtype", "float8"])
+def test_scores_stored_last_are_the_same_scores(kind, eight_bit, monkeypatch):
+    """The `STORES_LAST` launch knob moves the stores, not the arithmetic: bit-equal parts."""
+    counts = [37, 5]
+    table = ragged_table(2, 2, 37, 400, counts)
+    keys = torch.randn(400, 8, 16)
+    dtype = DTYPES[-1]  # bf16 on the GPU
+    metadata = reference.block_metadata(
+        keys, kind, 2 if kind == "hybrid" else 1, torch.float8_e4m3fn if eight_bit else dtype
+    )
+    query = torch.randn(2, 8, 16).to(dtype if dtype != torch.float32 else torch.float16)
+    args = (query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), kind)
+    before = triton_score.score_parts(*args)
+    monkeypatch.setattr(triton_score, "STORES_LAST", True)
+    after = triton_score.score_parts(*args)
+    assert len(before) == len(after) == (2 if kind == "hybrid" else 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

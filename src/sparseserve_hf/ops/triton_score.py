@@ -11,7 +11,7 @@ The group's queries are one (G, D) tile and every score is a tensor-core product
 sum_d max(q_d min_d, q_d max_d) is max . q+ + min . q- (q+ = max(q, 0), q- = min(q, 0); min <= max
 per channel). The products are exact in fp32 for fp16/bf16 inputs, so only the summation
 order differs from the reference. Scores of sub-blocks reduce by max in registers and every
-output is written once, so the metadata loads of a program do not wait on its stores.
+output is written once (when, is the knob `STORES_LAST`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from . import reference, triton_two_level
 KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) or (mean,)
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 2
+# Write a hybrid block's two scores after both are computed (a launch knob): a store before the
+# means' loads keeps the compiler from issuing those loads early (the pointers may alias), so
+# each program would wait for memory twice. False: each score is stored once it is computed.
+STORES_LAST = False
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
 
@@ -53,6 +57,7 @@ def _score_kernel(
     MEAN_SUB: tl.constexpr,
     UPCAST: tl.constexpr,
     HALF_PRODUCTS: tl.constexpr,
+    STORES_LAST: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes quest/mean[b, h*G:(h+1)*G, n-tile].
 
@@ -90,22 +95,25 @@ def _score_kernel(
     q = tl.trans(q.to(dot_dtype))  # (BLOCK_D, BLOCK_G)
     out = b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
     out_mask = in_table[:, None] & (g < G)[None, :]
+    quest_best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     if QUEST_SUB > 0:
         q_pos = tl.maximum(q, 0.0).to(dot_dtype)  # exact: max/min of 16-bit floats compute in fp32
         q_neg = tl.minimum(q, 0.0).to(dot_dtype)
-        best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(QUEST_SUB):
             low = tl.load(rows + (2 * s) * D, mask=load_mask, other=0.0).to(dot_dtype)
             high = tl.load(rows + (2 * s + 1) * D, mask=load_mask, other=0.0).to(dot_dtype)
             bound = tl.dot(high, q_pos, input_precision="ieee") + tl.dot(low, q_neg, input_precision="ieee")
-            best = tl.maximum(best, bound)
-        tl.store(quest_ptr + out, tl.where(valid[:, None], best * unscale, float("-inf")), mask=out_mask)
+            quest_best = tl.maximum(quest_best, bound)
+        if not STORES_LAST:
+            tl.store(quest_ptr + out, tl.where(valid[:, None], quest_best * unscale, float("-inf")), mask=out_mask)
     if MEAN_SUB > 0:
         best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
         for s in tl.static_range(MEAN_SUB):
             mean = tl.load(rows + (2 * QUEST_SUB + s) * D, mask=load_mask, other=0.0).to(dot_dtype)
             best = tl.maximum(best, tl.dot(mean, q, input_precision="ieee"))
         tl.store(mean_ptr + out, tl.where(valid[:, None], best * unscale, float("-inf")), mask=out_mask)
+    if QUEST_SUB > 0 and STORES_LAST:
+        tl.store(quest_ptr + out, tl.where(valid[:, None], quest_best * unscale, float("-inf")), mask=out_mask)
 
 
 @triton.jit
@@ -207,7 +215,7 @@ def _scores(
         D=dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), G=group,
         BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         QUEST_SUB=quest_sub, MEAN_SUB=mean_sub, UPCAST=_needs_fp32_products(query.dtype, metadata.dtype),
-        HALF_PRODUCTS=query.dtype == torch.bfloat16 and metadata.element_size() == 1,
+        HALF_PRODUCTS=query.dtype == torch.bfloat16 and metadata.element_size() == 1, STORES_LAST=STORES_LAST,
         num_warps=num_warps,
     )  # fmt: skip
     return quest, mean
