@@ -26,8 +26,8 @@ KINDS = {"quest": 2, "cuboid": 1}  # metadata vectors per sub-block: (min, max) 
 BLOCK_BYTES = 32 << 10  # metadata bytes one program reads (blocks per program = this / one block's)
 NUM_WARPS = 2
 # Write a hybrid block's two scores after both are computed (a launch knob): a store before the
-# means' loads may keep the compiler from issuing those loads early (the pointers may alias), and
-# then each program waits for memory twice. False: each score is stored once it is computed.
+# means' loads keeps the compiler from issuing those loads early (the pointers may alias), so
+# each program waits for memory twice. False: each score is stored once it is computed.
 STORES_LAST = False
 MIN_DOT = 16  # tl.dot's smallest tile side: the group's query tile is padded to it
 
