@@ -78,16 +78,18 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride_x
     res_row = res_ptr + row * stride_x
-    mean_square = _row_sum_of_squares(row_ptr, res_row, width, LANES, ROUNDS, VEC, HAS_RESIDUAL) * inv_width
     cols = tl.arange(0, BLOCK)
     live = cols < width
-    x = _load_row(row_ptr, res_row, cols, live, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        tl.store(sum_ptr + row * stride_x + cols, x.to(sum_ptr.dtype.element_ty), mask=live)
-    normed = (x * tl.math.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+    # Every load before the first store: a store may alias a later load, so the compiler would not
+    # issue that load until the store, one more wait for memory at the end of a short kernel.
     weight = tl.load(weight_ptr + cols, mask=live, other=0.0)
+    mean_square = _row_sum_of_squares(row_ptr, res_row, width, LANES, ROUNDS, VEC, HAS_RESIDUAL) * inv_width
+    x = _load_row(row_ptr, res_row, cols, live, HAS_RESIDUAL)
+    normed = (x * tl.math.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=live)
+    if HAS_RESIDUAL:
+        tl.store(sum_ptr + row * stride_x + cols, x.to(sum_ptr.dtype.element_ty), mask=live)
 
 
 def exact(hidden: torch.Tensor) -> bool:
