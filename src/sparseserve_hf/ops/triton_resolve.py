@@ -226,6 +226,9 @@ def _picked_kernel(
     u = tl.arange(0, BLOCK_U)
     entry = row_head.to(tl.int64) * width + u
     inside = u < width
+    if COUNT:  # loaded before any store, which the compiler would not let a later load pass
+        blocks = tl.load(num_blocks_ptr + b).to(tl.int64)
+        tail = tl.load(tail_len_ptr + b).to(tl.int64)
     index = tl.load(picked_ptr + entry, mask=inside, other=0)
     real = inside & (tl.load(valid_ptr + entry, mask=inside, other=0) != 0)
     ids = tl.load(table_ptr + b.to(tl.int64) * stride_tb + h * stride_th + index, mask=real, other=-1)
@@ -234,8 +237,6 @@ def _picked_kernel(
     tl.store(ids_ptr + entry, ids, mask=inside)
     tl.store(resident_ptr + entry, slot, mask=inside)
     if COUNT:
-        blocks = tl.load(num_blocks_ptr + b).to(tl.int64)
-        tail = tl.load(tail_len_ptr + b).to(tl.int64)
         tokens = blocks * block_size + tail
         live = (tokens > 0).to(tl.int64)
         picks = tl.sum(real.to(tl.int64), axis=0)
