@@ -140,10 +140,11 @@ def _chunk_candidates_kernel(
     h = row_head % num_kv_heads
     n = c * CHUNK + tl.arange(0, CHUNK)
     g = tl.arange(0, BLOCK_G)
+    in_table = (g < G)[:, None] & (n < num_table)[None, :]  # (BG, CHUNK)
+    # The scores' load does not wait for the count's: entries past a row's count are masked after.
+    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
     count = tl.load(num_blocks_ptr + b)
-    exist = (n < count) & (n < num_table)
-    live = (g < G)[:, None] & exist[None, :]  # (BG, CHUNK)
-    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=live, other=0.0)
+    live = in_table & (n < count)[None, :]
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
