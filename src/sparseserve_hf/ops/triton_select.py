@@ -153,6 +153,7 @@ def _select_union_kernel(
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
     count = tl.load(num_blocks_ptr + b)
     live = in_table & (n < count)[None, :]
+    x = tl.where(live, x, 0.0)  # entries past the count (-inf) are never keyed from their scores
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)

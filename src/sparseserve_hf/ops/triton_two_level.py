@@ -145,6 +145,7 @@ def _chunk_candidates_kernel(
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
     count = tl.load(num_blocks_ptr + b)
     live = in_table & (n < count)[None, :]
+    x = tl.where(live, x, 0.0)  # entries past the count (-inf) are never keyed from their scores
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
