@@ -9,6 +9,7 @@ its output folder: `samples.jsonl` (one JSON line per sample and method), `summa
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 from collections import defaultdict
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from eval.oracle_attention import oracle_run
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation.sizing import EngineSizes
@@ -166,7 +168,7 @@ def answer_batch(
     """Greedy answers to several prompts (each (T_i,) ids) in one left-padded `generate` call, and
     what its decode steps read: the cache's `LOAD_KEYS` from `stats()` (the batch's averages:
     loaded tokens per KV head and row, their p95 over heads, their fraction of the context, the
-    metadata read over the dense KV bytes); {} for dense methods.
+    metadata read over the dense KV bytes), the oracle's under the same names; {} for dense methods.
 
     Padding never reaches the sparse blocks (the cache commits real tokens only), so a prompt's
     answer does not depend on its batch-mates beyond floating-point rounding.
@@ -174,19 +176,21 @@ def answer_batch(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked anyway
     input_ids, attention_mask = left_pad(prompts, pad_id)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
-    if method.oracle:
-        return _answer_with_oracle(model, tokenizer, input_ids, attention_mask, method, kwargs)
-    if method.config is not None:
+    if method.config is not None and not method.oracle:
         if cache is None:
             tokens = len(prompts) * (input_ids.shape[1] + max_new_tokens)
             config = sized_dram_pool(method.config, model.config, tokens, model.dtype)
             cache = SparseServeCache(model.config, config)
         kwargs[cache_kwarg(model)] = cache
     input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
-    with torch.inference_mode():
+    # An oracle method attends through `eval.oracle_attention` over a dense cache meanwhile.
+    routing = oracle_run(model, method.config) if method.oracle else contextlib.nullcontext()
+    with torch.inference_mode(), routing as oracle:
         out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     loads = {}
-    if cache is not None:
+    if oracle is not None:
+        loads = oracle.loads()
+    elif cache is not None:
         stats = cache.stats()
         loads = {key: stats[key] for key in LOAD_KEYS}
     del kwargs, cache
@@ -194,19 +198,6 @@ def answer_batch(
     # collect also clears cycles elsewhere (e.g. in generate's outputs) that could hold device memory.
     gc.collect()
     return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), loads
-
-
-def _answer_with_oracle(
-    model, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, method: Method, kwargs: dict[str, Any]
-) -> tuple[list[str], dict[str, float]]:
-    """`answer_batch` for an oracle method: the model attends through `eval.oracle_attention` over a
-    dense cache, and the loads are the oracle's (no metadata)."""
-    from eval.oracle_attention import oracle_run
-
-    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
-    with torch.inference_mode(), oracle_run(model, method.config) as run:
-        out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), run.loads()
 
 
 def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, dtype: torch.dtype) -> SparseServeConfig:

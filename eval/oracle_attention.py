@@ -39,24 +39,21 @@ class OracleRun:
     """The oracle's budget and what its decode steps loaded (one entry per sparse layer call)."""
 
     config: SparseServeConfig
-    loaded_tokens: list[float] = field(default_factory=list)  # mean over live (row, KV head)
-    loaded_p95: list[float] = field(default_factory=list)  # p95 over KV heads of the rows' means
-    loaded_fraction: list[float] = field(default_factory=list)  # mean over rows of loaded / tokens
+    # Per call, on the model's device (read back once, in `loads`): (mean loaded tokens over
+    # (row, KV head), their p95 over KV heads averaged over rows, mean over rows of loaded / tokens).
+    steps: list[torch.Tensor] = field(default_factory=list)
 
     def loads(self) -> dict[str, float]:
         """The batch's averages under the names `SparseServeCache.stats()` gives them (no metadata)."""
-        if not self.loaded_tokens:
+        if not self.steps:
             return {}
+        tokens, p95, fraction = torch.stack(self.steps).double().mean(0).tolist()
         return {
-            "loaded_tokens_per_kv_head": _mean(self.loaded_tokens),
-            "loaded_tokens_p95_over_heads": _mean(self.loaded_p95),
-            "loaded_fraction": _mean(self.loaded_fraction),
+            "loaded_tokens_per_kv_head": tokens,
+            "loaded_tokens_p95_over_heads": p95,
+            "loaded_fraction": fraction,
             "metadata_fraction": 0.0,
         }
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 _CURRENT: ContextVar[OracleRun | None] = ContextVar("sparseserve_oracle_run", default=None)
@@ -123,7 +120,7 @@ def oracle_tokens(
     width = int(num_full.max()) + 1  # the last column collects every token outside a full block
     index = torch.where(in_full, block, width - 1)[:, None, :].expand(batch, num_kv_heads, length)
     mass = torch.zeros(batch, num_kv_heads, width, device=key.device).scatter_add_(2, index, probs.sum(2))
-    chosen = _top_blocks(mass[..., :-1], num_full, config)  # (B, Hkv, width - 1)
+    chosen = top_blocks(mass[..., :-1], num_full, config)  # (B, Hkv, width - 1)
     in_tail = real & ~in_full
     outside = torch.zeros_like(chosen[..., :1])  # the last column: no full block
     picked = torch.gather(torch.cat((chosen, outside), dim=2), 2, index)  # (B, Hkv, L): the token's block is chosen
@@ -133,8 +130,9 @@ def oracle_tokens(
     return allowed
 
 
-def _top_blocks(mass: torch.Tensor, num_full: torch.Tensor, config: SparseServeConfig) -> torch.Tensor:
-    """(B, Hkv, N) bool: sink, window and the most massive other blocks, `selected_full_blocks` in all."""
+def top_blocks(mass: torch.Tensor, num_full: torch.Tensor, config: SparseServeConfig) -> torch.Tensor:
+    """(B, Hkv, N) bool: of each row's `num_full` (B,) blocks, the sink, the window and the blocks of
+    most `mass` (B, Hkv, N), `selected_full_blocks` in all (every block where the row has fewer)."""
     width = mass.shape[-1]
     n = torch.arange(width, device=mass.device)
     exists = n < num_full[:, None]  # (B, N)
@@ -148,9 +146,8 @@ def _top_blocks(mass: torch.Tensor, num_full: torch.Tensor, config: SparseServeC
 
 def _record(run: OracleRun, allowed: torch.Tensor, tokens: torch.Tensor) -> None:
     loaded = allowed.sum(-1).float()  # (B, Hkv)
-    run.loaded_tokens.append(loaded.mean().item())
-    run.loaded_p95.append(loaded.quantile(0.95, dim=1).mean().item())
-    run.loaded_fraction.append((loaded.mean(1) / tokens.float()).mean().item())
+    p95 = loaded.quantile(0.95, dim=1).mean()
+    run.steps.append(torch.stack((loaded.mean(), p95, (loaded.mean(1) / tokens.float()).mean())))
 
 
 def _real_tokens(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from eval.oracle_attention import top_blocks
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import pick_blocks
 from sparseserve_hf.ops import reference
@@ -330,10 +331,9 @@ def top_blocks_by_mass(
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
     group_mass = block_mass.view(num_kv_heads, heads // num_kv_heads, num_full).sum(1)  # (Hkv, N)
-    ranked = torch.where(_forced(config, num_full), float("inf"), group_mass)
-    top = ranked.topk(config.selected_full_blocks, dim=-1).indices  # (Hkv, K)
-    chosen = torch.zeros(num_kv_heads, num_full, dtype=torch.bool).scatter_(1, top, True)
-    return chosen.repeat_interleave(heads // num_kv_heads, dim=0), torch.full((num_kv_heads,), top.shape[1])
+    chosen = top_blocks(group_mass[None], torch.tensor([num_full]), config)[0]  # (Hkv, N): the oracle's rule
+    counts = torch.full((num_kv_heads,), config.selected_full_blocks)
+    return chosen.repeat_interleave(heads // num_kv_heads, dim=0), counts
 
 
 def _forced(config: SparseServeConfig, num_full: int) -> torch.Tensor:

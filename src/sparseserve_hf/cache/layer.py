@@ -429,7 +429,7 @@ class SparseServeLayer(CacheLayerMixin):
         Known counts are trusted while `num_blocks` and `tail_len` are the same tensors at the same
         in-place versions. Kernels and graph replays change them without a version bump, so the
         paths that run those (`_append_token`, a caller that owns the tails) forget them first."""
-        tensors, versions = (self.num_blocks, self.tail_len), (_version(self.num_blocks), _version(self.tail_len))
+        versions, tensors = self._counts_stamp()
         known = self._known_counts
         if (
             known is not None
@@ -444,8 +444,12 @@ class SparseServeLayer(CacheLayerMixin):
 
     def _remember_first_row_counts(self, count: int, held: int) -> None:
         """Row 0 holds `count` full blocks and `held` tail tokens as of now (see `_first_row_counts`)."""
+        self._known_counts = (*self._counts_stamp(), (count, held))
+
+    def _counts_stamp(self) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
+        """What known counts hold for: the in-place versions of `num_blocks` and `tail_len`, and the tensors."""
         tensors = (self.num_blocks, self.tail_len)
-        self._known_counts = ((_version(self.num_blocks), _version(self.tail_len)), tensors, (count, held))
+        return tuple(map(_version, tensors)), tensors
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         """A row's (full blocks, tail tokens), in one read-back."""

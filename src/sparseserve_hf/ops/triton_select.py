@@ -117,6 +117,18 @@ def write_union(union_ptr, valid_ptr, row_head, member, n, U: tl.constexpr, BLOC
 
 
 @triton.jit
+def group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G: tl.constexpr):
+    """KV head h's query heads' scores (BG, W) at blocks n (W,) of row b, with the row's block count
+    and which entries are live (a query head of the group, a block of the table below the count);
+    0 where not live. The scores' load does not wait for the count's: the count masks them after."""
+    in_table = (g < G)[:, None] & (n < num_table)[None, :]
+    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
+    count = tl.load(num_blocks_ptr + b)
+    live = in_table & (n < count)[None, :]
+    return tl.where(live, x, 0.0), count, live
+
+
+@triton.jit
 def _select_union_kernel(
     scores_ptr,
     num_blocks_ptr,
@@ -148,12 +160,7 @@ def _select_union_kernel(
     h = row_head % num_kv_heads
     n = tl.arange(0, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
-    in_table = (g < G)[:, None] & (n < num_table)[None, :]  # (BG, BN)
-    # The scores' load does not wait for the count's: entries past a row's count are masked after.
-    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
-    count = tl.load(num_blocks_ptr + b)
-    live = in_table & (n < count)[None, :]
-    x = tl.where(live, x, 0.0)  # entries past the count (-inf) are never keyed from their scores
+    x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)

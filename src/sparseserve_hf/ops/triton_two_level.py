@@ -29,6 +29,7 @@ from .device_info import sm_count
 from .triton_rank import interleave
 from .triton_select import (
     ORDER_KEY_BITS,
+    group_scores,
     key_bits,
     order_key,
     selection_keys,
@@ -140,12 +141,7 @@ def _chunk_candidates_kernel(
     h = row_head % num_kv_heads
     n = c * CHUNK + tl.arange(0, CHUNK)
     g = tl.arange(0, BLOCK_G)
-    in_table = (g < G)[:, None] & (n < num_table)[None, :]  # (BG, CHUNK)
-    # The scores' load does not wait for the count's: entries past a row's count are masked after.
-    x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n[None, :], mask=in_table, other=0.0)
-    count = tl.load(num_blocks_ptr + b)
-    live = in_table & (n < count)[None, :]
-    x = tl.where(live, x, 0.0)  # entries past the count (-inf) are never keyed from their scores
+    x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
     chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
