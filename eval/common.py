@@ -196,7 +196,12 @@ def answer_batch(
     del kwargs, cache
     # `del` frees the cache and its pinned DRAM pool at once (a cache is no reference cycle); the
     # collect also clears cycles elsewhere (e.g. in generate's outputs) that could hold device memory.
+    # Emptying the allocator's cache hands the next method whole free segments: each method grows
+    # its pools by doubling, and segments split by an earlier method's sizes can leave no room for
+    # one large pool while most of the device sits reserved but unused.
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True), loads
 
 
