@@ -60,8 +60,18 @@ def merge(folders: list[Path], renames: dict[str, str] | None = None) -> list[di
     for folder in folders:
         for row in read_rows(folder):
             row = dict(row, method=rename_method(row["method"], renames or {}))
-            unique[(row["task"], row.get("index", row.get("id")), row["method"])] = row
+            unique[_row_key(row)] = row
     return list(unique.values())
+
+
+def merge_rows(*parts: list[dict]) -> list[dict]:
+    """The rows of every part; a (task, sample, method) seen twice keeps the last part's row."""
+    unique = {_row_key(row): row for rows in parts for row in rows}
+    return list(unique.values())
+
+
+def _row_key(row: dict) -> tuple:
+    return row["task"], row.get("index", row.get("id")), row["method"]
 
 
 def rename_method(name: str, renames: dict[str, str]) -> str:
@@ -151,20 +161,23 @@ def build(
     longbench_folders: list[Path],
     renames: dict[str, str] | None = None,
     fp8_folder: Path | None = None,
+    current_folders: list[Path] | None = None,
 ) -> dict:
-    """The whole report as one JSON-able dict."""
+    """The whole report as one JSON-able dict. `renames` apply to `ruler_folders`, not to
+    `current_folders` (runs whose family names are today's); a row of the latter wins a tie."""
     report: dict = {"min_dense_score": MIN_DENSE_SCORE}
     if fp8_folder is not None:
         fp8 = variant_vs_default(fp8_folder, FP8_FAMILY)
         report["fp8"] = fp8 | {"ratio_to_bf16": fp8["lengths"].get("8192", {}).get(f"ratio_to_{DEFAULT_FAMILY}", {})}
-    if ruler_folders:
-        ruler = ruler_report(merge(ruler_folders, renames))
+    current_folders = current_folders or []
+    if ruler_folders or current_folders:
+        rows = merge_rows(merge(ruler_folders, renames), merge(current_folders))
+        ruler = ruler_report(rows)
         report["ruler"] = ruler
-        report["ruler_meta"] = [read_meta(f) for f in ruler_folders]
+        report["ruler_meta"] = [read_meta(f) for f in [*ruler_folders, *current_folders]]
         eight_k = ruler["lengths"].get("8192", {}).get("ratio_to_dense", {})
         report["ratio_to_dense_8k"] = eight_k.get(DEFAULT_FAMILY, {})
         report["t7_8k"] = t7_verdict(report["ratio_to_dense_8k"], 8192)
-        rows = merge(ruler_folders, renames)
         at_loaded = {f: t7_at_loaded(rows, 8192, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
         at_loaded = {f: block for f, block in at_loaded.items() if block is not None}
         if DEFAULT_FAMILY in at_loaded:
@@ -323,6 +336,10 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ruler", nargs="*", type=Path, default=[], help="RULER runner output folders")
+    parser.add_argument(
+        "--ruler-current", nargs="*", type=Path, default=[],
+        help="RULER runner output folders whose method families carry today's names (no --rename applies)",
+    )
     parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
     parser.add_argument(
@@ -333,9 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
     args = parser.parse_args(argv)
-    if not args.ruler and not args.longbench and args.fp8 is None:
-        raise ValueError("give at least one --ruler, --longbench or --fp8 folder")
-    report = build(args.ruler, args.longbench, parse_renames(args.rename), args.fp8)
+    if not args.ruler and not args.ruler_current and not args.longbench and args.fp8 is None:
+        raise ValueError("give at least one --ruler, --ruler-current, --longbench or --fp8 folder")
+    report = build(args.ruler, args.longbench, parse_renames(args.rename), args.fp8, args.ruler_current)
     command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = command
     report["notes"] = args.note

@@ -1,34 +1,37 @@
-"""Reading committed results: a file may be stored gzip-compressed beside its plain name.
+"""Reading committed results: a file may be stored compressed (gzip or xz) beside its plain name.
 
-Large raw outputs (per-sample JSON lines, diagnostics, serving runs) are committed as `NAME.gz` to
-keep `eval/results/` small; every reader goes through these helpers, so the runners keep writing
-plain files and a plain file is always read first.
+Large raw outputs (per-sample JSON lines, diagnostics, serving runs) are committed as `NAME.gz` or,
+where xz packs them much tighter, `NAME.xz`, to keep `eval/results/` small; every reader goes through
+these helpers, so the runners keep writing plain files and a plain file is always read first.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import lzma
 from pathlib import Path
 from typing import Any
 
+DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress}  # suffix -> bytes -> bytes, in the order looked for
+
 
 def stored(path: Path) -> Path | None:
-    """`path` if it exists, else its `.gz` sibling if that exists, else None."""
+    """`path` if it exists, else its first compressed sibling (`.gz`, then `.xz`) that exists, else None."""
     path = Path(path)
     if path.is_file():
         return path
-    packed = path.with_name(path.name + ".gz")
-    return packed if packed.is_file() else None
+    packed = (path.with_name(path.name + suffix) for suffix in DECOMPRESS)
+    return next((p for p in packed if p.is_file()), None)
 
 
 def read_text(path: Path) -> str:
-    """The text of `path` or of its `.gz` sibling (FileNotFoundError naming `path` when neither exists)."""
+    """The text of `path` or of a compressed sibling (FileNotFoundError naming `path` when none exists)."""
     found = stored(path)
     if found is None:
-        raise FileNotFoundError(f"{path} (nor {Path(path).name}.gz beside it)")
-    if found.suffix == ".gz" and found != Path(path):
-        return gzip.decompress(found.read_bytes()).decode("utf-8")
+        raise FileNotFoundError(f"{path} (nor {Path(path).name}.gz or .xz beside it)")
+    if found != Path(path):
+        return DECOMPRESS[found.suffix](found.read_bytes()).decode("utf-8")
     return found.read_text(encoding="utf-8")
 
 
@@ -43,8 +46,9 @@ def read_jsonl(path: Path) -> list[Any]:
 
 
 def glob_stored(folder: Path, pattern: str) -> list[Path]:
-    """Plain paths matching `pattern` in `folder`, counting `.gz` files as their plain names, sorted."""
+    """Plain paths matching `pattern` in `folder`, counting compressed files as their plain names, sorted."""
     folder = Path(folder)
-    plain = {p.name for p in folder.glob(pattern) if p.suffix != ".gz"}
-    plain |= {p.name[: -len(".gz")] for p in folder.glob(pattern + ".gz")}
+    plain = {p.name for p in folder.glob(pattern) if p.suffix not in DECOMPRESS}
+    for suffix in DECOMPRESS:
+        plain |= {p.name[: -len(suffix)] for p in folder.glob(pattern + suffix)}
     return [folder / name for name in sorted(plain)]

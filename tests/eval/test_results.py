@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from eval import accuracy_report
 RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
 MAX_RESULTS_BYTES = 1_500_000
 RULER_RUNS = ("ruler_8k_a", "ruler_8k", "ruler_8k_budgets", "ruler_8k_hybrid", "ruler_4k", "ruler_4k_hybrid")
+CURRENT_RULER_RUNS = ("ruler_8k_metadata_dtype", "ruler_8k_oracle", "ruler_8k_fp8_kv")  # today's family names
 
 
 def test_results_stay_small():
@@ -24,12 +26,14 @@ def test_results_stay_small():
 
 def test_the_accuracy_report_regenerates_from_the_committed_runs(tmp_path):
     argv = ["--ruler", *(str(RESULTS / name) for name in RULER_RUNS)]
+    argv += ["--ruler-current", *(str(RESULTS / name) for name in CURRENT_RULER_RUNS)]
+    argv += ["--fp8", str(RESULTS / "ruler_8k_fp8_kv")]
     argv += ["--longbench", str(RESULTS / "longbench_multi_news"), "--out", str(tmp_path)]
     argv += ["--rename", "sparse=quest", "--rename", "hybrid_s8=sparse"]  # as accuracy.json's command
     accuracy_report.main(argv)
     committed = json.loads((RESULTS / "accuracy.json").read_text())
     regenerated = json.loads((tmp_path / "accuracy.json").read_text())
-    for key in ("ruler", "ratio_to_dense_8k", "t7_8k", "longbench"):
+    for key in ("ruler", "ratio_to_dense_8k", "t7_8k", "t7_by_family", "fp8", "longbench"):
         assert regenerated[key] == committed[key], key
 
 
@@ -45,9 +49,11 @@ def test_a_plain_file_is_read_before_its_compressed_copy(tmp_path):
     (tmp_path / "a.json").write_text('{"plain": 1}')
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(b'{"plain": 0}'))
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"x": 1}\n\n{"x": 2}\n'))
+    (tmp_path / "d.json.xz").write_bytes(lzma.compress(b'{"packed": "xz"}'))
     assert read_json(tmp_path / "a.json") == {"plain": 1}
     assert read_jsonl(tmp_path / "b.jsonl") == [{"x": 1}, {"x": 2}]
+    assert read_json(tmp_path / "d.json") == {"packed": "xz"}
     assert stored(tmp_path / "b.jsonl") == tmp_path / "b.jsonl.gz" and stored(tmp_path / "c.json") is None
-    assert glob_stored(tmp_path, "*.json*") == [tmp_path / "a.json", tmp_path / "b.jsonl"]  # each once, plain
-    with pytest.raises(FileNotFoundError, match=r"c\.json \(nor c\.json\.gz"):
+    assert glob_stored(tmp_path, "*.json*") == [tmp_path / "a.json", tmp_path / "b.jsonl", tmp_path / "d.json"]
+    with pytest.raises(FileNotFoundError, match=r"c\.json \(nor c\.json\.gz or \.xz"):
         read_text(tmp_path / "c.json")
