@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ruler", nargs="*", type=Path, default=[], help="RULER runner output folders")
     parser.add_argument(
-        "--ruler-current", nargs="*", type=Path, default=[],
+        "--ruler-current",
+        nargs="*",
+        type=Path,
+        default=[],
         help="RULER runner output folders whose method families carry today's names (no --rename applies)",
     )
     parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
