@@ -33,6 +33,8 @@
 #               parts (triton_score.STORES_LAST), the miss copy on 16 and 32 programs against the default 1,024,
 #               each against the default in the same call, then attention alone (the lookup first) with 2 and 4
 #               split programs per SM
+#   selectwarps the selection chain's launch widths: the union kernel on 2 and 8 warps, the rank interleave on 1
+#               and 4 warps (captured step per layer, 8-layer cut, each against the default in the same call)
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -127,6 +129,11 @@ case $part in
     for per_sm in 2 4; do
       python -m eval.bench.step_knobs --set lookup_beside_attention=False --knob triton_decode.PROGRAMS_PER_SM=$per_sm \
         --out "$out/step_knobs_critical.jsonl" 2>&1 | tail -1
+    done ;;
+  selectwarps)
+    for knob in "" "--knob triton_select.UNION_WARPS=2" "--knob triton_select.UNION_WARPS=8" \
+      "--knob triton_rank.COMBINE_WARPS=1" "--knob triton_rank.COMBINE_WARPS=4" ""; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_select_warps.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \

@@ -21,6 +21,8 @@ import triton.language as tl
 
 from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
 
+COMBINE_WARPS: int | None = None  # the kernel's warps (a launch knob); None: by the table's width
+
 
 @triton.jit
 def top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
@@ -110,6 +112,6 @@ def combine_top_ranks(
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or (2 if block_n <= 1024 else 8),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or COMBINE_WARPS or (2 if block_n <= 1024 else 8),
     )  # fmt: skip
     return out
