@@ -28,7 +28,7 @@ FORCED_KEY = tl.constexpr((1 << 32) + 1)
 FLOAT_KEY_BITS = 33
 EARLY_EXIT_BITS = tl.constexpr(16)  # longer searches stop once they part the top k (`top_k_rows`)
 ORDER_KEY_BITS = tl.constexpr(32)
-UNION_WARPS: int | None = None  # the union kernel's warps (a launch knob); None: 8 from 1,024 blocks, else 4
+UNION_WARPS: int | None = None  # the union kernel's warps (a launch knob); None: by the table's width
 
 
 @triton.jit
@@ -195,7 +195,7 @@ def select_group_union(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
         BLOCK_U=triton.next_power_of_2(width), INTEGER_KEYS=integer_keys, BITS=bits,
-        num_warps=UNION_WARPS or (4 if block_n < 1024 else 8),
+        num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
     )  # fmt: skip
     return union, valid
 
