@@ -35,6 +35,8 @@
 #               split programs per SM
 #   selectwarps the selection chain's launch widths: the union kernel on 2 and 8 warps, the rank interleave on 1
 #               and 4 warps (captured step per layer, 8-layer cut, each against the default in the same call)
+#   radix       the rank interleave's top lists by a radix select (triton_rank.RADIX_SEARCH, off by default):
+#               its kernel tests, then the captured step per layer (8-layer cut) with and without it, twice each
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -134,6 +136,11 @@ case $part in
     for knob in "" "--knob triton_select.UNION_WARPS=2" "--knob triton_select.UNION_WARPS=8" \
       "--knob triton_rank.COMBINE_WARPS=1" "--knob triton_rank.COMBINE_WARPS=4" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_select_warps.jsonl" 2>&1 | tail -1
+    done ;;
+  radix)
+    python -m pytest -q -p no:cacheprovider tests/ops/test_rank.py 2>&1 | tee "$out/gpu_pytest_rank.log" | tail -2
+    for knob in "" "--knob triton_rank.RADIX_SEARCH=True" "" "--knob triton_rank.RADIX_SEARCH=True"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \

@@ -81,6 +81,37 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
 
 
 @triton.jit
+def top_k_radix(key, live, k):
+    """`top_k_rows` over uint32 keys (R, BN) (dead entries 0, never taken), found by a radix select
+    instead of a bitwise search: four 8-bit digits from the top, each one histogram of every row's
+    keys that share the digits chosen so far (the rows' bins side by side), whose suffix sums give
+    the digit of each row's k-th largest key. Four histograms instead of up to 32 count reductions;
+    the same keys taken, ties to the lower index."""
+    R: tl.constexpr = key.shape[0]
+    BN: tl.constexpr = key.shape[1]
+    bins = tl.arange(0, 256)
+    row_bins = tl.arange(0, R)[:, None] * 256
+    threshold = tl.zeros([R], dtype=tl.uint32)
+    need = tl.zeros([R], dtype=tl.int32) + k  # keys still to take at or below the prefix so far
+    for shift in tl.static_range(24, -1, -8):
+        if shift == 24:
+            match = live
+        else:
+            match = live & ((key >> (shift + 8)) == (threshold >> (shift + 8))[:, None])
+        digit = ((key >> shift) & 0xFF).to(tl.int32) + row_bins  # (R, BN): row r's digit d in bin 256 r + d
+        hist = tl.histogram(tl.reshape(digit, [R * BN]), R * 256, mask=tl.reshape(match, [R * BN]))
+        hist = tl.reshape(hist, [R, 256])
+        at_least = tl.cumsum(hist, axis=1, reverse=True)  # prefix keys with this digit or a larger one
+        chosen = tl.max(tl.where(at_least >= need[:, None], bins[None, :], 0), axis=1)  # 0 when too few
+        need -= tl.sum(tl.where(bins[None, :] > chosen[:, None], hist, 0), axis=1)
+        threshold = threshold | (chosen.to(tl.uint32) << shift)
+    above = key > threshold[:, None]
+    ties = (key == threshold[:, None]) & live
+    room = k - tl.sum(above.to(tl.int32), axis=1)
+    return (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))) & live
+
+
+@triton.jit
 def selection_keys(
     x,
     n,
