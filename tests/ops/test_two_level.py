@@ -84,13 +84,16 @@ def test_a_chunk_that_is_not_a_power_of_two_is_refused():
 
 @pytest.mark.parametrize("depth", [5, 12, 40])
 @pytest.mark.parametrize("counts", [[100, 37, 0], [16, 17, 100]])
-def test_two_level_rank_interleave_equals_the_one_level_kernel(depth, counts):
+@pytest.mark.parametrize("radix", [False, True], ids=["bitwise", "radix"])
+def test_two_level_rank_interleave_equals_the_one_level_kernel(depth, counts, radix, monkeypatch):
     """Each ranking's top-`depth` list, its ranks and the floor elsewhere, for tables several
-    chunks wide, rows of every length (-inf past each row's count) and lists deeper than a chunk."""
+    chunks wide, rows of every length (-inf past each row's count) and lists deeper than a chunk;
+    the two levels searching by either method against the one level's bitwise search."""
     first, second = scores_for(3, 4, 100, counts), scores_for(3, 4, 100, counts)
     first[0, 1, 40:60] = second[0, 1, 50:70] = 0.25  # ties inside and across chunks
     first, second = first.to(DEVICE), second.to(DEVICE)
     one = triton_rank.combine_top_ranks(first, second, depth)
+    monkeypatch.setattr(triton_rank, "RADIX_SEARCH", radix)
     two = triton_two_level.combine_top_ranks_chunked(first, second, depth, chunk=16)
     assert torch.equal(one, two)  # (the one-level kernel against the reference: tests/ops/test_rank.py)
 

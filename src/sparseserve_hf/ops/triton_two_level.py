@@ -33,6 +33,7 @@ from .triton_select import (
     key_bits,
     order_key,
     selection_keys,
+    top_k_radix,
     top_k_rows,
     union_outputs,
     write_union,
@@ -56,6 +57,7 @@ def _chunk_lists_kernel(
     DEPTH,
     CHUNK: tl.constexpr,
     SEGMENT: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Grid (B * Hq, chunks), contiguous (B * Hq, N) scores and output: cand[row, c*SEGMENT :
     (c+1)*SEGMENT] = the blocks of chunk c in either ranking's top-DEPTH within it (ascending, -1
@@ -69,7 +71,11 @@ def _chunk_lists_kernel(
     which = tl.arange(0, 2)[:, None]
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, CHUNK)
     key = tl.where(live[None, :], order_key(both), 0)
-    listed = tl.max(top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS).to(tl.int32), axis=0)  # (CHUNK,)
+    if RADIX:  # `triton_rank.RADIX_SEARCH`
+        top = top_k_radix(key, tl.broadcast_to(live[None, :], key.shape), DEPTH)
+    else:
+        top = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
+    listed = tl.max(top.to(tl.int32), axis=0)  # (CHUNK,)
     position = tl.cumsum(listed, axis=0) - 1
     total = tl.sum(listed, axis=0)
     segment = cand_ptr + row * (tl.num_programs(1) * SEGMENT) + c * SEGMENT
@@ -94,6 +100,7 @@ def _rank_candidates_kernel(
     DEPTH,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Grid (B * Hq,): `triton_rank`'s interleave over the row's candidates, written at the listed
     blocks (the rest keep the chunk pass's floor)."""
@@ -106,7 +113,7 @@ def _rank_candidates_kernel(
     scratch = row * 2 * BLOCK_K
     out, listed = interleave(
         first, second, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch,
-        DEPTH, BLOCK_K,
+        DEPTH, BLOCK_K, RADIX,
     )  # fmt: skip
     tl.store(out_ptr + row * num_table + n, out, mask=live & listed)
 
@@ -239,7 +246,7 @@ def combine_top_ranks_chunked(
     segment = triton.next_power_of_2(2 * depth)
     cand = torch.empty((rows, num_chunks * segment), dtype=torch.int32, device=first.device)
     _chunk_lists_kernel[(rows, num_chunks)](
-        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment,
+        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment, RADIX=triton_rank.RADIX_SEARCH,
         num_warps=CHUNK_WARPS or (2 if chunk <= 1024 else 8)
     )  # fmt: skip
     block_k = triton.next_power_of_2(depth)
@@ -249,7 +256,7 @@ def combine_top_ranks_chunked(
     block_c = triton.next_power_of_2(num_candidates)
     _rank_candidates_kernel[(rows,)](
         first, second, out, cand, scratch_key, scratch_idx, scratch_rank, num_table, num_candidates, depth,
-        BLOCK_C=block_c, BLOCK_K=block_k, num_warps=2 if block_c <= 1024 else 8,
+        BLOCK_C=block_c, BLOCK_K=block_k, RADIX=triton_rank.RADIX_SEARCH, num_warps=2 if block_c <= 1024 else 8,
     )  # fmt: skip
     return out
 
