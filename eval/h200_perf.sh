@@ -36,7 +36,8 @@
 #   selectwarps the selection chain's launch widths: the union kernel on 2 and 8 warps, the rank interleave on 1
 #               and 4 warps (captured step per layer, 8-layer cut, each against the default in the same call)
 #   radix       the rank interleave's top lists by a radix select (triton_rank.RADIX_SEARCH, off by default):
-#               its kernel tests, then the captured step per layer (8-layer cut) with and without it, twice each
+#               its kernel tests, then the captured step per layer (8-layer cut) with and without it, twice
+#               each at B=16 x 32K, once each at B=1 x 256K (the two-level interleave)
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -141,6 +142,9 @@ case $part in
     python -m pytest -q -p no:cacheprovider tests/ops/test_rank.py 2>&1 | tee "$out/gpu_pytest_rank.log" | tail -2
     for knob in "" "--knob triton_rank.RADIX_SEARCH=True" "" "--knob triton_rank.RADIX_SEARCH=True"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
+    done
+    for knob in "" "--knob triton_rank.RADIX_SEARCH=True"; do  # B=1 x 256K: the two-level interleave
+      python -m eval.bench.step_knobs --batch 1 --context 262016 $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \
