@@ -139,7 +139,7 @@ case $part in
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_select_warps.jsonl" 2>&1 | tail -1
     done ;;
   radix)
-    python -m pytest -q -p no:cacheprovider tests/ops/test_rank.py 2>&1 | tee "$out/gpu_pytest_rank.log" | tail -2
+    python -m pytest -q -p no:cacheprovider tests/ops/test_rank.py tests/ops/test_two_level.py 2>&1 | tee "$out/gpu_pytest_rank.log" | tail -2
     for knob in "" "--knob triton_rank.RADIX_SEARCH=True" "" "--knob triton_rank.RADIX_SEARCH=True"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done
