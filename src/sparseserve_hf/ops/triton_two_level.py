@@ -29,6 +29,7 @@ from .device_info import sm_count
 from .triton_rank import interleave
 from .triton_select import (
     ORDER_KEY_BITS,
+    RADIX_DIGIT,
     group_scores,
     key_bits,
     order_key,
@@ -72,7 +73,7 @@ def _chunk_lists_kernel(
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, CHUNK)
     key = tl.where(live[None, :], order_key(both), 0)
     if RADIX:  # `triton_rank.RADIX_SEARCH`
-        top = top_k_radix(key, tl.broadcast_to(live[None, :], key.shape), DEPTH)
+        top = top_k_radix(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, ORDER_KEY_BITS, RADIX_DIGIT)
     else:
         top = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
     listed = tl.max(top.to(tl.int32), axis=0)  # (CHUNK,)
