@@ -41,11 +41,16 @@ def test_ties_across_chunks_go_to_the_lowest_blocks():
 
 
 @pytest.mark.parametrize("depth,counts", [(12, [100, 40, 7]), (30, [70, 31, 0])])
-def test_rank_interleaves_with_the_few_bit_search(depth, counts):
-    """The hybrid default's integer scores (most blocks at the floor) and its few-bit search."""
+@pytest.mark.parametrize("radix", [False, True], ids=["bitwise", "radix"])
+def test_rank_interleaves_with_the_few_bit_search(depth, counts, radix, monkeypatch):
+    """The hybrid default's integer scores (most blocks at the floor) and its few-bit search, in two
+    levels by either search (`triton_select.RADIX_UNION`) against one level's bitwise search."""
     first, second = scores_for(3, 8, 100, counts), scores_for(3, 8, 100, counts)
     combined = reference.combine_by_rank(first, second, depth=depth)
-    one, two = both(combined, counts, min(depth, 16), 1, 2, 2, score_floor=-2 * depth)
+    args = (combined.to(DEVICE), torch.tensor(counts).to(DEVICE), min(depth, 16), 1, 2, 2, -2 * depth)
+    one = triton_select.select_group_union(*args)
+    monkeypatch.setattr(triton_select, "RADIX_UNION", radix)
+    two = triton_two_level.select_group_union_chunked(*args, chunk=16)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 

@@ -120,6 +120,17 @@ def top_k_radix(key, live, k, BITS: tl.constexpr, DIGIT: tl.constexpr):
 
 
 @triton.jit
+def pick_top_k(key, live, k, INTEGER_KEYS: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
+    """Each row's top-k selection keys (`selection_keys`): by one radix pass over few-bit integer
+    keys where RADIX (`RADIX_UNION`), else by the bitwise search."""
+    if RADIX and INTEGER_KEYS:
+        chosen = top_k_radix(key, live, k, BITS, RADIX_DIGIT)
+    else:
+        chosen = top_k_rows(key, live, k, BITS)
+    return chosen
+
+
+@triton.jit
 def selection_keys(
     x,
     n,
@@ -202,10 +213,7 @@ def _select_union_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    if RADIX and INTEGER_KEYS:  # `RADIX_UNION`: keys of BITS <= 8 bits take one histogram
-        chosen = top_k_radix(key, live, K, BITS, RADIX_DIGIT)
-    else:
-        chosen = top_k_rows(key, live, K, BITS)
+    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)
 
 

@@ -33,6 +33,7 @@ from .triton_select import (
     group_scores,
     key_bits,
     order_key,
+    pick_top_k,
     selection_keys,
     top_k_radix,
     top_k_rows,
@@ -140,6 +141,7 @@ def _chunk_candidates_kernel(
     BITMAP_WIDTH: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks): cand[row_head, g, c*K : (c+1)*K] = head g's top-K block indices in
     chunk c, ascending, -1 past their count; bitmap[row_head, chunk c] = 0."""
@@ -151,7 +153,7 @@ def _chunk_candidates_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
+    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
     total = tl.sum(chosen.to(tl.int32), axis=1)  # (BG,) <= K
     num_chunks = tl.num_programs(1)
@@ -188,6 +190,7 @@ def _union_of_candidates_kernel(
     BLOCK_U: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Grid (B * Hkv,): each head's top-K among its candidates, their union compacted into
     union[row_head, :U] (ascending, 0 past the count) and valid[row_head, :U]."""
@@ -202,7 +205,7 @@ def _union_of_candidates_kernel(
     live = n >= 0  # (BG, BC)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n, mask=live, other=0.0)
     key = selection_keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = top_k_rows(key, live, K, BITS)
+    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)
     bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
     tl.store(bitmap + n, tl.full([BLOCK_G, BLOCK_C], 1, tl.int8), mask=chosen)
     tl.debug_barrier()  # the marks of every thread, before any reads the bitmap
@@ -314,7 +317,7 @@ def select_group_union_chunked(
     integer_keys, bits = key_bits(score_floor)
     shared = dict(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group, BLOCK_G=triton.next_power_of_2(group),
-        BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits,
+        BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits, RADIX=triton_select.RADIX_UNION,
     )  # fmt: skip
     _chunk_candidates_kernel[(rows, num_chunks)](
         scores, num_blocks, cand, bitmap, scores.stride(0), scores.stride(1), num_table, num_kv_heads,
