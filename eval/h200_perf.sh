@@ -38,7 +38,7 @@
 #   radix       the selection chain's top-k by radix select, off by default: the rank interleave's top lists
 #               (triton_rank.RADIX_SEARCH) and the union kernel's per-head picks (triton_select.RADIX_UNION):
 #               their kernel tests, then the captured step per layer (8-layer cut) at B=16 x 32K with neither,
-#               each, and both (neither and both twice), and at B=1 x 256K without and with the interleave's
+#               each, and both (neither and both twice), and at B=1 x 256K (two levels) with neither and both
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -146,7 +146,7 @@ case $part in
     for knob in "" "--knob triton_rank.RADIX_SEARCH=True" "--knob triton_select.RADIX_UNION=True" "$both" "" "$both"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done
-    for knob in "" "--knob triton_rank.RADIX_SEARCH=True"; do  # B=1 x 256K: the two-level interleave
+    for knob in "" "$both"; do  # B=1 x 256K: the two-level interleave and union
       python -m eval.bench.step_knobs --batch 1 --context 262016 $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
