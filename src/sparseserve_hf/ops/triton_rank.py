@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import ORDER_KEY_BITS, RADIX_DIGIT, order_key, top_k_radix, top_k_rows
+from .triton_select import ORDER_KEY_BITS, order_key, pick_top_k
 
 COMBINE_WARPS: int | None = None  # the kernel's warps (a launch knob); None: by the table's width
 # Each ranking's top list by a radix select (`triton_select.top_k_radix`) instead of the bitwise
@@ -39,10 +39,7 @@ def top_list_ranks(
     """
     which = tl.arange(0, 2)
     key = tl.where(live[None, :], order_key(x), 0)  # (2, BN) uint32, dead 0
-    if RADIX:
-        listed = top_k_radix(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, ORDER_KEY_BITS, RADIX_DIGIT)
-    else:
-        listed = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
+    listed = pick_top_k(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, True, ORDER_KEY_BITS, RADIX)
     position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
     tl.store(scratch_key_ptr + position, key.to(tl.int32, bitcast=True), mask=listed)
     tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)

@@ -121,8 +121,9 @@ def top_k_radix(key, live, k, BITS: tl.constexpr, DIGIT: tl.constexpr):
 
 @triton.jit
 def pick_top_k(key, live, k, INTEGER_KEYS: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
-    """Each row's top-k selection keys (`selection_keys`): by one radix pass over few-bit integer
-    keys where RADIX (`RADIX_UNION`), else by the bitwise search."""
+    """`top_k_rows` of keys (R, BN) that are `selection_keys` (integers where INTEGER_KEYS) or
+    `order_key`s (32-bit integers): by radix select (`top_k_radix`) where RADIX and the keys are
+    integers, else by the bitwise search. `live` (R, BN)."""
     if RADIX and INTEGER_KEYS:
         chosen = top_k_radix(key, live, k, BITS, RADIX_DIGIT)
     else:

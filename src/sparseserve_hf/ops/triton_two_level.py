@@ -29,14 +29,11 @@ from .device_info import sm_count
 from .triton_rank import interleave
 from .triton_select import (
     ORDER_KEY_BITS,
-    RADIX_DIGIT,
     group_scores,
     key_bits,
     order_key,
     pick_top_k,
     selection_keys,
-    top_k_radix,
-    top_k_rows,
     union_outputs,
     write_union,
 )
@@ -73,11 +70,8 @@ def _chunk_lists_kernel(
     which = tl.arange(0, 2)[:, None]
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, CHUNK)
     key = tl.where(live[None, :], order_key(both), 0)
-    if RADIX:  # `triton_rank.RADIX_SEARCH`
-        top = top_k_radix(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, ORDER_KEY_BITS, RADIX_DIGIT)
-    else:
-        top = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
-    listed = tl.max(top.to(tl.int32), axis=0)  # (CHUNK,)
+    top = pick_top_k(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, True, ORDER_KEY_BITS, RADIX)
+    listed = tl.max(top.to(tl.int32), axis=0)  # (CHUNK,); RADIX: `triton_rank.RADIX_SEARCH`
     position = tl.cumsum(listed, axis=0) - 1
     total = tl.sum(listed, axis=0)
     segment = cand_ptr + row * (tl.num_programs(1) * SEGMENT) + c * SEGMENT
