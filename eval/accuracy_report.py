@@ -56,12 +56,8 @@ def merge(folders: list[Path], renames: dict[str, str] | None = None) -> list[di
     "sparse"} swaps labels rather than chaining): runs made before a default changed keep the
     family names they were written with.
     """
-    unique: dict[tuple, dict] = {}
-    for folder in folders:
-        for row in read_rows(folder):
-            row = dict(row, method=rename_method(row["method"], renames or {}))
-            unique[_row_key(row)] = row
-    return list(unique.values())
+    renamed = ([dict(row, method=rename_method(row["method"], renames or {})) for row in read_rows(f)] for f in folders)
+    return merge_rows(*renamed)
 
 
 def merge_rows(*parts: list[dict]) -> list[dict]:
