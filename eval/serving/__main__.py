@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
-from eval.serving.setup import ALLOCATOR, SYSTEMS, HbmCap, build, dense_iteration_s
+from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
 from eval.serving.trace import PRESETS, Trace, build_trace, essay_token_ids
 
 
@@ -45,11 +46,20 @@ def main(argv: list[str] | None = None) -> None:
         cmd.add_argument("--dram-gib", type=float, default=48.0, help="ours with offload: the pinned host pool")
         cmd.add_argument("--max-batch", type=int, default=16)
         cmd.add_argument("--requests", type=int, default=None, help="only the first N requests of the trace")
+        cmd.add_argument(
+            "--skip", type=int, default=0, help="leave out the first N requests (a saturated run split into parts)"
+        )
         cmd.add_argument("--out", type=Path, required=True, help="folder for the run's JSON")
     run = sub.choices["run"]
     run.add_argument("--system", choices=sorted(SYSTEMS), required=True)
     run.add_argument(
         "--rate", type=float, nargs="+", required=True, help="requests per second (several: in turn; inf: saturated)"
+    )
+    run.add_argument(
+        "--locality",
+        choices=("real", "random"),
+        default="real",
+        help="ours: loads follow the recorded selection trace (real) or the random model's own picks",
     )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
     rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
@@ -81,9 +91,8 @@ def trace_shape(preset: str | None, prompt_range: list[int] | None, output_range
 
 def _loaded(args) -> Trace:
     trace = Trace.load(args.trace)
-    if args.requests is not None:
-        trace = replace(trace, requests=trace.requests[: args.requests])
-    return trace
+    end = None if args.requests is None else args.skip + args.requests
+    return replace(trace, requests=trace.requests[args.skip : end])
 
 
 def calibrate(args) -> None:
@@ -99,17 +108,25 @@ def run_point(args) -> None:
     allocator = ALLOCATOR.get(args.system)
     if allocator is not None:  # read when CUDA starts, which `build` does
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", allocator)
-    runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30))
+    selections = RECORDED_TRACE if args.locality == "real" and args.system in LADDER else None
+    runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30), selections)
     for rate in args.rate:
         run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)
         result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
+                  "locality": "real" if selections is not None else "random", "requests_from": args.skip,
                   "deadline_s": args.deadline_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                   "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
-        _write(args.out / f"run_{args.system}_{rate:g}.json", result)
+        _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip), result)
         print(json.dumps({"system": args.system, "rate": rate} | summary, indent=2))
         if "aborted" in run.engine:  # the engine broke (out of memory): no later rate would be meaningful
             break
+
+
+def run_file_name(system: str, rate: float, locality: str, requests_from: int) -> str:
+    """run_SYSTEM_RATE[_random][_fromN].json: one file per point, locality and part."""
+    stem = f"run_{system}_{rate:g}" + ("_random" if locality == "random" and system in LADDER else "")
+    return stem + (f"_from{requests_from}" if requests_from else "") + ".json"
 
 
 def make_report(args) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from eval.bench.selection_trace import SelectionTrace, TraceReplay
 from eval.serving.common import (
     Clock,
     RunResult,
@@ -22,9 +24,16 @@ from eval.serving.trace import Trace
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 
-def warmed_generator(model, trace: Trace, config: SparseServeConfig) -> Generator:
-    """A Generator that has served the warm-up request (kernels compiled, pools allocated)."""
+def warmed_generator(model, trace: Trace, config: SparseServeConfig, selection_trace: Path | None = None) -> Generator:
+    """A Generator that has served the warm-up request (kernels compiled, pools allocated); with
+    `selection_trace`, its loads replay that recording (real locality) from the warm-up on."""
     gen = Generator(model, None, config)
+    if selection_trace is not None:
+        text = model.config
+        recorded = SelectionTrace.load(selection_trace)
+        gen.store.selection_override = TraceReplay(
+            recorded, text.num_hidden_layers, text.num_key_value_heads, model.device
+        )
     warmup = warmup_request(trace)
     gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
     return gen

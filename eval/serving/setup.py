@@ -6,6 +6,7 @@ import functools
 import itertools
 import statistics
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,10 +77,20 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return sizes.num_layers * sizes.kv_bytes_per_token_layer
 
 
-def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dram_bytes: int) -> Runner:
+def build(
+    system: str,
+    shape: str,
+    trace: Trace,
+    cap: HbmCap,
+    max_batch: int,
+    dram_bytes: int,
+    selection_trace: Path | None = None,
+) -> Runner:
     """`system` warmed up on its model under `cap`: a function (rate, deadline_s) -> RunResult.
 
     One build serves several rates in turn (the model, and the Generator's pinned pool, are made once).
+    `selection_trace`: for ours' rungs, the recorded selections whose blocks the engine loads (a real
+    model's locality on random weights, `TraceReplay`); None: the random model's own selections.
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
@@ -92,7 +103,8 @@ def build(system: str, shape: str, trace: Trace, cap: HbmCap, max_batch: int, dr
         return functools.partial(stock.run_static_generate, model, trace, budget=budget, offloading=offloading)
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
-    gen = ours.warmed_generator(model, trace, ours_config(system, model, budget, dram_bytes))
+    config = ours_config(system, model, budget, dram_bytes)
+    gen = ours.warmed_generator(model, trace, config, selection_trace)
     return functools.partial(ours.run_generator, gen, trace)
 
 
