@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -49,31 +50,38 @@ class _StepTimes(BaseStreamer):
 def run_static_generate(
     model, trace: Trace, rate: float, budget: Budget, offloading: bool = False, deadline_s: float = math.inf
 ) -> RunResult:
-    """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output."""
+    """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output.
+
+    A batch the cap cannot hold (the torch.cat-grown cache fragments the allocator past the budget's
+    arithmetic) runs again with one row fewer, and later batches keep that many rows at most: stock
+    at the largest batch that runs."""
     if offloading and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
-    records, clock, first, batch_sizes = new_records(trace, rate), Clock(), 0, []
+    records, clock, first, batch_sizes, rows_cap = new_records(trace, rate), Clock(), 0, [], budget.max_batch
+    by_index = {r.index: r for r in trace.requests}
     with progress(len(records), f"static generate at {rate:g} req/s") as bar:
         while first < len(records) and records[first].arrival < deadline_s:
             clock.wait_until(records[first].arrival)
-            batch = _static_batch(records, first, clock.now(), budget)
-            batch_sizes.append(len(batch))
+            batch = _static_batch(records, first, clock.now(), replace(budget, max_batch=rows_cap))
             for record in batch:
                 record.admitted = clock.now()
             try:
-                requests = [trace.requests[r.index] for r in batch]
+                requests = [by_index[r.index] for r in batch]
                 left = None if math.isinf(deadline_s) else max(0.0, deadline_s - clock.now())
                 times = generate_step_times(model, requests, clock, offloading, max_time=left)
                 for record in batch:
                     record.token_times = times[: record.output_tokens]
-            except torch.OutOfMemoryError as exc:  # a batch the cap cannot hold: its requests fail, the run goes on
-                for record in batch:
-                    record.error = out_of_memory(exc)
+            except torch.OutOfMemoryError as exc:
                 torch.cuda.empty_cache()
+                if len(batch) > 1:  # the cap holds fewer rows than the budget's arithmetic: retry with one fewer
+                    rows_cap = len(batch) - 1
+                    continue
+                batch[0].error = out_of_memory(exc)  # one request the cap cannot hold fails, the run goes on
+            batch_sizes.append(len(batch))
             first += len(batch)
             bar.update(len(batch))
     fail_unfinished(records, deadline_s)
-    return RunResult(records, {"batch_sizes": batch_sizes, **cuda_peak_bytes(model)})
+    return RunResult(records, {"batch_sizes": batch_sizes, "rows_cap": rows_cap, **cuda_peak_bytes(model)})
 
 
 def _static_batch(records: list[RequestRecord], first: int, now: float, budget: Budget) -> list[RequestRecord]:
