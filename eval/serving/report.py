@@ -17,8 +17,9 @@ PLOTTED = (("throughput_tokens_per_s", "throughput (tokens/s)"), ("mean_ttft_s",
 
 def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float | None, list[str]]:
     """{system: {rate: run}} from every run_*.json, the dense iteration from calibration.json, commands
-    (either may be stored as `.gz`)."""
+    (either may be stored as `.gz`). A saturated run stored in parts is joined (`join_parts`)."""
     runs: dict[str, dict[float, dict]] = {}
+    parts: dict[tuple[str, float], list[dict]] = {}
     dense, commands = None, []
     for folder in folders:
         calibration = folder / "calibration.json"
@@ -28,9 +29,39 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float 
             commands.append(data["command"])
         for path in glob_stored(folder, "run_*.json"):
             run = read_json(path)
-            runs.setdefault(run["system"], {})[float(run["rate"])] = run
+            parts.setdefault((run_label(run), float(run["rate"])), []).append(run)
             commands.append(run["command"])
+    for (label, rate), found in parts.items():
+        runs.setdefault(label, {})[rate] = found[0] if len(found) == 1 else join_parts(found)
     return runs, dense, list(dict.fromkeys(commands))  # one line per process, not per rate
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """The run's system, with `@random_kv` for ours' rungs run on the random model's own selections
+    (the targets judge ours at real locality: the recorded selection trace drives its loads)."""
+    random_kv = run.get("locality") == "random" and run["system"] in LADDER
+    return run["system"] + ("@random_kv" if random_kv else "")
+
+
+def join_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A saturated run split into parts (`--skip`: each part the requests from its own index on) as
+    the one run it stands for: every part started when the parts before it had ended, so its times
+    move by their spans (each part's last token). Stock's static batches are independent, which
+    makes this the unsplit run up to how the batches at a part's edge were formed."""
+    starts = sorted(part.get("requests_from", 0) for part in parts)
+    if len(set(starts)) < len(starts) or any(float(part["rate"]) != math.inf for part in parts):
+        raise ValueError(f"only saturated runs in parts from distinct requests join; got parts from {starts}")
+    records, offset = [], 0.0
+    for part in sorted(parts, key=lambda run: run.get("requests_from", 0)):
+        ends = [offset]
+        for record in part["records"]:
+            moved = dict(record, token_times=[t + offset for t in record["token_times"]])
+            if record.get("admitted") is not None:
+                moved["admitted"] = record["admitted"] + offset
+            records.append(moved)
+            ends += moved["token_times"][-1:]
+        offset = max(ends)
+    return dict(parts[0], records=records, parts_from=starts)
 
 
 def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str, Any]:

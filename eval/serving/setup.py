@@ -13,7 +13,7 @@ import torch
 
 from eval.bench.decode_step_setup import SHAPES, build_model
 from eval.serving import ours, stock
-from eval.serving.common import WARMUP_NEW_TOKENS, Budget, Clock, Runner, warmup_request
+from eval.serving.common import WARMUP_NEW_TOKENS, Budget, Clock, Runner
 from eval.serving.trace import Trace
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.generation.sizing import EngineSizes
@@ -99,8 +99,10 @@ def build(
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
     if system in ("stock_generate", "stock_offload"):
         offloading = system == "stock_offload"
-        stock.generate_step_times(model, [warmup_request(trace)], Clock(), offloading)
-        return functools.partial(stock.run_static_generate, model, trace, budget=budget, offloading=offloading)
+        rows = stock.warm_static_generate(model, trace, budget, offloading)
+        return functools.partial(
+            stock.run_static_generate, model, trace, budget=budget, offloading=offloading, rows_cap=rows
+        )
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
     config = ours_config(system, model, budget, dram_bytes)
@@ -137,10 +139,12 @@ def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes:
 
 
 def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) -> float:
-    """Median time of one stock dense decode step at batch 1 over the trace's median prompt (the SLO unit)."""
+    """Median time of one stock dense decode step at batch 1 over the trace's median prompt (the SLO
+    unit), timed after a warm-up call of the same shape."""
     cap.apply()
     model = _model(shape, trace, "sdpa")
     median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
+    stock.generate_step_times(model, [replace(median, output_tokens=WARMUP_NEW_TOKENS)], Clock(), offloading=False)
     times = stock.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock(), offloading=False)
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 

@@ -15,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from eval.serving.common import (
     PREFILL_CHUNK,
+    WARMUP_NEW_TOKENS,
     Budget,
     Clock,
     RunResult,
@@ -47,8 +48,34 @@ class _StepTimes(BaseStreamer):
         pass
 
 
+def warm_static_generate(model, trace: Trace, budget: Budget, offloading: bool = False) -> int:
+    """One call of every batch shape a saturated run starts with: the batch `run_static_generate`
+    forms at time zero, then its first rows - 1, ..., 1 (decode kernels are chosen per batch size,
+    and a process's first steps at a new size pay for it), each with WARMUP_NEW_TOKENS new tokens.
+
+    Returns the rows the cap held: a batch that does not fit is retried with one row fewer."""
+    records = new_records(trace, math.inf)
+    rows = len(_static_batch(records, 0, 0.0, budget))
+    while rows >= 1:
+        first = [replace(trace.requests[i], output_tokens=WARMUP_NEW_TOKENS) for i in range(rows)]
+        try:
+            for size in range(rows, 0, -1):
+                generate_step_times(model, first[:size], Clock(), offloading)
+            return rows
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            rows -= 1
+    raise ValueError("the HBM cap holds no single request of this trace for stock generate")
+
+
 def run_static_generate(
-    model, trace: Trace, rate: float, budget: Budget, offloading: bool = False, deadline_s: float = math.inf
+    model,
+    trace: Trace,
+    rate: float,
+    budget: Budget,
+    offloading: bool = False,
+    deadline_s: float = math.inf,
+    rows_cap: int | None = None,
 ) -> RunResult:
     """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output.
 

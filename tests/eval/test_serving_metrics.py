@@ -170,3 +170,40 @@ def test_a_named_report_is_one_traces_block_of_serving_json(tmp_path):
     assert block["goodput_rate_ours"] == 0.3 and block["goodput_rate_stock_missed"] == 0.1
     assert block["tbt_p50_ratio"] == pytest.approx(0.05 / 0.1) and "rate" in block["at_judged"]
     assert (out / "serving_decode_heavy.md").is_file() and (out / "serving_decode_heavy.png").is_file()
+
+
+def test_a_saturated_run_in_parts_is_joined_end_to_end_and_random_kv_runs_stand_apart(tmp_path):
+    import json
+
+    from eval.serving.report import load_runs
+
+    inf = float("inf")
+    first = [record(0, 0.0, 0.0, [2.0, 3.0]), record(1, 0.0, 0.0, [2.0, 4.0])]  # the part ends at 4 s
+    second = [record(2, 0.0, 0.5, [1.0, 1.5])]
+    points = (
+        ("stock_generate", first, {"requests_from": 0}, "a"),
+        ("stock_generate", second, {"requests_from": 2}, "b"),
+        ("ours", second, {"locality": "real", "requests_from": 0}, "c"),
+        ("ours", first, {"locality": "random", "requests_from": 0}, "d"),
+    )
+    for system, records, extra, name in points:
+        data = {"system": system, "rate": inf, "command": f"run {name}", **_run(records), **extra}
+        (tmp_path / f"run_{name}.json").write_text(json.dumps(data))
+    runs, _, commands = load_runs([tmp_path])
+    assert set(runs) == {"stock_generate", "ours", "ours@random_kv"} and commands == ["run a", "run b", "run c", "run d"]
+    joined = runs["stock_generate"][inf]
+    assert joined["parts_from"] == [0, 2]
+    assert [r["token_times"] for r in joined["records"]] == [[2.0, 3.0], [2.0, 4.0], [5.0, 5.5]]
+    assert joined["records"][2]["admitted"] == 4.5 and joined["records"][2]["arrival"] == 0.0
+    summary = summarize([RequestRecord.from_dict(r) for r in joined["records"]])
+    assert summary["throughput_tokens_per_s"] == pytest.approx(6 / 5.5) and summary["mean_ttft_s"] == pytest.approx(3.0)
+
+
+def test_parts_of_one_request_range_or_of_a_poisson_rate_are_refused():
+    from eval.serving.report import join_parts
+
+    part = {"system": "stock_generate", "rate": float("inf"), "records": [], "requests_from": 0}
+    with pytest.raises(ValueError, match="distinct requests"):
+        join_parts([part, dict(part)])
+    with pytest.raises(ValueError, match="saturated"):
+        join_parts([dict(part, rate=0.1), dict(part, requests_from=3, rate=0.1)])

@@ -1,0 +1,74 @@
+"""eval.serving.stock's static batches: warmed at every batch size a saturated run starts with, and
+run at the largest batch the cap holds (a batch that breaks it runs again with one row fewer)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from eval.bench.decode_step_setup import build_model
+from eval.serving.common import Budget
+from eval.serving.setup import kv_bytes_per_token
+from eval.serving.stock import run_static_generate, warm_static_generate
+from eval.serving.trace import build_trace
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", "sdpa", "cpu", torch.float32, 128)
+
+
+@pytest.fixture
+def trace():
+    return build_trace([10 + i % 240 for i in range(900)], num_requests=5, prompt_range=(40, 60), output_range=(3, 5))
+
+
+def rows_seen(model, cap_rows: int | None = None) -> tuple[list[int], object]:
+    """Record the batch size of every forward; past `cap_rows` rows a forward fails as the cap would."""
+    seen = []
+
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen.append(ids.shape[0])
+        if cap_rows is not None and ids.shape[0] > cap_rows:
+            raise torch.OutOfMemoryError(f"{ids.shape[0]} rows do not fit")
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_warm_up_runs_every_size_of_the_first_batch(model, trace):
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=3)
+    seen, handle = rows_seen(model)
+    try:
+        rows = warm_static_generate(model, trace, budget)
+    finally:
+        handle.remove()
+    assert rows == 3
+    assert list(dict.fromkeys(seen)) == [3, 2, 1]  # each size's prefill and decode steps, largest first
+
+
+def test_a_batch_the_cap_cannot_hold_runs_again_with_fewer_rows(model, trace):
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=4)
+    seen, handle = rows_seen(model, cap_rows=2)
+    try:
+        assert warm_static_generate(model, trace, budget) == 2
+        result = run_static_generate(model, trace, math.inf, budget)  # not told: it finds the rows itself
+    finally:
+        handle.remove()
+    assert result.engine["batch_sizes"] == [2, 2, 1] and result.engine["rows_cap"] == 2
+    assert all(r.error is None and len(r.token_times) == r.output_tokens for r in result.records)
+    assert max(seen) == 4  # the first batch tried every row the budget allowed before it was cut
+
+
+def test_a_request_no_batch_holds_fails_alone(model, trace):
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=2)
+    _, handle = rows_seen(model, cap_rows=0)
+    try:
+        with pytest.raises(ValueError, match="holds no single request"):
+            warm_static_generate(model, trace, budget)
+        result = run_static_generate(model, trace, math.inf, budget)
+    finally:
+        handle.remove()
+    assert all(r.error and "1 rows do not fit" in r.error for r in result.records)
+    assert result.engine["batch_sizes"] == [1] * len(trace.requests)
