@@ -224,9 +224,8 @@ class DecodeGraphRunner:
     # ---- the three parts of a step ----------------------------------------------------------------
 
     def _pre_step(self) -> None:
-        limit = getattr(self.cache.model_config, "max_position_embeddings", None)
-        if limit is not None and self._last_position >= limit:  # the cache's own check runs only at capture
-            raise ValueError(f"position {self._last_position} is past the model's max_position_embeddings ({limit})")
+        # the cache's own check runs only at capture
+        self.cache.shape.positions.check(self._last_position, "the next decode step")
         width = table_width(max(self._num_blocks) + 1, self.table_step)  # room for each row's next block
         if self.layers[0].block_ids.shape[2] != width:
             for layer in self.layers:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..positions import PositionLimit
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,9 +42,14 @@ class ModelShape:
             num_layers=text_config.num_hidden_layers,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            max_positions=getattr(text_config, "max_position_embeddings", None),
+            max_positions=PositionLimit.of(text_config).limit,
             layer_types=tuple(layer_types),
         )
+
+    @property
+    def positions(self) -> PositionLimit:
+        """The model's position limit (`max_positions` as a rule)."""
+        return PositionLimit(self.max_positions)
 
     def differences(self, other: ModelShape) -> list[str]:
         """`config_field: mine vs theirs` for every field that differs (named as in the model config)."""
@@ -132,16 +139,14 @@ class ForwardLog:
         self._check_positions()
 
     def _check_positions(self) -> None:
-        limit, end = self.shape.max_positions, self._past + self._num_new
-        if limit is None or end <= limit:
+        positions, last = self.shape.positions, self._past + self._num_new - 1
+        if positions.has(last):
             return
-        if self._num_new > 1:
-            raise ValueError(
-                f"{end} positions exceed the model's max_position_embeddings ({limit}): a prompt of "
-                f"{self._num_new} tokens over a past of {self._past} is refused before any work"
-            )
+        if self._num_new > 1:  # refused before any work
+            positions.check(last, f"a prompt of {self._num_new} tokens over a past of {self._past}")
         if not self._warned:
             self._warned = True
             logger.warning(
-                "SparseServeCache: decoding past the model's max_position_embeddings (%d); quality may degrade", limit
+                "SparseServeCache: decoding past the model's max_position_embeddings (%d); quality may degrade",
+                positions.limit,
             )

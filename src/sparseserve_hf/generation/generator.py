@@ -455,7 +455,7 @@ class Generator(RequestFrontend):
         for request, token in zip(rows, tokens):
             self.recorder.token(request.request_id, now)
             try:
-                reason = request.add_token(token, self.eos_ids, self.tokenizer, self.stack.max_positions)
+                reason = request.add_token(token, self.eos_ids, self.tokenizer, self.stack.positions)
                 text = request.text_delta(self.tokenizer, finished=False) if reason is None else None
             except Exception as exc:  # noqa: BLE001  e.g. an id the tokenizer does not know
                 events.append(self._finish(request, "error", f"detokenizing failed: {_describe(exc)}", token=token))

@@ -280,10 +280,7 @@ class SegmentedPrefill:
             raise ValueError(f"prompt ids must be integers, got {input_ids.dtype}")
         if cache is None:
             raise ValueError("prefill needs the request's cache (a DynamicCache or SparseServeCache), got None")
-        limit = self.stack.max_positions
-        end = cache.get_seq_length() + input_ids.shape[1]
-        if limit is not None and end > limit:
-            raise ValueError(f"prompt ends at position {end}, past the model's max_position_embeddings ({limit})")
+        self.stack.positions.check(cache.get_seq_length() + input_ids.shape[1] - 1, "the prompt")
         return input_ids
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..cache import SparseServeCache
+from ..positions import PositionLimit
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .prefill import PrefillJob
@@ -56,7 +57,7 @@ class Request:
         """Position of the newest token (the one the next decode step feeds)."""
         return len(self.prompt) + len(self.output) - 1
 
-    def add_token(self, token: int, eos_ids: frozenset[int], tokenizer: Any, max_positions: int | None) -> str | None:
+    def add_token(self, token: int, eos_ids: frozenset[int], tokenizer: Any, positions: PositionLimit) -> str | None:
         """Append a generated token. Returns the finish reason it causes ("stop", "length") or None."""
         self.output.append(token)
         if tokenizer is not None:
@@ -67,7 +68,7 @@ class Request:
             return "stop"
         if len(self.output) >= self.params.max_new_tokens:
             return "length"
-        if max_positions is not None and self.position + 1 >= max_positions:
+        if not positions.has(self.position + 1):
             return "length"  # no position left for the next token
         return None
 

@@ -10,6 +10,7 @@ from ..cache.block_cache import rows_that_fit
 from ..cache.cache import hbm_partitions, selected_blocks_per_kv_head
 from ..config import SparseServeConfig
 from ..ops.reference import kv_storage_dtype
+from ..positions import PositionLimit
 
 
 class EngineSizes:
@@ -36,7 +37,7 @@ class EngineSizes:
         self.vocab_size = text.vocab_size
         self.hbm_partitions = hbm_partitions(model_config, config, self.num_kv_heads)
         self.selected_per_kv_head = selected_blocks_per_kv_head(model_config, config)  # per decode row
-        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.positions = PositionLimit.of(text)
         # A head-block as stored (in DRAM and the HBM block cache), in `config.kv_dtype`; the prefill's
         # KV on the device keeps the model's dtype.
         self.block_bytes = 2 * config.block_size * self.head_dim * kv_storage_dtype(config.kv_dtype, dtype).itemsize
@@ -87,11 +88,7 @@ class EngineSizes:
         for t in ids:  # one predicate finds and names the bad id (a bool is no id: True == 1 to Python)
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token {t!r} is not an id in the model's vocabulary [0, {self.vocab_size})")
-        if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate within the model's "
-                f"max_position_embeddings ({self.max_positions})"
-            )
+        self.positions.check(len(ids), f"a prompt of {len(ids)} tokens and its first new token")
         prefill = self.prefill_bytes(len(ids))
         cache = self.config.hbm_cache_bytes
         if self.config.admission and cache is not None and prefill > cache:

@@ -22,6 +22,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from ..cache.cache import attention_layer_types
 from ..cache.layer import SparseServeLayer
 from ..compat import cache_kwarg
+from ..positions import PositionLimit
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -71,9 +72,9 @@ class DecoderStack:
         return self.embed_tokens.weight.device
 
     @property
-    def max_positions(self) -> int | None:
-        """The model's `max_position_embeddings`, None when its config has none."""
-        return getattr(self.config, "max_position_embeddings", None)
+    def positions(self) -> PositionLimit:
+        """The model's position limit."""
+        return PositionLimit.of(self.config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: (B, T) ids -> (B, T, H) hidden states (Gemma's sqrt(H) scale included)."""

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from ..generation import Generator, GeneratorGroup
+    from ..positions import PositionLimit
     from .app import ServerSettings, create_app
     from .engine import EngineThread
     from .metrics import ServerMetrics
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
-        context_length=getattr(model.config, "max_position_embeddings", None),
+        context_length=PositionLimit.of(model.config.get_text_config()).limit,
     )
     app = create_app(engine, tokenizer, settings, metrics)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it with the handler it found: make
