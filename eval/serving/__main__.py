@@ -14,6 +14,7 @@ import torch
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
+from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
 from eval.serving.trace import PRESETS, Trace, build_trace, essay_token_ids
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, helptext in (
         ("calibrate", "time one dense decode iteration (the SLO unit)"),
         ("run", "one system at one rate"),
+        ("probe-stock", "stock's decode step under the cap: first call, warm, uncapped, allocator counters"),
     ):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("--trace", type=Path, required=True)
@@ -62,13 +64,19 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: loads follow the recorded selection trace (real) or the random model's own picks",
     )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
+    sub.choices["probe-stock"].add_argument(
+        "--rows", type=int, default=3, help="the batch: the trace's first N prompts"
+    )
     rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
     rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
     rep.add_argument("--out", type=Path, default=Path("eval/results"))
     rep.add_argument("--name", default=None, help="the trace's block in serving.json (e.g. paper, decode_heavy)")
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
-    {"trace": make_trace, "calibrate": calibrate, "run": run_point, "report": make_report}[args.command](args)
+    commands = {
+        "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock, "report": make_report,
+    }  # fmt: skip
+    commands[args.command](args)
 
 
 def make_trace(args) -> None:
@@ -100,6 +108,12 @@ def calibrate(args) -> None:
     seconds = dense_iteration_s(args.shape, trace, cap)
     _write(args.out / "calibration.json", {"dense_iteration_s": seconds, **_record(args, trace, cap)})
     print(f"dense decode iteration: {seconds * 1e3:.2f} ms")
+
+
+def probe_stock(args) -> None:
+    trace, cap = _loaded(args), HbmCap.from_args(args)
+    result = stock_step_probe(args.shape, trace, cap, args.rows)
+    _write(args.out / f"probe_stock_{args.rows}rows.json", result | _record(args, trace, cap))
 
 
 def run_point(args) -> None:
