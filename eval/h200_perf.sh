@@ -35,10 +35,6 @@
 #               split programs per SM
 #   selectwarps the selection chain's launch widths: the union kernel on 2 and 8 warps, the rank interleave on 1
 #               and 4 warps (captured step per layer, 8-layer cut, each against the default in the same call)
-#   radix       the selection chain's top-k by radix select, off by default: the rank interleave's top lists
-#               (triton_rank.RADIX_SEARCH) and the union kernel's per-head picks (triton_select.RADIX_UNION):
-#               their kernel tests, then the captured step per layer (8-layer cut) at B=16 x 32K with neither,
-#               each, and both (neither and both twice), and at B=1 x 256K (two levels) with neither and both
 #   twolevel    the two-level selection (ops.triton_two_level, off by default): its kernel tests, then the
 #               captured step per layer (8-layer cut) at B=1 x 256K and B=2 x 128K without and with it, and at
 #               B=1 x 32K with 256-block chunks, and at B=16 x 32K with 256-block chunks of one warp
@@ -138,16 +134,6 @@ case $part in
     for knob in "" "--knob triton_select.UNION_WARPS=2" "--knob triton_select.UNION_WARPS=8" \
       "--knob triton_rank.COMBINE_WARPS=1" "--knob triton_rank.COMBINE_WARPS=4" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_select_warps.jsonl" 2>&1 | tail -1
-    done ;;
-  radix)
-    python -m pytest -q -p no:cacheprovider tests/ops/test_rank.py tests/ops/test_two_level.py tests/ops/test_select.py \
-      2>&1 | tee "$out/gpu_pytest_rank.log" | tail -2
-    both="--knob triton_rank.RADIX_SEARCH=True --knob triton_select.RADIX_UNION=True"
-    for knob in "" "--knob triton_rank.RADIX_SEARCH=True" "--knob triton_select.RADIX_UNION=True" "$both" "" "$both"; do
-      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
-    done
-    for knob in "" "$both"; do  # B=1 x 256K: the two-level interleave and union
-      python -m eval.bench.step_knobs --batch 1 --context 262016 $knob --out "$out/step_knobs_radix.jsonl" 2>&1 | tail -1
     done ;;
   twolevel)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_two_level.py tests/ops/test_select.py tests/ops/test_rank.py \

@@ -9,13 +9,6 @@ from kernel_support import DEVICE
 from sparseserve_hf.ops import reference, triton_rank
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["bitwise", "radix"])
-def search(request, monkeypatch):
-    """Every test runs with each top-list search: the bitwise one and the radix select (the same lists)."""
-    monkeypatch.setattr(triton_rank, "RADIX_SEARCH", request.param)
-    return request.param
-
-
 def ragged_scores(rows: int, heads: int, width: int, counts: list[int]) -> torch.Tensor:
     scores = torch.randn(rows, heads, width)
     return scores.masked_fill(torch.arange(width) >= torch.tensor(counts)[:, None, None], float("-inf"))
@@ -56,19 +49,4 @@ def test_a_wide_table_with_many_ties_ranks_them_by_block_index():
     full = reference.combine_by_rank(first, second)
     want = torch.where(torch.isneginf(full), full, full.clamp(min=-2.0 * 61))
     got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 61).cpu()
-    assert torch.equal(got, want)
-
-
-def test_few_distinct_scores_and_fewer_live_blocks_than_the_depth():
-    # Scores from three values (long runs of equal keys in every digit), one row with fewer real
-    # blocks than the depth, one with none: the lists are the reference's, ties by block index.
-    torch.manual_seed(5)
-    first = torch.tensor([-1.5, 0.25, 3.0])[torch.randint(0, 3, (3, 2, 300))]
-    second = torch.tensor([2.0, -7.0, 1e-30])[torch.randint(0, 3, (3, 2, 300))]
-    counts = torch.tensor([300, 20, 0])[:, None, None]
-    dead = torch.arange(300) >= counts
-    first, second = first.masked_fill(dead, float("-inf")), second.masked_fill(dead, float("-inf"))
-    full = reference.combine_by_rank(first, second)  # the full ranking breaks ties by position, as the kernel
-    want = torch.where(torch.isneginf(full), full, full.clamp(min=-2.0 * 45))
-    got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 45).cpu()
     assert torch.equal(got, want)

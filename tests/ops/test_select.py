@@ -74,14 +74,7 @@ def test_tied_scores_keep_k_per_head():
             assert loaded <= allowed and smallest_head_pick <= len(loaded) <= group * num_selected
 
 
-@pytest.fixture(params=[False, True], ids=["bitwise", "radix"])
-def union_search(request, monkeypatch):
-    """The union kernel's search over few-bit integer keys: bitwise, or one histogram (the same picks)."""
-    monkeypatch.setattr(triton_select, "RADIX_UNION", request.param)
-    return request.param
-
-
-def test_combined_hybrid_ranks_match_exactly(union_search):
+def test_combined_hybrid_ranks_match_exactly():
     """`combine_by_rank` scores (distinct small integers above a shared floor) select exactly as the reference."""
     counts = [90, 40]
     first, second = scores_for(2, 8, 96, counts), scores_for(2, 8, 96, counts)
@@ -91,7 +84,7 @@ def test_combined_hybrid_ranks_match_exactly(union_search):
 
 
 @pytest.mark.parametrize("depth,counts", [(12, [60, 40, 7]), (30, [20, 31, 0]), (64, [64, 1, 33])])
-def test_few_bit_search_over_rank_interleaves_matches_the_float_search(depth, counts, union_search):
+def test_few_bit_search_over_rank_interleaves_matches_the_float_search(depth, counts):
     """Scores at the floor (blocks in neither top list: rows shorter than the depth) and -inf
     entries rank as in the float search, sink and window blocks still first."""
     first, second = scores_for(3, 8, 64, counts), scores_for(3, 8, 64, counts)
@@ -121,16 +114,3 @@ def test_scores_one_float_step_apart_are_ranked_to_the_last_bit():
     scores[0] = base.view(torch.float32)[torch.randperm(40)]
     scores[1] = -base.view(torch.float32)[torch.randperm(40)]  # negatives: the keys' other half
     check(scores, counts, 9, 1, 1, 2)
-
-
-def test_few_bit_keys_with_many_ties_pick_as_the_float_search(union_search):
-    """Integer scores from a handful of values (long runs of equal keys), rows shorter and longer
-    than the budget: the integer-key search, bitwise or by histogram, picks what the float search does."""
-    torch.manual_seed(11)
-    counts = [200, 9, 0, 120]
-    scores = torch.randint(-6, 0, (4, 6, 200)).float()
-    scores = scores.masked_fill(torch.arange(200) >= torch.tensor(counts)[:, None, None], float("-inf"))
-    num_blocks = torch.tensor(counts).to(DEVICE)
-    floats = triton_select.select_group_union(scores.to(DEVICE), num_blocks, 12, 1, 2, 3)
-    integers = triton_select.select_group_union(scores.to(DEVICE), num_blocks, 12, 1, 2, 3, -6)
-    assert all(torch.equal(a, b) for a, b in zip(floats, integers))

@@ -41,16 +41,11 @@ def test_ties_across_chunks_go_to_the_lowest_blocks():
 
 
 @pytest.mark.parametrize("depth,counts", [(12, [100, 40, 7]), (30, [70, 31, 0])])
-@pytest.mark.parametrize("radix", [False, True], ids=["bitwise", "radix"])
-def test_rank_interleaves_with_the_few_bit_search(depth, counts, radix, monkeypatch):
-    """The hybrid default's integer scores (most blocks at the floor) and its few-bit search, in two
-    levels by either search (`triton_select.RADIX_UNION`) against one level's bitwise search."""
+def test_rank_interleaves_with_the_few_bit_search(depth, counts):
+    """The hybrid default's integer scores (most blocks at the floor) and its few-bit search."""
     first, second = scores_for(3, 8, 100, counts), scores_for(3, 8, 100, counts)
     combined = reference.combine_by_rank(first, second, depth=depth)
-    args = (combined.to(DEVICE), torch.tensor(counts).to(DEVICE), min(depth, 16), 1, 2, 2, -2 * depth)
-    one = triton_select.select_group_union(*args)
-    monkeypatch.setattr(triton_select, "RADIX_UNION", radix)
-    two = triton_two_level.select_group_union_chunked(*args, chunk=16)
+    one, two = both(combined, counts, min(depth, 16), 1, 2, 2, score_floor=-2 * depth)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
@@ -89,16 +84,13 @@ def test_a_chunk_that_is_not_a_power_of_two_is_refused():
 
 @pytest.mark.parametrize("depth", [5, 12, 40])
 @pytest.mark.parametrize("counts", [[100, 37, 0], [16, 17, 100]])
-@pytest.mark.parametrize("radix", [False, True], ids=["bitwise", "radix"])
-def test_two_level_rank_interleave_equals_the_one_level_kernel(depth, counts, radix, monkeypatch):
+def test_two_level_rank_interleave_equals_the_one_level_kernel(depth, counts):
     """Each ranking's top-`depth` list, its ranks and the floor elsewhere, for tables several
-    chunks wide, rows of every length (-inf past each row's count) and lists deeper than a chunk;
-    the two levels searching by either method against the one level's bitwise search."""
+    chunks wide, rows of every length (-inf past each row's count) and lists deeper than a chunk."""
     first, second = scores_for(3, 4, 100, counts), scores_for(3, 4, 100, counts)
     first[0, 1, 40:60] = second[0, 1, 50:70] = 0.25  # ties inside and across chunks
     first, second = first.to(DEVICE), second.to(DEVICE)
     one = triton_rank.combine_top_ranks(first, second, depth)
-    monkeypatch.setattr(triton_rank, "RADIX_SEARCH", radix)
     two = triton_two_level.combine_top_ranks_chunked(first, second, depth, chunk=16)
     assert torch.equal(one, two)  # (the one-level kernel against the reference: tests/ops/test_rank.py)
 

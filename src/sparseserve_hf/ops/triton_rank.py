@@ -3,9 +3,8 @@
 The reference runs a top-k per ranking (a radix select over every (row, query head, block) each),
 then scatters the ranks. Here one program per (row, query head), for both rankings at once:
 1. finds each ranking's `depth`-th largest score by a bitwise search over order-preserving 32-bit
-   keys (`triton_select.order_key`; one reduction per key bit serves both rankings), or with the
-   knob `RADIX_SEARCH` by a radix select of four 8-bit digits, and takes every score above it and
-   the lowest-index ties up to `depth`: the ranking's top list;
+   keys (`triton_select.order_key`; one reduction per key bit serves both rankings) and takes
+   every score above it and the lowest-index ties up to `depth`: the ranking's top list;
 2. compacts the list through a small scratch row and ranks it exactly by pairwise comparison
    (depth x depth, ties to the lower block index);
 3. writes back, per block, -2j for rank j in the first ranking or -(2j + 1) in the second (the
@@ -20,18 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import ORDER_KEY_BITS, order_key, pick_top_k
+from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
 
 COMBINE_WARPS: int | None = None  # the kernel's warps (a launch knob); None: by the table's width
-# Each ranking's top list by a radix select (`triton_select.top_k_radix`) instead of the bitwise
-# search (a launch knob; the same lists).
-RADIX_SEARCH = False
 
 
 @triton.jit
-def top_list_ranks(
-    x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr, RADIX: tl.constexpr
-):
+def top_list_ranks(x, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr):
     """Rank (0 = best) of each block in each ranking's top-`DEPTH` list, DEPTH where not listed.
 
     x: (2, BN) the two rankings' scores, searched together: each search step is one reduction
@@ -39,7 +33,7 @@ def top_list_ranks(
     """
     which = tl.arange(0, 2)
     key = tl.where(live[None, :], order_key(x), 0)  # (2, BN) uint32, dead 0
-    listed = pick_top_k(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, True, ORDER_KEY_BITS, RADIX)
+    listed = top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS)
     position = tl.cumsum(listed.to(tl.int32), axis=1) - 1 + which[:, None] * BLOCK_K  # (2, BN) scratch index
     tl.store(scratch_key_ptr + position, key.to(tl.int32, bitcast=True), mask=listed)
     tl.store(scratch_idx_ptr + position, n[None, :] + tl.zeros_like(position), mask=listed)
@@ -59,23 +53,14 @@ def top_list_ranks(
 
 @triton.jit
 def interleave(
-    first,
-    second,
-    live,
-    n,
-    scratch_key_ptr,
-    scratch_idx_ptr,
-    scratch_rank_ptr,
-    DEPTH,
-    BLOCK_K: tl.constexpr,
-    RADIX: tl.constexpr,
+    first, second, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K: tl.constexpr
 ):
     """The interleave of two rankings' top-DEPTH lists, scores first and second (W,) of blocks n:
     (W,) -2j for rank j of the first, -(2j + 1) of the second (the larger where both list it),
     -2 * DEPTH where neither does, -inf where either score is -inf; and (W,) whether either lists it."""
     which = tl.arange(0, 2)[:, None]  # (2, 1): 0 = first, 1 = second
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, W)
-    rank = top_list_ranks(both, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K, RADIX)
+    rank = top_list_ranks(both, live, n, scratch_key_ptr, scratch_idx_ptr, scratch_rank_ptr, DEPTH, BLOCK_K)
     scored = tl.where(rank < DEPTH, -(2.0 * rank + which.to(tl.float32)), -2.0 * DEPTH)
     out = tl.where((first == float("-inf")) | (second == float("-inf")), float("-inf"), tl.max(scored, axis=0))
     return out, tl.min(rank, axis=0) < DEPTH
@@ -93,7 +78,6 @@ def _combine_kernel(
     DEPTH,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hq,), contiguous (B * Hq, N) inputs and output; scratch rows of 2 * BLOCK_K per program."""
     row = tl.program_id(0)
@@ -104,7 +88,7 @@ def _combine_kernel(
     scratch = row * 2 * BLOCK_K
     out, _ = interleave(
         first, second, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch,
-        DEPTH, BLOCK_K, RADIX,
+        DEPTH, BLOCK_K,
     )  # fmt: skip
     tl.store(out_ptr + row * num_table + n, out, mask=live)
 
@@ -128,7 +112,6 @@ def combine_top_ranks(
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, RADIX=RADIX_SEARCH,
-        num_warps=num_warps or COMBINE_WARPS or (2 if block_n <= 1024 else 8),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or COMBINE_WARPS or (2 if block_n <= 1024 else 8),
     )  # fmt: skip
     return out

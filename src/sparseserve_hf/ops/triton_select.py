@@ -29,10 +29,6 @@ FLOAT_KEY_BITS = 33
 EARLY_EXIT_BITS = tl.constexpr(16)  # longer searches stop once they part the top k (`top_k_rows`)
 ORDER_KEY_BITS = tl.constexpr(32)
 UNION_WARPS: int | None = None  # the union kernel's warps (a launch knob); None: by the table's width
-# The union kernel's per-head top-K over few-bit integer keys (the hybrid rank interleave's) by one
-# histogram (`top_k_radix`) instead of the bitwise search (a launch knob; the same picks).
-RADIX_UNION = False
-RADIX_DIGIT = tl.constexpr(8)  # bits per radix digit: a histogram of 256 bins per row
 
 
 @triton.jit
@@ -82,53 +78,6 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     room = k - tl.sum(above.to(tl.int32), axis=1)
     tied = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
     return tl.where(exact, key >= threshold[:, None], tied) & live
-
-
-@triton.jit
-def top_k_radix(key, live, k, BITS: tl.constexpr, DIGIT: tl.constexpr):
-    """`top_k_rows` by a radix select instead of a bitwise search: keys (R, BN) are integers in
-    [0, 2^BITS) where `live` (anything elsewhere: never taken), searched DIGIT bits at a time from
-    the top, each digit one histogram of every row's keys that share the digits chosen so far (the
-    rows' bins side by side), whose suffix sums give the digit of each row's k-th largest key.
-    32-bit keys in 8-bit digits take four histograms where the bitwise search takes up to 32 count
-    reductions; keys of at most 8 bits take one. The same keys taken, ties to the lower index."""
-    R: tl.constexpr = key.shape[0]
-    BN: tl.constexpr = key.shape[1]
-    NUM_BINS: tl.constexpr = tl.constexpr(1) << DIGIT
-    PASSES: tl.constexpr = (BITS + DIGIT - 1) // DIGIT
-    bins = tl.arange(0, NUM_BINS)
-    row_bins = tl.arange(0, R)[:, None] * NUM_BINS
-    threshold = tl.zeros([R], dtype=key.dtype)
-    need = tl.zeros([R], dtype=tl.int32) + k  # keys still to take at or below the prefix so far
-    for p in tl.static_range(PASSES):
-        shift = (PASSES - 1 - p) * DIGIT
-        if p == 0:
-            match = live
-        else:
-            match = live & ((key >> (shift + DIGIT)) == (threshold >> (shift + DIGIT))[:, None])
-        digit = tl.where(match, ((key >> shift) & (NUM_BINS - 1)).to(tl.int32), 0) + row_bins
-        hist = tl.histogram(tl.reshape(digit, [R * BN]), R * NUM_BINS, mask=tl.reshape(match, [R * BN]))
-        hist = tl.reshape(hist, [R, NUM_BINS])
-        at_least = tl.cumsum(hist, axis=1, reverse=True)  # prefix keys with this digit or a larger one
-        chosen = tl.max(tl.where(at_least >= need[:, None], bins[None, :], 0), axis=1)  # 0 when too few
-        need -= tl.sum(tl.where(bins[None, :] > chosen[:, None], hist, 0), axis=1)
-        threshold = threshold | (chosen.to(key.dtype) << shift)
-    above = (key > threshold[:, None]) & live
-    ties = (key == threshold[:, None]) & live
-    room = k - tl.sum(above.to(tl.int32), axis=1)
-    return above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
-
-
-@triton.jit
-def pick_top_k(key, live, k, INTEGER_KEYS: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr):
-    """`top_k_rows` of keys (R, BN) that are `selection_keys` (integers where INTEGER_KEYS) or
-    `order_key`s (32-bit integers): by radix select (`top_k_radix`) where RADIX and the keys are
-    integers, else by the bitwise search. `live` (R, BN)."""
-    if RADIX and INTEGER_KEYS:
-        chosen = top_k_radix(key, live, k, BITS, RADIX_DIGIT)
-    else:
-        chosen = top_k_rows(key, live, k, BITS)
-    return chosen
 
 
 @triton.jit
@@ -200,7 +149,6 @@ def _select_union_kernel(
     BLOCK_U: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U].
 
@@ -214,7 +162,7 @@ def _select_union_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)
+    chosen = top_k_rows(key, live, K, BITS)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)
 
 
@@ -246,7 +194,7 @@ def select_group_union(
         scores.stride(0), scores.stride(1), num_table, num_kv_heads, float(score_floor or 0),
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
-        BLOCK_U=triton.next_power_of_2(width), INTEGER_KEYS=integer_keys, BITS=bits, RADIX=RADIX_UNION,
+        BLOCK_U=triton.next_power_of_2(width), INTEGER_KEYS=integer_keys, BITS=bits,
         num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
     )  # fmt: skip
     return union, valid

@@ -32,8 +32,8 @@ from .triton_select import (
     group_scores,
     key_bits,
     order_key,
-    pick_top_k,
     selection_keys,
+    top_k_rows,
     union_outputs,
     write_union,
 )
@@ -56,7 +56,6 @@ def _chunk_lists_kernel(
     DEPTH,
     CHUNK: tl.constexpr,
     SEGMENT: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hq, chunks), contiguous (B * Hq, N) scores and output: cand[row, c*SEGMENT :
     (c+1)*SEGMENT] = the blocks of chunk c in either ranking's top-DEPTH within it (ascending, -1
@@ -70,8 +69,7 @@ def _chunk_lists_kernel(
     which = tl.arange(0, 2)[:, None]
     both = tl.where(which == 0, first[None, :], second[None, :])  # (2, CHUNK)
     key = tl.where(live[None, :], order_key(both), 0)
-    top = pick_top_k(key, tl.broadcast_to(live[None, :], key.shape), DEPTH, True, ORDER_KEY_BITS, RADIX)
-    listed = tl.max(top.to(tl.int32), axis=0)  # (CHUNK,); RADIX: `triton_rank.RADIX_SEARCH`
+    listed = tl.max(top_k_rows(key, live[None, :], DEPTH, ORDER_KEY_BITS).to(tl.int32), axis=0)  # (CHUNK,)
     position = tl.cumsum(listed, axis=0) - 1
     total = tl.sum(listed, axis=0)
     segment = cand_ptr + row * (tl.num_programs(1) * SEGMENT) + c * SEGMENT
@@ -96,7 +94,6 @@ def _rank_candidates_kernel(
     DEPTH,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hq,): `triton_rank`'s interleave over the row's candidates, written at the listed
     blocks (the rest keep the chunk pass's floor)."""
@@ -109,7 +106,7 @@ def _rank_candidates_kernel(
     scratch = row * 2 * BLOCK_K
     out, listed = interleave(
         first, second, live, n, scratch_key_ptr + scratch, scratch_idx_ptr + scratch, scratch_rank_ptr + scratch,
-        DEPTH, BLOCK_K, RADIX,
+        DEPTH, BLOCK_K,
     )  # fmt: skip
     tl.store(out_ptr + row * num_table + n, out, mask=live & listed)
 
@@ -135,7 +132,6 @@ def _chunk_candidates_kernel(
     BITMAP_WIDTH: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hkv, chunks): cand[row_head, g, c*K : (c+1)*K] = head g's top-K block indices in
     chunk c, ascending, -1 past their count; bitmap[row_head, chunk c] = 0."""
@@ -147,7 +143,7 @@ def _chunk_candidates_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)  # (BG, CHUNK)
+    chosen = top_k_rows(key, live, K, BITS)  # (BG, CHUNK)
     position = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
     total = tl.sum(chosen.to(tl.int32), axis=1)  # (BG,) <= K
     num_chunks = tl.num_programs(1)
@@ -184,7 +180,6 @@ def _union_of_candidates_kernel(
     BLOCK_U: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     """Grid (B * Hkv,): each head's top-K among its candidates, their union compacted into
     union[row_head, :U] (ascending, 0 past the count) and valid[row_head, :U]."""
@@ -199,7 +194,7 @@ def _union_of_candidates_kernel(
     live = n >= 0  # (BG, BC)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n, mask=live, other=0.0)
     key = selection_keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = pick_top_k(key, live, K, INTEGER_KEYS, BITS, RADIX)
+    chosen = top_k_rows(key, live, K, BITS)
     bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
     tl.store(bitmap + n, tl.full([BLOCK_G, BLOCK_C], 1, tl.int8), mask=chosen)
     tl.debug_barrier()  # the marks of every thread, before any reads the bitmap
@@ -244,7 +239,7 @@ def combine_top_ranks_chunked(
     segment = triton.next_power_of_2(2 * depth)
     cand = torch.empty((rows, num_chunks * segment), dtype=torch.int32, device=first.device)
     _chunk_lists_kernel[(rows, num_chunks)](
-        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment, RADIX=triton_rank.RADIX_SEARCH,
+        first, second, out, cand, num_table, depth, CHUNK=chunk, SEGMENT=segment,
         num_warps=CHUNK_WARPS or (2 if chunk <= 1024 else 8)
     )  # fmt: skip
     block_k = triton.next_power_of_2(depth)
@@ -254,7 +249,7 @@ def combine_top_ranks_chunked(
     block_c = triton.next_power_of_2(num_candidates)
     _rank_candidates_kernel[(rows,)](
         first, second, out, cand, scratch_key, scratch_idx, scratch_rank, num_table, num_candidates, depth,
-        BLOCK_C=block_c, BLOCK_K=block_k, RADIX=triton_rank.RADIX_SEARCH, num_warps=2 if block_c <= 1024 else 8,
+        BLOCK_C=block_c, BLOCK_K=block_k, num_warps=2 if block_c <= 1024 else 8,
     )  # fmt: skip
     return out
 
@@ -311,7 +306,7 @@ def select_group_union_chunked(
     integer_keys, bits = key_bits(score_floor)
     shared = dict(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group, BLOCK_G=triton.next_power_of_2(group),
-        BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits, RADIX=triton_select.RADIX_UNION,
+        BITMAP_WIDTH=bitmap_width, INTEGER_KEYS=integer_keys, BITS=bits,
     )  # fmt: skip
     _chunk_candidates_kernel[(rows, num_chunks)](
         scores, num_blocks, cand, bitmap, scores.stride(0), scores.stride(1), num_table, num_kv_heads,
