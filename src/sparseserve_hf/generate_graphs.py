@@ -80,7 +80,7 @@ class GenerateGraphs:
         if mask is not None and mask.dim() != 2:
             return False
         checks = [] if mask is None else [mask[:, -1].bool().all()]  # every new token real
-        limit = self.cache.shape.max_positions
+        limit = self.cache.shape.positions.limit
         if limit is not None:  # past it the model's own forward decides (the cache warns once and goes on)
             checks.append(positions.max() < limit)
         return not checks or bool(torch.stack(checks).all())  # one small readback

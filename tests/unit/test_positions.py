@@ -1,4 +1,5 @@
-"""PositionLimit: the one place that reads and enforces `max_position_embeddings`."""
+"""PositionLimit (beside the ModelShape a cache is built for): the one place that reads and enforces
+`max_position_embeddings`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparseserve_hf.positions import PositionLimit
+from sparseserve_hf.cache.forward_log import PositionLimit
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sparseserve_hf"
 
@@ -35,4 +36,4 @@ def test_the_package_reads_max_position_embeddings_only_through_position_limit()
         for path in SRC.rglob("*.py")
         if re.search(r"""getattr\([^)]*["']max_position_embeddings["']|\.max_position_embeddings\b""", path.read_text())
     ]
-    assert readers == ["positions.py"]
+    assert readers == ["cache/forward_log.py"]

@@ -18,9 +18,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..positions import PositionLimit
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """Positions 0 .. `limit` - 1 exist; `limit` None: the model's config names no limit.
+
+    Who applies it: a prompt (several new tokens at once) must lie within it, in the drop-in cache,
+    the prefill and the Generator's admission; the Generator ends a request with "length" when its
+    next token would have no position; a captured decode graph refuses a step past it. A lone decode
+    token of the drop-in may go past it (stock `generate` lets the model decide; the cache warns once).
+    """
+
+    limit: int | None
+
+    def __str__(self) -> str:  # as the config field reads (shape differences name it so)
+        return str(self.limit)
+
+    @classmethod
+    def of(cls, text_config: Any) -> PositionLimit:
+        """The limit of a text config (its `max_position_embeddings`, if any)."""
+        return cls(getattr(text_config, "max_position_embeddings", None))
+
+    def has(self, position: int) -> bool:
+        """True when `position` exists."""
+        return self.limit is None or position < self.limit
+
+    def check(self, position: int, what: str) -> None:
+        """Raise ValueError naming `what` when `position` (the last it needs) does not exist."""
+        if not self.has(position):
+            raise ValueError(
+                f"{what} needs position {position}, past the model's max_position_embeddings ({self.limit}: "
+                f"positions 0..{self.limit - 1})"
+            )
 
 
 @dataclass(frozen=True)
@@ -30,7 +61,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    max_positions: int | None
+    positions: PositionLimit
     layer_types: tuple[str, ...]
 
     @classmethod
@@ -42,14 +73,9 @@ class ModelShape:
             num_layers=text_config.num_hidden_layers,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            max_positions=PositionLimit.of(text_config).limit,
+            positions=PositionLimit.of(text_config),
             layer_types=tuple(layer_types),
         )
-
-    @property
-    def positions(self) -> PositionLimit:
-        """The model's position limit (`max_positions` as a rule)."""
-        return PositionLimit(self.max_positions)
 
     def differences(self, other: ModelShape) -> list[str]:
         """`config_field: mine vs theirs` for every field that differs (named as in the model config)."""
@@ -64,7 +90,7 @@ CONFIG_FIELDS = {  # ModelShape field -> the model config field it comes from
     "num_layers": "num_hidden_layers",
     "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
-    "max_positions": "max_position_embeddings",
+    "positions": "max_position_embeddings",
     "layer_types": "layer_types",
 }
 

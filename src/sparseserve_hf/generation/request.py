@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..cache import SparseServeCache
-from ..positions import PositionLimit
+from ..cache.forward_log import PositionLimit
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .prefill import PrefillJob

@@ -8,9 +8,9 @@ import torch
 
 from ..cache.block_cache import rows_that_fit
 from ..cache.cache import hbm_partitions, selected_blocks_per_kv_head
+from ..cache.forward_log import PositionLimit
 from ..config import SparseServeConfig
 from ..ops.reference import kv_storage_dtype
-from ..positions import PositionLimit
 
 
 class EngineSizes:

@@ -20,9 +20,9 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ..cache.cache import attention_layer_types
+from ..cache.forward_log import PositionLimit
 from ..cache.layer import SparseServeLayer
 from ..compat import cache_kwarg
-from ..positions import PositionLimit
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -51,6 +51,7 @@ class DecoderStack:
         decoder = _find_decoder(model)
         self.model = model
         self.config = decoder.config  # the text config: masks read its attention implementation
+        self.positions = PositionLimit.of(self.config)
         if getattr(self.config, "use_bidirectional_attention", False):
             raise NotImplementedError("DecoderStack drives causal decoders; use_bidirectional_attention is set")
         self.embed_tokens = decoder.embed_tokens  # Gemma's scaled embedding scales inside its forward
@@ -71,10 +72,6 @@ class DecoderStack:
         """Where the decoder runs (that of its embedding weights)."""
         return self.embed_tokens.weight.device
 
-    @property
-    def positions(self) -> PositionLimit:
-        """The model's position limit."""
-        return PositionLimit.of(self.config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: (B, T) ids -> (B, T, H) hidden states (Gemma's sqrt(H) scale included)."""

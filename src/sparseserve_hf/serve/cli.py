@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("sparseserve-hf serve: --max-queue must be >= 0")
     import uvicorn
 
+    from ..cache.forward_log import PositionLimit
     from ..generation import Generator, GeneratorGroup
-    from ..positions import PositionLimit
     from .app import ServerSettings, create_app
     from .engine import EngineThread
     from .metrics import ServerMetrics
