@@ -201,6 +201,7 @@ def write_report(folders: list[Path], out: Path, command: str, name: str | None 
     stem = "serving" if name is None else f"serving_{name}"
     (out / f"{stem}.md").write_text(markdown(result))
     plot(result, out / f"{stem}.png")
+    plot_tbt(runs, dense, out / f"{stem}_tbt.png")
     print(markdown(result))
     if name is None:
         (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -238,9 +239,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["| system | goodput (req/s) |", "|---|---|"] + [f"| {s} | {g:g} |" for s, g in result["goodput"].items()]
     if result.get("saturated"):
         lines += ["", "Saturated (every request at time zero):", "",
-                  "| system | tokens/s | mean TTFT s | p50 TBT s |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {s} | {_fmt(v.get('throughput_tokens_per_s'))} | {_fmt(v.get('mean_ttft_s'))} | "
-                  f"{_fmt(v.get('p50_tbt_s'))} |" for s, v in result["saturated"].items()]  # fmt: skip
+                  "| system | served | tokens/s | mean TTFT s | p50 TBT s | p99 TBT s |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {s} | {v['completed']}/{v['requests']} | {_fmt(v.get('throughput_tokens_per_s'))} | "
+                  f"{_fmt(v.get('mean_ttft_s'))} | {_fmt(v.get('p50_tbt_s'))} | {_fmt(v.get('p99_tbt_s'))} |"
+                  for s, v in result["saturated"].items()]  # fmt: skip
         if "saturated_throughput_ratio" in result:
             lines += ["", (f"saturated vs {result['saturated_best_stock']}: tokens/s "
                       f"{_fmt(result['saturated_throughput_ratio'])}x, mean TTFT {_fmt(result['saturated_ttft_ratio'])}x")]  # fmt: skip
@@ -299,6 +301,41 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel(label)
     axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def tbt_by_system(runs: dict[str, dict[float, dict]], rate: float = math.inf) -> dict[str, list[float]]:
+    """Every time between tokens of the served requests, per system, in its run at `rate`."""
+    out = {}
+    for system, by_rate in runs.items():
+        if rate in by_rate:
+            records = [RequestRecord.from_dict(r) for r in by_rate[rate]["records"]]
+            out[system] = sorted(x for r in records if r.error is None for x in r.tbt)
+    return {system: tbt for system, tbt in out.items() if tbt}
+
+
+def plot_tbt(runs: dict[str, dict[float, dict]], dense: float | None, path: Path) -> None:
+    """The distribution of the time between tokens in the saturated runs (one CDF per system), the
+    SLO's p99 bound beside it: whether prefill work stalls the decode steps it shares iterations with."""
+    tbt = tbt_by_system(runs)
+    if not tbt:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, values in sorted(tbt.items()):
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=system)
+    if dense is not None:
+        ax.axvline(SLO_TBT_ITERATIONS * dense, color="k", linestyle="--", label="SLO: p99 TBT bound")
+    ax.set_xscale("log")
+    ax.set_xlabel("time between tokens (s), every request at time zero")
+    ax.set_ylabel("fraction of tokens")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -104,7 +104,7 @@ def test_overlaps_on_known_selections():
     loaded[:, 0, 0, :4] = True  # blocks 0-3 every step
     loaded[1::2, 0, 0, 4] = True  # block 4 on odd steps: 4 of 5 kept from the step before
     result = overlaps(loaded)
-    one = np.mean([(4 if t % 2 else 4) / (5 if t % 2 else 4) for t in range(1, 14)])
+    one = np.mean([4 / (5 if t % 2 else 4) for t in range(1, 14)])
     assert result["overlap_1step"] == pytest.approx(one)
     assert result["overlap_union12"] == pytest.approx(1.0)  # block 4 is always in the last 12 steps
 
@@ -131,5 +131,5 @@ def test_an_override_that_loads_every_block_decodes_like_dense():
     cache = SparseServeCache(model.config, config, store=store)
     assert torch.equal(greedy(model, ids, cache, max_new_tokens=12), greedy(dense, ids, max_new_tokens=12))
     assert calls and set(calls) == {0, 1}
-    picked, valid = cache.layers[0].last_pick[:2]
+    _, valid = cache.layers[0].last_pick[:2]
     assert int(valid.sum(-1).min()) == int(cache.layers[0].num_blocks[0])

@@ -170,6 +170,7 @@ def test_a_named_report_is_one_traces_block_of_serving_json(tmp_path):
     assert block["goodput_rate_ours"] == 0.3 and block["goodput_rate_stock_missed"] == 0.1
     assert block["tbt_p50_ratio"] == pytest.approx(0.05 / 0.1) and "rate" in block["at_judged"]
     assert (out / "serving_decode_heavy.md").is_file() and (out / "serving_decode_heavy.png").is_file()
+    assert (out / "serving_decode_heavy_tbt.png").is_file()  # the saturated run's TBT distribution
 
 
 def test_a_saturated_run_in_parts_is_joined_end_to_end_and_random_kv_runs_stand_apart(tmp_path):
