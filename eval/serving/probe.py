@@ -30,7 +30,7 @@ def stock_step_probe(shape: str, trace: Trace, cap: HbmCap, rows: int, steps: in
         if phase == "uncapped_warm" and torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(1.0)
         before = _counters()
-        times = stock.generate_step_times(model, batch, Clock(), offloading=False)
+        times = stock.generate_step_times(model, batch, Clock())
         after = _counters()
         step = statistics.median(b - a for a, b in itertools.pairwise(times))
         out[phase] = {"step_ms": step * 1e3} | {key: after[key] - before[key] for key in after}

@@ -37,7 +37,8 @@ LADDER: dict[str, dict[str, Any]] = {
         offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented", cuda_graphs=True
     ),
 }
-STOCK = ("stock_generate", "stock_offload", "stock_generate_batch")
+STOCK_CACHES = {"stock_generate": "dynamic", "stock_offload": "offloaded", "stock_static": "static"}  # generate's
+STOCK = (*STOCK_CACHES, "stock_generate_batch")
 SYSTEMS = STOCK + tuple(LADDER)
 # CUDA allocator settings by system, each its best. Ours: expandable segments, or a layer's prefill
 # beside the block cache leaves GiBs reserved but unusable under the cap (it broke the cap on the H200).
@@ -97,12 +98,10 @@ def build(
     cap.apply()
     model = _model(shape, trace, "sdpa" if system in STOCK else "sparseserve")
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
-    if system in ("stock_generate", "stock_offload"):
-        offloading = system == "stock_offload"
-        rows = stock.warm_static_generate(model, trace, budget, offloading)
-        return functools.partial(
-            stock.run_static_generate, model, trace, budget=budget, offloading=offloading, rows_cap=rows
-        )
+    if system in STOCK_CACHES:
+        cache = STOCK_CACHES[system]
+        rows = stock.warm_static_generate(model, trace, budget, cache)
+        return functools.partial(stock.run_static_generate, model, trace, budget=budget, cache=cache, rows_cap=rows)
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
     config = ours_config(system, model, budget, dram_bytes)
@@ -144,8 +143,8 @@ def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) ->
     cap.apply()
     model = _model(shape, trace, "sdpa")
     median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
-    stock.generate_step_times(model, [replace(median, output_tokens=WARMUP_NEW_TOKENS)], Clock(), offloading=False)
-    times = stock.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock(), offloading=False)
+    stock.generate_step_times(model, [replace(median, output_tokens=WARMUP_NEW_TOKENS)], Clock())
+    times = stock.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock())
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 

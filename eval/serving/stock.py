@@ -1,6 +1,7 @@
 """Stock transformers under the trace: `model.generate` over static batches formed from what has
-arrived (optionally with `DynamicCache(offloading=True)`), and transformers' own continuous
-batching (the manager behind `generate_batch`, paged attention)."""
+arrived (with a `DynamicCache`, `DynamicCache(offloading=True)` or `cache_implementation="static"`,
+which `generate` compiles on a GPU), and transformers' own continuous batching (the manager behind
+`generate_batch`, paged attention)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ class _StepTimes(BaseStreamer):
         pass
 
 
-def warm_static_generate(model, trace: Trace, budget: Budget, offloading: bool = False) -> int:
+CACHES = ("dynamic", "offloaded", "static")  # generate's cache: DynamicCache, offloaded, static (compiled)
+
+
+def warm_static_generate(model, trace: Trace, budget: Budget, cache: str = "dynamic") -> int:
     """One call of every batch shape a saturated run starts with: the batch `run_static_generate`
     forms at time zero, then its first rows - 1, ..., 1 (decode kernels are chosen per batch size,
     and a process's first steps at a new size pay for it), each with WARMUP_NEW_TOKENS new tokens.
@@ -60,7 +64,7 @@ def warm_static_generate(model, trace: Trace, budget: Budget, offloading: bool =
         first = [replace(trace.requests[i], output_tokens=WARMUP_NEW_TOKENS) for i in range(rows)]
         try:
             for size in range(rows, 0, -1):
-                generate_step_times(model, first[:size], Clock(), offloading)
+                generate_step_times(model, first[:size], Clock(), cache)
             return rows
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -73,7 +77,7 @@ def run_static_generate(
     trace: Trace,
     rate: float,
     budget: Budget,
-    offloading: bool = False,
+    cache: str = "dynamic",
     deadline_s: float = math.inf,
     rows_cap: int | None = None,
 ) -> RunResult:
@@ -82,7 +86,9 @@ def run_static_generate(
     A batch the cap cannot hold (the torch.cat-grown cache fragments the allocator past the budget's
     arithmetic) runs again with one row fewer, and later batches keep that many rows at most: stock
     at the largest batch that runs."""
-    if offloading and model.device.type != "cuda":
+    if cache not in CACHES:
+        raise ValueError(f"unknown cache {cache!r}; one of {', '.join(CACHES)}")
+    if cache == "offloaded" and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
     records, clock, first, batch_sizes, rows_cap = new_records(trace, rate), Clock(), 0, [], budget.max_batch
     by_index = {r.index: r for r in trace.requests}
@@ -95,7 +101,7 @@ def run_static_generate(
             try:
                 requests = [by_index[r.index] for r in batch]
                 left = None if math.isinf(deadline_s) else max(0.0, deadline_s - clock.now())
-                times = generate_step_times(model, requests, clock, offloading, max_time=left)
+                times = generate_step_times(model, requests, clock, cache, max_time=left)
                 for record in batch:
                     record.token_times = times[: record.output_tokens]
             except torch.OutOfMemoryError as exc:
@@ -126,10 +132,10 @@ def _static_batch(records: list[RequestRecord], first: int, now: float, budget: 
 
 
 def generate_step_times(
-    model, requests: list[TraceRequest], clock: Clock, offloading: bool, max_time: float | None = None
+    model, requests: list[TraceRequest], clock: Clock, cache: str = "dynamic", max_time: float | None = None
 ) -> list[float]:
-    """Run one left-padded static batch through `generate` (stopped after `max_time` seconds, if
-    given); returns the time of each step's tokens."""
+    """Run one left-padded static batch through `generate` with `cache` (one of CACHES; stopped after
+    `max_time` seconds, if given); returns the time of each step's tokens."""
     longest = max(len(r.prompt) for r in requests)
     ids = torch.full((len(requests), longest), PAD_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -140,12 +146,15 @@ def generate_step_times(
     streamer = _StepTimes(clock)
     # generate's chunked prefill: a padded batch's whole-prompt prefill (its 4D mask alone is B x T^2)
     # does not fit beside the KV under the cap
-    cache = DynamicCache(config=model.config, offloading=offloading)
+    if cache == "static":  # generate builds it (its length: the longest batch so far) and compiles on a GPU
+        how = {"cache_implementation": "static"}
+    else:
+        how = {cache_kwarg(model): DynamicCache(config=model.config, offloading=cache == "offloaded")}
     with torch.no_grad():
         model.generate(
             ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, streamer=streamer, pad_token_id=PAD_ID,
-            prefill_chunk_size=PREFILL_CHUNK, max_time=max_time, **{cache_kwarg(model): cache},
+            prefill_chunk_size=PREFILL_CHUNK, max_time=max_time, **how,
         )  # fmt: skip
     return streamer.times
 

@@ -86,3 +86,13 @@ def test_the_stock_probe_times_each_phase_and_writes_its_json(tmp_path, trace):
     assert result["rows"] == 2 and result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
     assert all(result[phase]["step_ms"] > 0 for phase in ("capped_first", "capped_warm", "uncapped_warm"))
     assert result["command"].startswith("python -m eval.serving probe-stock")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_each_cache_serves_every_request_in_full(model, trace, cache):
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=2)
+    result = run_static_generate(model, trace, math.inf, budget, cache=cache)
+    assert all(r.error is None and len(r.token_times) == r.output_tokens for r in result.records)
+    assert result.engine["batch_sizes"] == [2, 2, 1]
+    with pytest.raises(ValueError, match="unknown cache 'paged'"):
+        run_static_generate(model, trace, math.inf, budget, cache="paged")
