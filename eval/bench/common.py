@@ -161,16 +161,19 @@ def _git_head() -> str:
     return done.stdout.strip()
 
 
-def run_record(device: torch.device) -> dict[str, Any]:
-    """Where and how the numbers were taken.
+def current_commit() -> str:
+    """The commit the numbers are taken at: $SPARSESERVE_COMMIT where set (the GPU machine receives a
+    copy of the working tree whose .git is not this checkout's: the scripts pass the local HEAD on),
+    else this checkout's HEAD."""
+    return os.environ.get("SPARSESERVE_COMMIT") or _git_head()
 
-    The commit comes from $SPARSESERVE_COMMIT where set: the GPU machine receives a copy of the
-    working tree whose .git is not this checkout's (eval/h200_perf.sh passes the local HEAD on).
-    """
+
+def run_record(device: torch.device) -> dict[str, Any]:
+    """Where and how the numbers were taken (the commit: `current_commit`)."""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
         "command": " ".join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
-        "git_commit": os.environ.get("SPARSESERVE_COMMIT") or _git_head(),
+        "git_commit": current_commit(),
         "torch": torch.__version__,
         "triton": _triton_version(),
     }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from eval.bench.common import current_commit
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
@@ -149,7 +150,7 @@ def make_report(args) -> None:
 
 def _record(args, trace: Trace, cap: HbmCap) -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "command": args.command_line, "shape": args.shape,
+    return {"device": device, "command": args.command_line, "shape": args.shape, "git_commit": current_commit(),
             "hbm_cap": cap.as_dict(), "trace": trace.summary(), "torch": torch.__version__}  # fmt: skip
 
 
