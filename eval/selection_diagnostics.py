@@ -110,6 +110,25 @@ ESTIMATES.update(TWO_STAGE)
 for _name, (_share, _bits, _stage1) in TWO_STAGE.items():
     VARIANTS[_name] = dict(_stage1, selection="kv_head")
 KEY_BITS = 4
+# "channels_r{R}_q{B}": token-level scores from a few key channels (SparQ's idea, per KV head). A copy
+# of every key in B bits per value, quantized per (block, channel) with a min and a scale (keys
+# carry their outliers in a few channels), stored channel-major so that one channel of a block is
+# contiguous. At each step the KV head reads the R channels where its group's queries are largest
+# (summed |q| over the group), estimates each query head's attention over every token from them
+# (the softmax temperature corrected for the |q| mass left out, as SparQ does) and loads the blocks
+# of most estimated mass, exactly the budget. Read per step: R/D of the keys in B bits plus two
+# 16-bit numbers per (block, channel read): at D = 64, R = 12 and 4 bits, 240 bytes per 8 KiB
+# block-head (1/34 of the KV); at D = 128 (Llama-3-8B), R = 16 and 4 bits, 320 per 16 KiB (1/51).
+CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
+    "channels_r8_q4": (8, 4),
+    "channels_r12_q4": (12, 4),
+    "channels_r16_q4": (16, 4),
+    "channels_r16_q2": (16, 2),
+    "channels_r24_q2": (24, 2),
+}
+ESTIMATES.update(CHANNEL_SCORES)
+for _name in CHANNEL_SCORES:
+    VARIANTS[_name] = dict(selection="kv_head")
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -314,6 +333,40 @@ def two_stage_blocks(
     return top_blocks_by_mass(config, block_mass.reshape(heads, num_full), num_kv_heads)
 
 
+def channel_quantized_keys(keys: torch.Tensor, size: int, bits: int) -> torch.Tensor:
+    """(Hkv, L, D) keys rounded to `bits` per value with a min and a scale per (block of `size`
+    tokens, channel), dequantized; tokens past the last full block are kept as they are."""
+    num_kv_heads, length, dim = keys.shape
+    full = length // size * size
+    blocks = keys[:, :full].reshape(num_kv_heads, -1, size, dim)
+    low = blocks.amin(dim=2, keepdim=True)
+    scale = (blocks.amax(dim=2, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
+    rounded = ((blocks - low) / scale).round() * scale + low
+    return torch.cat((rounded.reshape(num_kv_heads, full, dim), keys[:, full:]), dim=1)
+
+
+def channel_score_blocks(
+    config: SparseServeConfig, q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, scaling: float, channels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head reads `channels` channels of `coarse_keys` (Hkv, >= N*S, D), those of most |q|
+    summed over its group; each query head's attention over every full block's tokens is estimated
+    from them, with the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ);
+    `top_blocks_by_mass` on that. Same returns as `attended_blocks`."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    heads, size = q.shape[0], config.block_size
+    if num_full <= config.selected_full_blocks:
+        return _all_blocks(heads, num_full, num_kv_heads)
+    grouped = q.view(num_kv_heads, heads // num_kv_heads, dim)  # (Hkv, G, D)
+    chosen = grouped.abs().sum(1).topk(channels, dim=-1).indices  # (Hkv, R)
+    q_part = torch.gather(grouped, 2, chosen[:, None].expand(-1, grouped.shape[1], -1))  # (Hkv, G, R)
+    keys = coarse_keys[:, : num_full * size]
+    k_part = torch.gather(keys, 2, chosen[:, None].expand(-1, keys.shape[1], -1))  # (Hkv, N*S, R)
+    kept = q_part.abs().sum(-1, keepdim=True) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (Hkv, G, 1)
+    logits = (q_part @ k_part.transpose(1, 2)) * scaling / kept.clamp(min=1e-6).sqrt()  # (Hkv, G, N*S)
+    weights = torch.softmax(logits, dim=-1).view(num_kv_heads, -1, num_full, size).sum(-1)  # (Hkv, G, N)
+    return top_blocks_by_mass(config, weights.reshape(heads, num_full), num_kv_heads)
+
+
 def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-KV-head block oracle: each KV head loads the sink, the window and the top blocks by
     the true attention mass its query heads put on them (summed over the group), as many in all as
@@ -406,6 +459,11 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
     for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
         coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
+        coarse |= {
+            name: channel_quantized_keys(keys, config.block_size, CHANNEL_SCORES[name][1])
+            for name, config in configs.items()
+            if name in CHANNEL_SCORES
+        }
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -418,6 +476,10 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 elif name in TWO_STAGE:
                     chosen, loaded = two_stage_blocks(
                         config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name][0]
+                    )
+                elif name in CHANNEL_SCORES:
+                    chosen, loaded = channel_score_blocks(
+                        config, queries[:, t], coarse[name], num_full, rec.scaling, CHANNEL_SCORES[name][0]
                     )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)

@@ -8,6 +8,8 @@ from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
 from eval.selection_diagnostics import (
     StepMass,
+    channel_quantized_keys,
+    channel_score_blocks,
     estimated_mass_blocks,
     needle_token_mask,
     oracle_blocks,
@@ -136,6 +138,33 @@ def test_two_stage_keeps_the_candidate_whose_tokens_the_query_reads():
     chosen, loaded = two_stage_blocks(config, q, meta, quantized_keys(keys), num_full=8, scaling=1.0)
     assert loaded.tolist() == [3]
     assert chosen[0].nonzero().flatten().tolist() == [0, 5, 7]
+
+
+def test_channel_quantized_keys_round_each_block_channel_and_keep_the_tail():
+    keys = torch.randn(2, 7, 16)  # blocks of 3: two full blocks and one tail token
+    coarse = channel_quantized_keys(keys, size=3, bits=2)
+    blocks = keys[:, :6].view(2, 2, 3, 16)
+    step = (blocks.amax(2, keepdim=True) - blocks.amin(2, keepdim=True)) / 3
+    assert ((coarse[:, :6].view(2, 2, 3, 16) - blocks).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(coarse[:, 6], keys[:, 6])
+    assert all(len(coarse[h, :3, c].unique()) <= 4 for h in range(2) for c in range(16))
+
+
+def test_channel_scores_read_the_channels_the_queries_weigh_and_find_the_block_they_point_at():
+    # 1 KV head / 2 query heads, 8 full blocks of 2 tokens (D = 4); budget: sink + window + 1 block.
+    # The queries weigh channel 0 (and 1 a little); block 5 holds a token large there, block 2 one
+    # large on channel 3, which the queries barely read: with 1 channel, block 5 wins alone.
+    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    keys = torch.zeros(1, 16, 4)
+    keys[0, 11, 0] = 6.0  # block 5
+    keys[0, 4, 3] = 200.0  # block 2: large on a channel the queries hardly read
+    q = torch.tensor([[1.0, 0.3, 0.0, 0.05], [1.0, 0.0, 0.0, 0.05]])
+    chosen, loaded = channel_score_blocks(config, q, keys, num_full=8, scaling=1.0, channels=1)
+    assert loaded.tolist() == [3] and chosen.shape == (2, 8)
+    assert chosen[0].nonzero().flatten().tolist() == [0, 5, 7] and torch.equal(chosen[0], chosen[1])
+    # with every channel read it is the true attention's pick: 200 x 0.05 outweighs 6 x 1
+    everything, _ = channel_score_blocks(config, q, keys, num_full=8, scaling=1.0, channels=4)
+    assert everything[0].nonzero().flatten().tolist() == [0, 2, 7]
 
 
 def test_variant_configs():
