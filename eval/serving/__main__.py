@@ -17,6 +17,7 @@ from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
+from eval.serving.stock import CACHES
 from eval.serving.trace import PRESETS, Trace, build_trace, essay_token_ids
 
 
@@ -65,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: loads follow the recorded selection trace (real) or the random model's own picks",
     )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
-    sub.choices["probe-stock"].add_argument(
-        "--rows", type=int, default=3, help="the batch: the trace's first N prompts"
-    )
+    probe = sub.choices["probe-stock"]
+    probe.add_argument("--rows", type=int, default=3, help="the batch: the trace's first N prompts")
+    probe.add_argument("--cache", choices=CACHES, default="dynamic", help="generate's cache")
     rep = sub.add_parser("report", help="merge run JSONs: serving.json, plots, markdown")
     rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
     rep.add_argument("--out", type=Path, default=Path("eval/results"))
@@ -113,8 +114,8 @@ def calibrate(args) -> None:
 
 def probe_stock(args) -> None:
     trace, cap = _loaded(args), HbmCap.from_args(args)
-    result = stock_step_probe(args.shape, trace, cap, args.rows)
-    _write(args.out / f"probe_stock_{args.rows}rows.json", result | _record(args, trace, cap))
+    result = stock_step_probe(args.shape, trace, cap, args.rows, cache=args.cache)
+    _write(args.out / f"probe_stock_{args.cache}_{args.rows}rows.json", result | _record(args, trace, cap))
 
 
 def run_point(args) -> None:

@@ -81,9 +81,27 @@ def test_the_stock_probe_times_each_phase_and_writes_its_json(tmp_path, trace):
 
     path = tmp_path / "trace.pt"
     trace.save(path)
-    main(["probe-stock", "--trace", str(path), "--shape", "tiny", "--rows", "2", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "probe_stock_2rows.json").read_text())
-    assert result["rows"] == 2 and result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
+    main(
+        [
+            "probe-stock",
+            "--trace",
+            str(path),
+            "--shape",
+            "tiny",
+            "--rows",
+            "2",
+            "--cache",
+            "static",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    result = json.loads((tmp_path / "probe_stock_static_2rows.json").read_text())
+    assert (
+        result["rows"] == 2
+        and result["cache"] == "static"
+        and result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
+    )
     assert all(result[phase]["step_ms"] > 0 for phase in ("capped_first", "capped_warm", "uncapped_warm"))
     assert result["command"].startswith("python -m eval.serving probe-stock")
 
