@@ -7,6 +7,8 @@
 #   bash eval/h200_serving.sh sweep OUT TRACE SYSTEM:R1,R2 [SYSTEM:R1 ...]
 #                                                                     # the jobs spread over every visible GPU,
 #                                                                     # one queue per GPU, jobs dealt in turn
+#   bash eval/h200_serving.sh probe OUT TRACE ROWS CACHE [CACHE ...]  # stock's step at ROWS of the trace's
+#                                                                     # prompts: first call, warm, uncapped
 #   python -m eval.serving report OUT1 OUT2 ... --out eval/results    # serving.json / .md / .png
 #
 # Carry the trace (git-ignored) with the call: carry [".gpu/serving_trace.pt", ".gpu_commit"]. Run from
@@ -37,6 +39,13 @@ case $part in
     "$python" -m eval.serving calibrate --trace "$trace" --out "$out" "${extra[@]}" 2>&1 | tail -1 ;;
   run)
     run_job "$@" ;;
+  probe)
+    rows=${1:?rows}
+    shift
+    for cache in "$@"; do
+      "$python" -m eval.serving probe-stock --trace "$trace" --out "$out" --rows "$rows" --cache "$cache" "${extra[@]}" \
+        > "$out/probe_$cache.log" 2>&1 && tail -4 "$out/probe_$cache.log" || echo "probe $cache: rc=$? (see $out/probe_$cache.log)"
+    done ;;
   sweep)
     gpus=$("$python" -c "import torch; print(max(1, torch.cuda.device_count()))")
     jobs=("$@")
@@ -47,5 +56,5 @@ case $part in
        done) &
     done
     wait ;;
-  *) echo "unknown part '$part' (calibrate, run, sweep)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (calibrate, run, probe, sweep)" >&2; exit 2 ;;
 esac

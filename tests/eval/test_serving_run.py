@@ -127,3 +127,22 @@ def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
     allocators = {name: json.loads((tmp_path / name).read_text())["allocator"] for name in names}
     assert allocators == {"run_ours_20.json": "expandable_segments:True", "run_ours_5.json": "expandable_segments:True",
                           "run_stock_generate_20.json": None}  # fmt: skip
+
+
+def test_the_probe_part_runs_each_cache_it_is_given(runs, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, _ = runs
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, EXTRA_ARGS="--shape tiny", CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    done = subprocess.run(
+        ["bash", "eval/h200_serving.sh", "probe", str(tmp_path), str(folder / "trace.pt"), "2", "dynamic", "static"],
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.glob("probe_stock_*.json")) == [
+        "probe_stock_dynamic_2rows.json", "probe_stock_static_2rows.json",
+    ]  # fmt: skip
