@@ -126,6 +126,16 @@ CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
     "channels_r16_q2": (16, 2),
     "channels_r24_q2": (24, 2),
 }
+# "twostage_channels_rR_Nth": the channel scores (R channels in 4 bits) as stage 1 of the two-stage
+# selector, keeping 1 in N blocks as candidates for the 4-bit per-token re-score. Read per step at
+# head_dim 64: R = 8 is 1.9% of the KV, a candidate block's 4-bit keys with per-token scales 14% of
+# its KV: 2.8% in all with a 16th of the blocks, 3.7% with an 8th.
+TWO_STAGE_CHANNELS = {  # variant -> (stage-1 channels, 1 in this many blocks re-scored)
+    "twostage_channels_r8_16th": (8, 16),
+    "twostage_channels_r8_8th": (8, 8),
+    "twostage_channels_r12_16th": (12, 16),
+}
+CHANNEL_SCORES.update({name: (channels, 4) for name, (channels, _) in TWO_STAGE_CHANNELS.items()})
 ESTIMATES.update(CHANNEL_SCORES)
 for _name in CHANNEL_SCORES:
     VARIANTS[_name] = dict(selection="kv_head")
@@ -316,12 +326,29 @@ def two_stage_blocks(
     `config.metadata` (sink and window included); stage 2: each query head's softmax over the
     candidates' tokens with `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group;
     `oracle_blocks` on that. meta: (Hkv, >= N, M, D). Same returns as `attended_blocks`."""
-    num_kv_heads, _, dim = coarse_keys.shape
-    heads, size = q.shape[0], config.block_size
+    num_kv_heads, heads = coarse_keys.shape[0], q.shape[0]
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
     bounds = reference.score_blocks(q[None], meta[None, :, :num_full], config.metadata)[0]  # (Hq, N)
     group = bounds.view(num_kv_heads, heads // num_kv_heads, num_full).amax(1)  # (Hkv, N)
+    return rescored_candidates(config, q, group, coarse_keys, num_full, scaling, share)
+
+
+def rescored_candidates(
+    config: SparseServeConfig,
+    q: torch.Tensor,
+    group: torch.Tensor,
+    coarse_keys: torch.Tensor,
+    num_full: int,
+    scaling: float,
+    share: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2 of a two-stage selection: the N / `share` blocks of best stage-1 `group` score (Hkv, N)
+    per KV head (sink and window included) are re-scored by each query head's softmax over their
+    tokens with `coarse_keys` (Hkv, >= N*S, D), summed per block and over the group;
+    `top_blocks_by_mass` on that. Same returns as `attended_blocks`."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    heads, size = q.shape[0], config.block_size
     count = max(config.selected_full_blocks, math.ceil(num_full / share))
     candidates = torch.where(_forced(config, num_full), float("inf"), group).topk(count, dim=-1).indices  # (Hkv, C)
     keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
@@ -348,23 +375,50 @@ def channel_quantized_keys(keys: torch.Tensor, size: int, bits: int) -> torch.Te
 def channel_score_blocks(
     config: SparseServeConfig, q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, scaling: float, channels: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each KV head reads `channels` channels of `coarse_keys` (Hkv, >= N*S, D), those of most |q|
-    summed over its group; each query head's attention over every full block's tokens is estimated
-    from them, with the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ);
-    `top_blocks_by_mass` on that. Same returns as `attended_blocks`."""
-    num_kv_heads, _, dim = coarse_keys.shape
-    heads, size = q.shape[0], config.block_size
+    """Each KV head loads the blocks of most attention its group puts on them as `channel_mass`
+    estimates it from `channels` channels of `coarse_keys` (Hkv, >= N*S, D), exactly the budget.
+    Same returns as `attended_blocks`."""
+    num_kv_heads, heads = coarse_keys.shape[0], q.shape[0]
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
-    grouped = q.view(num_kv_heads, heads // num_kv_heads, dim)  # (Hkv, G, D)
+    mass = channel_mass(q, coarse_keys, num_full, config.block_size, scaling, channels)
+    return top_blocks_by_mass(config, mass.reshape(heads, num_full), num_kv_heads)
+
+
+def channel_mass(
+    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, channels: int
+) -> torch.Tensor:
+    """(Hkv, G, N): each query head's attention over the N full blocks (blocks of `size` tokens)
+    estimated from the `channels` channels of `coarse_keys` (Hkv, >= N*size, D) where its group's
+    |q| is largest, the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ)."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
     chosen = grouped.abs().sum(1).topk(channels, dim=-1).indices  # (Hkv, R)
     q_part = torch.gather(grouped, 2, chosen[:, None].expand(-1, grouped.shape[1], -1))  # (Hkv, G, R)
     keys = coarse_keys[:, : num_full * size]
     k_part = torch.gather(keys, 2, chosen[:, None].expand(-1, keys.shape[1], -1))  # (Hkv, N*S, R)
     kept = q_part.abs().sum(-1, keepdim=True) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (Hkv, G, 1)
     logits = (q_part @ k_part.transpose(1, 2)) * scaling / kept.clamp(min=1e-6).sqrt()  # (Hkv, G, N*S)
-    weights = torch.softmax(logits, dim=-1).view(num_kv_heads, -1, num_full, size).sum(-1)  # (Hkv, G, N)
-    return top_blocks_by_mass(config, weights.reshape(heads, num_full), num_kv_heads)
+    return torch.softmax(logits, dim=-1).view(num_kv_heads, -1, num_full, size).sum(-1)
+
+
+def two_stage_channel_blocks(
+    config: SparseServeConfig,
+    q: torch.Tensor,
+    channel_keys: torch.Tensor,
+    token_keys: torch.Tensor,
+    num_full: int,
+    scaling: float,
+    channels: int,
+    share: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1: the group's `channel_mass` from `channels` channels of `channel_keys`; stage 2:
+    `rescored_candidates` over 1 in `share` blocks with `token_keys` (both (Hkv, >= N*S, D))."""
+    num_kv_heads, heads = token_keys.shape[0], q.shape[0]
+    if num_full <= config.selected_full_blocks:
+        return _all_blocks(heads, num_full, num_kv_heads)
+    group = channel_mass(q, channel_keys, num_full, config.block_size, scaling, channels).sum(1)  # (Hkv, N)
+    return rescored_candidates(config, q, group, token_keys, num_full, scaling, share)
 
 
 def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,6 +518,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
             for name, config in configs.items()
             if name in CHANNEL_SCORES
         }
+        per_token = quantized_keys(keys, KEY_BITS) if any(name in TWO_STAGE_CHANNELS for name in configs) else None
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -476,6 +531,10 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 elif name in TWO_STAGE:
                     chosen, loaded = two_stage_blocks(
                         config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name][0]
+                    )
+                elif name in TWO_STAGE_CHANNELS:
+                    chosen, loaded = two_stage_channel_blocks(
+                        config, queries[:, t], coarse[name], per_token, num_full, rec.scaling, *TWO_STAGE_CHANNELS[name]
                     )
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(

@@ -16,7 +16,9 @@ from eval.selection_diagnostics import (
     quantized_keys,
     step_mass,
     step_stats,
+    top_blocks_by_mass,
     two_stage_blocks,
+    two_stage_channel_blocks,
     variant_configs,
 )
 
@@ -165,6 +167,16 @@ def test_channel_scores_read_the_channels_the_queries_weigh_and_find_the_block_t
     # with every channel read it is the true attention's pick: 200 x 0.05 outweighs 6 x 1
     everything, _ = channel_score_blocks(config, q, keys, num_full=8, scaling=1.0, channels=4)
     assert everything[0].nonzero().flatten().tolist() == [0, 2, 7]
+
+
+def test_two_stage_channels_over_every_block_with_exact_keys_is_the_mass_oracle():
+    torch.manual_seed(0)
+    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    keys, q = torch.randn(2, 24, 8) * 2, torch.randn(6, 8)  # 2 KV heads of 3 query heads, 12 full blocks
+    chosen, loaded = two_stage_channel_blocks(config, q, keys, keys, 12, 0.5, channels=2, share=1)
+    probs = torch.softmax(0.5 * (q.view(2, 3, 8) @ keys.transpose(1, 2)), dim=-1)  # (Hkv, G, L)
+    want, _ = top_blocks_by_mass(config, probs.view(6, 12, 2).sum(-1), 2)
+    assert torch.equal(chosen, want) and loaded.tolist() == [4, 4]
 
 
 def test_variant_configs():
