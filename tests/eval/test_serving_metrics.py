@@ -191,7 +191,12 @@ def test_a_saturated_run_in_parts_is_joined_end_to_end_and_random_kv_runs_stand_
         data = {"system": system, "rate": inf, "command": f"run {name}", **_run(records), **extra}
         (tmp_path / f"run_{name}.json").write_text(json.dumps(data))
     runs, _, commands = load_runs([tmp_path])
-    assert set(runs) == {"stock_generate", "ours", "ours@random_kv"} and commands == ["run a", "run b", "run c", "run d"]
+    assert set(runs) == {"stock_generate", "ours", "ours@random_kv"} and commands == [
+        "run a",
+        "run b",
+        "run c",
+        "run d",
+    ]
     joined = runs["stock_generate"][inf]
     assert joined["parts_from"] == [0, 2]
     assert [r["token_times"] for r in joined["records"]] == [[2.0, 3.0], [2.0, 4.0], [5.0, 5.5]]

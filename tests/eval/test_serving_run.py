@@ -7,7 +7,7 @@ import json
 
 import pytest
 from eval.serving.__main__ import main
-from eval.serving.trace import build_trace
+from eval.serving.trace import Trace, build_trace
 
 SMALL = ["--shape", "tiny", "--hbm-cap-gib", "0.25", "--headroom-gib", "0.05", "--dram-gib", "0.05"]
 CPU_SYSTEMS = ["stock_generate", "stock_generate_batch", "ours_sparse", "ours_offload", "ours"]
@@ -146,3 +146,10 @@ def test_the_probe_part_runs_each_cache_it_is_given(runs, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("probe_stock_*.json")) == [
         "probe_stock_dynamic_2rows.json", "probe_stock_static_2rows.json",
     ]  # fmt: skip
+    trace = Trace.load(folder / "trace.pt")
+    for cache in ("dynamic", "static"):
+        result = json.loads((tmp_path / f"probe_stock_{cache}_2rows.json").read_text())
+        assert result["rows"] == 2 and result["cache"] == cache
+        assert result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
+        assert all(result[phase]["step_ms"] > 0 for phase in ("capped_first", "capped_warm", "uncapped_warm"))
+        assert result["command"].startswith("python -m eval.serving probe-stock")

@@ -74,38 +74,6 @@ def test_a_request_no_batch_holds_fails_alone(model, trace):
     assert result.engine["batch_sizes"] == [1] * len(trace.requests)
 
 
-def test_the_stock_probe_times_each_phase_and_writes_its_json(tmp_path, trace):
-    import json
-
-    from eval.serving.__main__ import main
-
-    path = tmp_path / "trace.pt"
-    trace.save(path)
-    main(
-        [
-            "probe-stock",
-            "--trace",
-            str(path),
-            "--shape",
-            "tiny",
-            "--rows",
-            "2",
-            "--cache",
-            "static",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    result = json.loads((tmp_path / "probe_stock_static_2rows.json").read_text())
-    assert (
-        result["rows"] == 2
-        and result["cache"] == "static"
-        and result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
-    )
-    assert all(result[phase]["step_ms"] > 0 for phase in ("capped_first", "capped_warm", "uncapped_warm"))
-    assert result["command"].startswith("python -m eval.serving probe-stock")
-
-
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_each_cache_serves_every_request_in_full(model, trace, cache):
     budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=2)
