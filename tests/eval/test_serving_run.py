@@ -81,7 +81,6 @@ def test_a_trace_past_the_model_vocabulary_is_refused(tmp_path):
 @pytest.mark.parametrize("system", ["stock_generate", "stock_generate_batch", "ours"])
 def test_a_run_cut_at_its_deadline_fails_the_rest_and_the_system_serves_the_next_rate(runs, system):
     from eval.serving.setup import HbmCap, build
-    from eval.serving.trace import Trace
 
     folder, trace = runs
     trace = Trace.load(folder / "trace.pt")
