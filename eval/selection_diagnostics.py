@@ -124,6 +124,8 @@ CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
     "channels_r12_q4": (12, 4),
     "channels_r16_q4": (16, 4),
     "channels_r16_q2": (16, 2),
+    "channels_r16_q3": (16, 3),
+    "channels_r20_q3": (20, 3),
     "channels_r24_q2": (24, 2),
 }
 # "twostage_channels_rR_Nth": the channel scores (R channels in 4 bits) as stage 1 of the two-stage
