@@ -85,12 +85,13 @@ def run_static_generate(
 
     A batch the cap cannot hold (the torch.cat-grown cache fragments the allocator past the budget's
     arithmetic) runs again with one row fewer, and later batches keep that many rows at most: stock
-    at the largest batch that runs."""
+    at the largest batch that runs. `rows_cap`: the rows to start from (`warm_static_generate`'s)."""
     if cache not in CACHES:
         raise ValueError(f"unknown cache {cache!r}; one of {', '.join(CACHES)}")
     if cache == "offloaded" and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
-    records, clock, first, batch_sizes, rows_cap = new_records(trace, rate), Clock(), 0, [], budget.max_batch
+    records, clock, first, batch_sizes = new_records(trace, rate), Clock(), 0, []
+    rows_cap = budget.max_batch if rows_cap is None else min(rows_cap, budget.max_batch)
     by_index = {r.index: r for r in trace.requests}
     with progress(len(records), f"static generate at {rate:g} req/s") as bar:
         while first < len(records) and records[first].arrival < deadline_s:

@@ -59,6 +59,12 @@ def test_a_batch_the_cap_cannot_hold_runs_again_with_fewer_rows(model, trace):
     assert result.engine["batch_sizes"] == [2, 2, 1] and result.engine["rows_cap"] == 2
     assert all(r.error is None and len(r.token_times) == r.output_tokens for r in result.records)
     assert max(seen) == 4  # the first batch tried every row the budget allowed before it was cut
+    seen, handle = rows_seen(model)
+    try:
+        told = run_static_generate(model, trace, math.inf, budget, rows_cap=2)  # as the warm-up found
+    finally:
+        handle.remove()
+    assert told.engine["batch_sizes"] == [2, 2, 1] and max(seen) == 2  # no batch past it is tried
 
 
 def test_a_request_no_batch_holds_fails_alone(model, trace):
