@@ -213,3 +213,11 @@ def test_parts_of_one_request_range_or_of_a_poisson_rate_are_refused():
         join_parts([part, dict(part)])
     with pytest.raises(ValueError, match="saturated"):
         join_parts([dict(part, rate=0.1), dict(part, requests_from=3, rate=0.1)])
+
+
+def test_each_point_locality_and_part_has_its_own_file_name():
+    from eval.serving.__main__ import run_file_name
+
+    assert run_file_name("ours", float("inf"), "real", 0) == "run_ours_inf.json"
+    assert run_file_name("ours", 0.5, "random", 0) == "run_ours_0.5_random.json"
+    assert run_file_name("stock_generate", float("inf"), "random", 10) == "run_stock_generate_inf_from10.json"
