@@ -126,6 +126,7 @@ CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
     "channels_r16_q2": (16, 2),
     "channels_r16_q3": (16, 3),
     "channels_r20_q3": (20, 3),
+    "channels_r24_q2_s8": (24, 2),  # min and scale in 8 bits: 192 + 48 bytes per 8 KiB block-head (2.9%)
     "channels_r24_q2": (24, 2),
 }
 # "twostage_channels_rR_Nth": the channel scores (R channels in 4 bits) as stage 1 of the two-stage
@@ -362,15 +363,20 @@ def rescored_candidates(
     return top_blocks_by_mass(config, block_mass.reshape(heads, num_full), num_kv_heads)
 
 
-def channel_quantized_keys(keys: torch.Tensor, size: int, bits: int) -> torch.Tensor:
+def channel_quantized_keys(
+    keys: torch.Tensor, size: int, bits: int, scale_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """(Hkv, L, D) keys rounded to `bits` per value with a min and a scale per (block of `size`
-    tokens, channel), dequantized; tokens past the last full block are kept as they are."""
+    tokens, channel), dequantized; tokens past the last full block are kept as they are.
+    `scale_dtype` (e.g. float8_e4m3fn): the min and the scale are stored in it (rounded through it)."""
     num_kv_heads, length, dim = keys.shape
     full = length // size * size
     blocks = keys[:, :full].reshape(num_kv_heads, -1, size, dim)
     low = blocks.amin(dim=2, keepdim=True)
     scale = (blocks.amax(dim=2, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
-    rounded = ((blocks - low) / scale).round() * scale + low
+    if scale_dtype is not None:  # rounded as stored; the codes are then taken against the stored pair
+        low, scale = low.to(scale_dtype).float(), scale.to(scale_dtype).float().clamp(min=1e-8)
+    rounded = ((blocks - low) / scale).round().clamp(0, 2**bits - 1) * scale + low
     return torch.cat((rounded.reshape(num_kv_heads, full, dim), keys[:, full:]), dim=1)
 
 
@@ -516,7 +522,9 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
         coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
         coarse |= {
-            name: channel_quantized_keys(keys, config.block_size, CHANNEL_SCORES[name][1])
+            name: channel_quantized_keys(
+                keys, config.block_size, CHANNEL_SCORES[name][1], torch.float8_e4m3fn if name.endswith("_s8") else None
+            )
             for name, config in configs.items()
             if name in CHANNEL_SCORES
         }

@@ -150,6 +150,12 @@ def test_channel_quantized_keys_round_each_block_channel_and_keep_the_tail():
     assert ((coarse[:, :6].view(2, 2, 3, 16) - blocks).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(coarse[:, 6], keys[:, 6])
     assert all(len(coarse[h, :3, c].unique()) <= 4 for h in range(2) for c in range(16))
+    # with the min and scale stored in 8 bits (e4m3: within 1/16 of each): still 4 levels, and off
+    # the key by at most the min's rounding plus one level
+    stored = channel_quantized_keys(keys, size=3, bits=2, scale_dtype=torch.float8_e4m3fn)
+    assert all(len(stored[h, :3, c].unique()) <= 4 for h in range(2) for c in range(16))
+    low = blocks.amin(2, keepdim=True).abs()
+    assert ((stored[:, :6].view(2, 2, 3, 16) - blocks).abs() <= low / 16 + step + 1e-6).all()
 
 
 def test_channel_scores_read_the_channels_the_queries_weigh_and_find_the_block_they_point_at():
