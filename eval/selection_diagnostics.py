@@ -311,9 +311,17 @@ def estimated_mass_blocks(
 
 def quantized_keys(keys: torch.Tensor, bits: int = KEY_BITS) -> torch.Tensor:
     """(Hkv, L, D) keys rounded to `bits` per value with a per-token min/max scale (dequantized)."""
-    low = keys.amin(dim=-1, keepdim=True)
-    scale = (keys.amax(dim=-1, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
-    return ((keys - low) / scale).round() * scale + low
+    return _rounded(keys, -1, bits)
+
+
+def _rounded(values: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` rounded to `bits` per value with a min and a scale over `dim`, dequantized;
+    `scale_dtype` (e.g. float8_e4m3fn): the min and the scale are stored in it (rounded through it)."""
+    low = values.amin(dim=dim, keepdim=True)
+    scale = (values.amax(dim=dim, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
+    if scale_dtype is not None:  # rounded as stored; the codes are then taken against the stored pair
+        low, scale = low.to(scale_dtype).float(), scale.to(scale_dtype).float().clamp(min=1e-8)
+    return ((values - low) / scale).round().clamp(0, 2**bits - 1) * scale + low
 
 
 def two_stage_blocks(
@@ -371,12 +379,7 @@ def channel_quantized_keys(
     `scale_dtype` (e.g. float8_e4m3fn): the min and the scale are stored in it (rounded through it)."""
     num_kv_heads, length, dim = keys.shape
     full = length // size * size
-    blocks = keys[:, :full].reshape(num_kv_heads, -1, size, dim)
-    low = blocks.amin(dim=2, keepdim=True)
-    scale = (blocks.amax(dim=2, keepdim=True) - low).clamp(min=1e-8) / (2**bits - 1)
-    if scale_dtype is not None:  # rounded as stored; the codes are then taken against the stored pair
-        low, scale = low.to(scale_dtype).float(), scale.to(scale_dtype).float().clamp(min=1e-8)
-    rounded = ((blocks - low) / scale).round().clamp(0, 2**bits - 1) * scale + low
+    rounded = _rounded(keys[:, :full].reshape(num_kv_heads, -1, size, dim), 2, bits, scale_dtype)
     return torch.cat((rounded.reshape(num_kv_heads, full, dim), keys[:, full:]), dim=1)
 
 

@@ -72,7 +72,6 @@ class DecoderStack:
         """Where the decoder runs (that of its embedding weights)."""
         return self.embed_tokens.weight.device
 
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: (B, T) ids -> (B, T, H) hidden states (Gemma's sqrt(H) scale included)."""
         return self.embed_tokens(input_ids.to(self.device))
