@@ -128,7 +128,13 @@ CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
     "channels_r20_q3": (20, 3),
     "channels_r24_q2_s8": (24, 2),  # min and scale in 8 bits: 192 + 48 bytes per 8 KiB block-head (2.9%)
     "channels_r24_q2": (24, 2),
+    "channels_r24_q2_s8_pairs": (24, 2),
+    "channels_r24_q2_s8_quads": (24, 2),
 }
+# "_pairs" / "_quads": the channels are chosen as whole RoPE rotation pairs (d, d + D/2), or as two
+# neighbouring pairs, so that what a step reads is whole runs of stored bytes (a quad's 2-bit codes
+# are 32 bytes, one memory sector) rather than single channels scattered over every sector.
+CHANNEL_GROUPS = {"_pairs": 2, "_quads": 4}
 # "twostage_channels_rR_Nth": the channel scores (R channels in 4 bits) as stage 1 of the two-stage
 # selector, keeping 1 in N blocks as candidates for the 4-bit per-token re-score. Read per step at
 # head_dim 64: R = 8 is 1.9% of the KV, a candidate block's 4-bit keys with per-token scales 14% of
@@ -384,7 +390,13 @@ def channel_quantized_keys(
 
 
 def channel_score_blocks(
-    config: SparseServeConfig, q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, scaling: float, channels: int
+    config: SparseServeConfig,
+    q: torch.Tensor,
+    coarse_keys: torch.Tensor,
+    num_full: int,
+    scaling: float,
+    channels: int,
+    group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each KV head loads the blocks of most attention its group puts on them as `channel_mass`
     estimates it from `channels` channels of `coarse_keys` (Hkv, >= N*S, D), exactly the budget.
@@ -392,19 +404,43 @@ def channel_score_blocks(
     num_kv_heads, heads = coarse_keys.shape[0], q.shape[0]
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
-    mass = channel_mass(q, coarse_keys, num_full, config.block_size, scaling, channels)
+    mass = channel_mass(q, coarse_keys, num_full, config.block_size, scaling, channels, group)
     return top_blocks_by_mass(config, mass.reshape(heads, num_full), num_kv_heads)
 
 
+def chosen_channels(weight: torch.Tensor, channels: int, group: int = 1) -> torch.Tensor:
+    """(Hkv, D) per-channel |q| mass -> (Hkv, R) the `channels` channels of most of it, chosen one by one
+    (`group` 1), by RoPE rotation pair (d, d + D/2) (2) or by two neighbouring pairs (4)."""
+    if group == 1:
+        return weight.topk(channels, dim=-1).indices
+    half = weight.shape[-1] // 2
+    pairs = weight[:, :half] + weight[:, half:]  # (Hkv, D/2)
+    units = pairs.view(pairs.shape[0], -1, group // 2).sum(-1)  # (Hkv, D/group)
+    first = units.topk(channels // group, dim=-1).indices * (group // 2)  # (Hkv, R/group) first pair of each
+    members = first[..., None] + torch.arange(group // 2)  # (Hkv, R/group, group/2) pairs
+    return torch.cat((members, members + half), dim=-1).flatten(1)  # (Hkv, R)
+
+
+def channel_group(variant: str) -> int:
+    """Channels chosen together by a channel-score `variant` (see `CHANNEL_GROUPS`)."""
+    return next((size for suffix, size in CHANNEL_GROUPS.items() if variant.endswith(suffix)), 1)
+
+
 def channel_mass(
-    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, channels: int
+    q: torch.Tensor,
+    coarse_keys: torch.Tensor,
+    num_full: int,
+    size: int,
+    scaling: float,
+    channels: int,
+    group: int = 1,
 ) -> torch.Tensor:
     """(Hkv, G, N): each query head's attention over the N full blocks (blocks of `size` tokens)
     estimated from the `channels` channels of `coarse_keys` (Hkv, >= N*size, D) where its group's
     |q| is largest, the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ)."""
     num_kv_heads, _, dim = coarse_keys.shape
     grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
-    chosen = grouped.abs().sum(1).topk(channels, dim=-1).indices  # (Hkv, R)
+    chosen = chosen_channels(grouped.abs().sum(1), channels, group)  # (Hkv, R)
     q_part = torch.gather(grouped, 2, chosen[:, None].expand(-1, grouped.shape[1], -1))  # (Hkv, G, R)
     keys = coarse_keys[:, : num_full * size]
     k_part = torch.gather(keys, 2, chosen[:, None].expand(-1, keys.shape[1], -1))  # (Hkv, N*S, R)
@@ -526,7 +562,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
         coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
         coarse |= {
             name: channel_quantized_keys(
-                keys, config.block_size, CHANNEL_SCORES[name][1], torch.float8_e4m3fn if name.endswith("_s8") else None
+                keys, config.block_size, CHANNEL_SCORES[name][1], torch.float8_e4m3fn if "_s8" in name else None
             )
             for name, config in configs.items()
             if name in CHANNEL_SCORES
@@ -551,7 +587,13 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                     )
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(
-                        config, queries[:, t], coarse[name], num_full, rec.scaling, CHANNEL_SCORES[name][0]
+                        config,
+                        queries[:, t],
+                        coarse[name],
+                        num_full,
+                        rec.scaling,
+                        CHANNEL_SCORES[name][0],
+                        channel_group(name),
                     )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)

@@ -318,10 +318,11 @@ def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
     )  # (B, Hq, D)
     store = layer.store
     meta_bytes = int((layer.block_ids >= 0).sum()) * store.metadata[:1].numel() * store.metadata.element_size()
-    replay_ms = graph_ms(lambda: select_and_fetch(layer, query), device)
-    eager_ms = time_ms(lambda: select_and_fetch(layer, query), device)
-    before_ms = graph_ms(lambda: before_attention(layer, query), device)
-    before_eager_ms = time_ms(lambda: before_attention(layer, query), device)
+    scaling = query.shape[-1] ** -0.5  # Llama's softmax scale
+    replay_ms = graph_ms(lambda: select_and_fetch(layer, query, scaling), device)
+    eager_ms = time_ms(lambda: select_and_fetch(layer, query, scaling), device)
+    before_ms = graph_ms(lambda: before_attention(layer, query, scaling), device)
+    before_eager_ms = time_ms(lambda: before_attention(layer, query, scaling), device)
     return {
         "bookkeeping_us_per_layer": None if replay_ms is None else replay_ms * 1e3,
         "bookkeeping_eager_us_per_layer": eager_ms * 1e3,
@@ -331,10 +332,10 @@ def bookkeeping(cache, device: torch.device) -> dict[str, Any]:
     }
 
 
-def before_attention(layer, query: torch.Tensor) -> torch.Tensor:
+def before_attention(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """What decode attention waits for when the lookup runs beside it (`lookup_beside_attention`):
     the selection, then the picked blocks' ids and resident slots. Returns the resident slots."""
-    picked, valid, _ = select_blocks(layer, query)
+    picked, valid, _ = select_blocks(layer, query, scaling)
     return layer.store.ops.picked_blocks(layer.block_ids, picked, valid, layer.store.hbm.tables)[1]
 
 

@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from .cache import handoff
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
+from .ops.channels import channel_count
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +182,13 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
     then the misses, and the two halves are merged."""
     store, tail = layer.store, layer.tail
     if trim or not store.lookup_beside:
-        slots, head_mask, scales = select_and_fetch(layer, q)
+        slots, head_mask, scales = select_and_fetch(layer, q, scaling)
         if trim:
             slots, head_mask, scales = used_columns(slots, head_mask, scales)
         return store.ops.sparse_decode(
             q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
         )
-    picked, valid, head_mask = select_blocks(layer, q)
+    picked, valid, head_mask = select_blocks(layer, q, scaling)
     reads = (layer.num_blocks, layer.tail_len)  # counted in the same launch: what this step reads
     block_ids, resident, join = store.fetch_beside(layer.block_ids, picked, valid, layer.first_partition, reads)
     pending = store.ops.begin_decode(
@@ -213,22 +214,25 @@ def used_columns(
 
 
 def select_and_fetch(
-    layer: SparseServeLayer, q: torch.Tensor
+    layer: SparseServeLayer, q: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The decode step's bookkeeping for one layer: score the row's blocks, pick them, resolve them to
-    HBM slots (loading misses). q (B, Hq, D). Returns slots (B, Hkv, U), -1 unused, the
+    HBM slots (loading misses). q (B, Hq, D); `scaling` the attention's softmax scale. Returns slots (B, Hkv, U), -1 unused, the
     per-query-head mask (B, Hq, U) or None, and the blocks' (B, Hkv, U, 2) scales where they are
     stored in 8 bits (else None). Records the pick in `layer.last_pick` and what the step reads
     in the store's load counters."""
     store = layer.store
-    picked, valid, head_mask = select_blocks(layer, q)
+    picked, valid, head_mask = select_blocks(layer, q, scaling)
     block_ids = torch.where(valid, torch.gather(layer.block_ids, 2, picked), -1)  # (B, Hkv, U) DRAM ids
     store.account(layer.first_partition, valid, layer.num_blocks, layer.tail_len)  # what this step reads
     return store.fetch(block_ids, layer.first_partition), head_mask, store.scales_of(block_ids)
 
 
-def select_blocks(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The decode step's selection for one layer: score the row's blocks and pick them. q (B, Hq, D).
+def select_blocks(
+    layer: SparseServeLayer, q: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The decode step's selection for one layer: score the row's blocks and pick them. q (B, Hq, D);
+    `scaling` the attention's softmax scale (channel scores estimate that softmax).
 
     Returns the blocks each KV head loads (B, Hkv, U) as indices into the row's table, their
     validity (B, Hkv, U), and the per-query-head mask (B, Hq, U) or None. Records the pick in
@@ -236,7 +240,11 @@ def select_blocks(layer: SparseServeLayer, q: torch.Tensor) -> tuple[torch.Tenso
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
-    scores = store.ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
+    if config.metadata == "channels":
+        channels = channel_count(config.channel_share, q.shape[-1])
+        scores = store.ops.score_channels(q, store.metadata, table, channels, scaling)  # (B, Hq, N)
+    else:
+        scores = store.ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
     picked, valid, head_mask = pick_blocks(store.ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])

@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METADATA_KINDS = ("quest", "cuboid", "hybrid")
+METADATA_KINDS = ("quest", "cuboid", "hybrid", "channels")
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
 KV_DTYPES = ("auto", "float8_e4m3fn")
+CHANNEL_BITS = 2  # bits per key value of "channels" metadata (`ops.channels.BITS`)
 HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
@@ -54,6 +55,14 @@ class SparseServeConfig:
             two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
             the few tokens a retrieval head reads). "hybrid" is the default: on the real model it
             keeps more of dense's accuracy than either alone, for 3x quest's metadata vectors.
+            "channels": a 2-bit copy of every key (a minimum and a step per block and channel,
+            `ops.channels`); each step reads the `channel_share` of the channels where the group's
+            queries are largest, estimates each query head's attention over every token from them
+            and scores a block by that estimate's mass on it. Token-level, so a needle is not
+            averaged into its block; best with `selection="kv_head"` and `group_aggregation="sum"`
+            (each KV head loads the blocks of most estimated attention of its group, exactly the
+            budget). Needs 8-bit metadata (`metadata_dtype` "auto" or "float8_e4m3fn"); 10 bytes
+            per block and channel, 7.8% of 16-bit 32-token KV, scored by PyTorch ops for now.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
@@ -68,6 +77,8 @@ class SparseServeConfig:
             on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
             it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
             16-bit KV (docs/metadata.md measures what the rounding costs in selection).
+        channel_share: metadata="channels" only: the share of head_dim's channels each KV head
+            reads per decode step (rounded, at least one channel).
         kv_dtype: how full blocks are stored, in DRAM and in the HBM block cache: "auto" (the
             default: the model's dtype, exactly) or "float8_e4m3fn" (one byte per value, each
             head-block's keys and its values scaled by their own fp32 scale so that their largest
@@ -198,6 +209,7 @@ class SparseServeConfig:
     metadata: str = "hybrid"
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
+    channel_share: float = 0.375
     kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
@@ -252,6 +264,10 @@ class SparseServeConfig:
                 f"got {self.metadata_sub_blocks}"
             )
         _check_choice("metadata_dtype", self.metadata_dtype, METADATA_DTYPES)
+        if not isinstance(self.channel_share, numbers.Real) or not 0 < self.channel_share <= 1:
+            raise ValueError(f"channel_share must be a number in (0, 1], got {self.channel_share!r}")
+        if self.metadata == "channels":
+            _check_channel_metadata(self)
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         if self.kv_dtype != "auto" and self.backend == "flash":
             raise NotImplementedError(
@@ -348,7 +364,10 @@ class SparseServeConfig:
 
     @property
     def metadata_vectors(self) -> int:
-        """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block."""
+        """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block;
+        for "channels" the packed 2-bit codes' rows plus a minimum and a step."""
+        if self.metadata == "channels":
+            return self.block_size * CHANNEL_BITS // 8 + 2
         if self.metadata == "hybrid":
             return 2 + self.sub_blocks
         return (2 if self.metadata == "quest" else 1) * self.sub_blocks
@@ -400,3 +419,19 @@ def _layer_indices(name: str, value: object) -> tuple[int, ...]:
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in value):
         raise ValueError(f"{name} must be a sequence of non-negative ints, got {value!r}")
     return tuple(sorted({int(i) for i in value}))
+
+
+def _check_channel_metadata(config: SparseServeConfig) -> None:
+    """What metadata="channels" needs: whole bytes of codes per block and 8-bit storage."""
+    if (config.block_size * CHANNEL_BITS) % 8:
+        raise ValueError(
+            f"metadata='channels' packs {8 // CHANNEL_BITS} tokens per byte: block_size must be a multiple of it"
+        )
+    if config.metadata_sub_blocks is not None:
+        raise ValueError(
+            "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
+        )
+    if config.metadata_dtype == "kv":
+        raise ValueError(
+            "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
+        )

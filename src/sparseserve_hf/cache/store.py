@@ -92,6 +92,11 @@ class TieredBlockStore:
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
         meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
+        if config.metadata == "channels" and meta_dtype.itemsize != 1:
+            raise ValueError(
+                f"metadata='channels' needs 8-bit metadata, and metadata_dtype={config.metadata_dtype!r} is "
+                f"{meta_dtype} on {device} (a GPU older than compute capability 8.9): use another metadata kind"
+            )
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)

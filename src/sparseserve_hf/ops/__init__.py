@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import lru, reference
+from . import channels, lru, reference
 
 __all__ = ["BlockOps", "flash_available", "get_ops", "reference", "resolve_backend", "triton_available"]
 
@@ -33,6 +33,7 @@ class BlockOps:
     name: str
     block_metadata: Callable[..., torch.Tensor]
     score_table: Callable[..., torch.Tensor]
+    score_channels: Callable[..., torch.Tensor]  # metadata="channels" (`ops.channels.score_channels`)
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -60,6 +61,7 @@ TORCH_OPS = BlockOps(
     name="torch",
     block_metadata=reference.block_metadata,
     score_table=reference.score_table,
+    score_channels=channels.score_channels,
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
     union_over_group=reference.union_over_group,
