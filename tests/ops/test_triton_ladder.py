@@ -95,3 +95,26 @@ def test_lookup_beside_attention_keeps_the_static_steps_tokens_and_counts():
         runs.append((tokens, stats["hits"], stats["misses"]))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
     assert 0 < runs[0][2] < runs[0][1]
+
+
+CHANNELS = dict(metadata="channels", selection="kv_head", group_aggregation="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else []), ids=str)
+def test_channel_scores_budget_covering_the_sequence_equals_sdpa(dtype):
+    model, sdpa = tiny_llama("sparseserve", dtype), tiny_llama("sdpa", dtype)
+    ids = random_ids(2, 45)
+    cache = triton_cache(model, token_budget=1024, **CHANNELS)
+    assert torch.equal(greedy(model, ids, cache, 8), greedy(sdpa, ids, new_tokens=8))
+
+
+def test_channel_scores_pick_what_the_torch_path_picks():
+    """A small budget over a longer prompt: the Triton channel scores select as the PyTorch op does,
+    so the tokens are the same."""
+    model = tiny_llama("sparseserve")
+    ids = random_ids(1, 200)
+    triton_tokens = greedy(model, ids, triton_cache(model, token_budget=48, **CHANNELS), 10)
+    torch_cache = SparseServeCache(
+        model.config, SparseServeConfig(block_size=16, backend="torch", token_budget=48, **CHANNELS)
+    )
+    assert torch.equal(triton_tokens, greedy(model, ids, torch_cache, 10))

@@ -86,7 +86,7 @@ def test_scores_follow_the_channels_of_largest_query_and_mask_unused_ids():
     query[0, :, 0] = 0.01
     ids = torch.tensor([[[0, 1, 2, 3]]])
     scores = channels.score_channels(query, meta, ids, 1, 1.0)  # one channel read: channel 3
-    assert torch.equal(channels.chosen_channels(query, 1, 1), torch.tensor([[[3]]]))
+    assert torch.equal(channels.channel_queries(query, 1, 1, 1.0)[0], torch.tensor([[[3]]]))
     assert (scores.argmax(-1) == 2).all() and scores[0, :, 2].min() > 0.99
     ids[0, 0, 2] = -1
     masked = channels.score_channels(query, meta, ids, 1, 1.0)

@@ -67,11 +67,41 @@ def channel_count(share: float, head_dim: int) -> int:
     return min(head_dim, max(1, round(share * head_dim)))
 
 
-def chosen_channels(query: torch.Tensor, num_kv_heads: int, channels: int) -> torch.Tensor:
-    """(B, Hq, D) queries -> (B, Hkv, R) the `channels` channels of most |q| summed over each group."""
+def channel_queries(
+    query: torch.Tensor, num_kv_heads: int, channels: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a step reads the keys with: (B, Hq, D) queries -> the `channels` channels of most |q|
+    summed over each group, chosen (B, Hkv, R) long, and each query head's q on them times its
+    logits' scale, scaled (B, Hkv, G, R) fp32: `scaling` over sqrt(the share of the head's |q| those
+    channels hold)."""
     batch, num_q_heads, dim = query.shape
-    grouped = query.float().abs().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)
-    return grouped.sum(dim=2).topk(channels, dim=-1).indices
+    q = query.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, dim)  # (B, Hkv, G, D)
+    chosen = q.abs().sum(dim=2).topk(channels, dim=-1).indices  # (B, Hkv, R)
+    q_part = torch.gather(q, 3, chosen[:, :, None].expand(-1, -1, q.shape[2], -1))  # (B, Hkv, G, R)
+    kept = q_part.abs().sum(-1, keepdim=True) / q.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (B, Hkv, G, 1)
+    return chosen, q_part * (scaling / kept.clamp(min=1e-6).sqrt())
+
+
+def block_logsumexp(
+    scaled: torch.Tensor, chosen: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor
+) -> torch.Tensor:
+    """The log of each block's summed exp(estimated logit) (the softmax's unnormalized block mass).
+
+    Args:
+        scaled, chosen: from `channel_queries`, (B, Hkv, G, R) and (B, Hkv, R).
+        metadata: (C, M, D) channel metadata of every DRAM block, by DRAM id.
+        block_ids: (B, Hkv, N) DRAM ids, -1 where the table is unused.
+    Returns:
+        (B, Hq, N) fp32, -inf where the id is -1.
+    """
+    batch, num_kv_heads, group, _ = scaled.shape
+    num_blocks = block_ids.shape[2]
+    meta = metadata.view(torch.uint8)[block_ids.clamp(min=0)]  # (B, Hkv, N, M, D) raw bytes
+    meta = torch.gather(meta, 4, chosen[:, :, None, None].expand(-1, -1, num_blocks, meta.shape[3], -1))
+    keys = dequantized_keys(meta.view(metadata.dtype))  # (B, Hkv, N, S, R)
+    logits = torch.einsum("bhgr,bhnsr->bhgns", scaled, keys)  # (B, Hkv, G, N, S)
+    out = torch.logsumexp(logits, dim=-1).masked_fill((block_ids < 0)[:, :, None], float("-inf"))
+    return out.reshape(batch, num_kv_heads * group, num_blocks)
 
 
 def score_channels(
@@ -89,22 +119,14 @@ def score_channels(
         (B, Hq, N) fp32: the softmax mass on each block (summing to 1 over a row's blocks), -inf
         where the id is -1.
     """
-    batch, num_q_heads, dim = query.shape
-    num_kv_heads, num_blocks = block_ids.shape[1:]
-    group = num_q_heads // num_kv_heads
-    chosen = chosen_channels(query, num_kv_heads, channels)  # (B, Hkv, R)
-    q = query.float().view(batch, num_kv_heads, group, dim)
-    q_part = torch.gather(q, 3, chosen[:, :, None].expand(-1, -1, group, -1))  # (B, Hkv, G, R)
-    kept = q_part.abs().sum(-1, keepdim=True) / q.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (B, Hkv, G, 1)
-    meta = metadata.view(torch.uint8)[block_ids.clamp(min=0)]  # (B, Hkv, N, M, D) raw bytes
-    meta = torch.gather(meta, 4, chosen[:, :, None, None].expand(-1, -1, num_blocks, meta.shape[3], -1))
-    keys = dequantized_keys(meta.view(metadata.dtype))  # (B, Hkv, N, S, R)
-    logits = torch.einsum("bhgr,bhnsr->bhgns", q_part, keys) * (scaling / kept.clamp(min=1e-6).sqrt())[..., None]
-    unused = (block_ids < 0)[:, :, None, :, None]  # (B, Hkv, 1, N, 1)
-    logits = logits.masked_fill(unused, float("-inf")).flatten(3)  # (B, Hkv, G, N*S)
-    mass = torch.softmax(logits, dim=-1).unflatten(-1, (num_blocks, -1)).sum(-1)  # (B, Hkv, G, N)
-    mass = mass.masked_fill(unused[..., 0], float("-inf"))  # also a row with no block at all (NaN)
-    return mass.reshape(batch, num_q_heads, num_blocks)
+    chosen, scaled = channel_queries(query, block_ids.shape[1], channels, scaling)
+    return block_mass(block_logsumexp(scaled, chosen, metadata, block_ids))
+
+
+def block_mass(logsumexp: torch.Tensor) -> torch.Tensor:
+    """(B, Hq, N) per-block log-sum-exp -> the softmax mass of each block, -inf where it was -inf
+    (unused entries; a row without blocks would otherwise be NaN)."""
+    return torch.softmax(logsumexp, dim=-1).masked_fill(torch.isneginf(logsumexp), float("-inf"))
 
 
 def _stored(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
