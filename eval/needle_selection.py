@@ -29,6 +29,7 @@ VARIANTS = {  # name -> SparseServeConfig overrides (token_budget comes from --b
     "group_union_fp8_kv": dict(selection="group_union", kv_dtype="float8_e4m3fn"),
     "kv_head_max": dict(selection="kv_head", group_aggregation="max"),
     "kv_head_sum": dict(selection="kv_head", group_aggregation="sum"),
+    "channels": dict(metadata="channels", selection="kv_head", group_aggregation="sum"),
     "query_head_cuboid": dict(selection="query_head", metadata="cuboid"),
     "query_head_window4": dict(selection="query_head", window_blocks=4),
     "query_head_sink4_window4": dict(selection="query_head", sink_blocks=4, window_blocks=4),
@@ -81,6 +82,7 @@ def main() -> None:
                     found=needle_found(text, sample),
                     answer=text,
                     hit_rate=cache.stats()["hit_rate"] if cache else None,
+                    loaded_fraction=cache.stats()["loaded_fraction"] if cache else None,
                 )
             )
         # Written after every sample, so a run cut short still leaves its results.
@@ -106,11 +108,19 @@ def write_results(out: Path, rows, variants, samples, seconds, device, dtype) ->
     lines = [
         f"Needles found of {len(samples)} ({meta['device']}, {meta['dtype']}, {meta['seconds']} s)",
         "",
-        "| variant | found | of dense's |",
-        "|---|---|---|",
-    ] + [f"| {name} | {count} | {kept[name]}/{len(dense_found)} |" for name, count in found.items()]
+        "| variant | found | of dense's | loaded (of the context, per KV head) |",
+        "|---|---|---|---|",
+    ] + [
+        f"| {name} | {count} | {kept[name]}/{len(dense_found)} | {_mean_loaded(rows, name)} |"
+        for name, count in found.items()
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _mean_loaded(rows: list[dict], variant: str) -> str:
+    loads = [r["loaded_fraction"] for r in rows if r["variant"] == variant and r.get("loaded_fraction") is not None]
+    return f"{sum(loads) / len(loads):.4f}" if loads else "all"
 
 
 if __name__ == "__main__":

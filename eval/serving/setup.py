@@ -37,7 +37,16 @@ LADDER: dict[str, dict[str, Any]] = {
         offload=True, transfer="kernel", admission=True, prefill_mode="layer_segmented", cuda_graphs=True
     ),
 }
-STOCK_CACHES = {"stock_generate": "dynamic", "stock_offload": "offloaded", "stock_static": "static"}  # generate's
+# generate's cache for each stock system. `stock_generate_no_cudnn`: DynamicCache with PyTorch's cuDNN
+# attention switched off (SDPA picks another kernel): cuDNN pays a setup for every KV length it has not
+# seen, which is every decode step of a serving run.
+STOCK_CACHES = {
+    "stock_generate": "dynamic",
+    "stock_generate_no_cudnn": "dynamic",
+    "stock_offload": "offloaded",
+    "stock_static": "static",
+}
+WITHOUT_CUDNN = ("stock_generate_no_cudnn",)
 STOCK = (*STOCK_CACHES, "stock_generate_batch")
 SYSTEMS = STOCK + tuple(LADDER)
 # CUDA allocator settings by system, each its best. Ours: expandable segments, or a layer's prefill
@@ -98,6 +107,8 @@ def build(
     cap.apply()
     model = _model(shape, trace, "sdpa" if system in STOCK else "sparseserve")
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
+    if system in WITHOUT_CUDNN:  # for this process: one system per process (eval/h200_serving.sh)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if system in STOCK_CACHES:
         cache = STOCK_CACHES[system]
         rows = stock.warm_static_generate(model, trace, budget, cache)
@@ -139,12 +150,14 @@ def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes:
 
 def dense_iteration_s(shape: str, trace: Trace, cap: HbmCap, steps: int = 32) -> float:
     """Median time of one stock dense decode step at batch 1 over the trace's median prompt (the SLO
-    unit), timed after a warm-up call of the same shape."""
+    unit), timed on the second of two identical calls: cuDNN's attention pays a setup at every KV
+    length it has not seen, so a warm-up shorter than the timed call leaves most timed steps cold."""
     cap.apply()
     model = _model(shape, trace, "sdpa")
     median = sorted(trace.requests, key=lambda r: len(r.prompt))[len(trace.requests) // 2]
-    stock.generate_step_times(model, [replace(median, output_tokens=WARMUP_NEW_TOKENS)], Clock())
-    times = stock.generate_step_times(model, [replace(median, output_tokens=steps + 1)], Clock())
+    request = replace(median, output_tokens=steps + 1)
+    stock.generate_step_times(model, [request], Clock())
+    times = stock.generate_step_times(model, [request], Clock())
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 

@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from eval.serving.__main__ import main
 from eval.serving.trace import Trace, build_trace
 
 SMALL = ["--shape", "tiny", "--hbm-cap-gib", "0.25", "--headroom-gib", "0.05", "--dram-gib", "0.05"]
-CPU_SYSTEMS = ["stock_generate", "stock_generate_batch", "ours_sparse", "ours_offload", "ours"]
+CPU_SYSTEMS = [
+    "stock_generate",
+    "stock_generate_no_cudnn",
+    "stock_generate_batch",
+    "ours_sparse",
+    "ours_offload",
+    "ours",
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +30,8 @@ def runs(tmp_path_factory):
     main(["calibrate", *common])
     for system in CPU_SYSTEMS:
         main(["run", "--system", system, "--rate", "20", *common])
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # what stock_generate_no_cudnn's process runs with
+    torch.backends.cuda.enable_cudnn_sdp(True)
     return folder, trace
 
 
@@ -51,7 +61,7 @@ def test_report_compares_ours_with_the_best_stock_system(runs, tmp_path):
     main(["report", str(folder / "runs"), "--out", str(tmp_path)])
     report = json.loads((tmp_path / "serving.json").read_text())
     assert report["dense_iteration_s"] > 0 and set(report["goodput"]) == set(CPU_SYSTEMS)
-    assert report["best_stock"] in {"stock_generate", "stock_generate_batch"}
+    assert report["best_stock"] in {"stock_generate", "stock_generate_no_cudnn", "stock_generate_batch"}
     for key in ("throughput_ratio_vs_best_stock", "ttft_ratio_vs_best_stock", "tbt_p50_ratio", "goodput_ratio"):
         assert key in report and key in report["at_1.5r"] or key == "goodput_ratio"
     assert set(report["ladder"]) == {"ours_sparse", "ours_offload", "ours"}
@@ -152,3 +162,17 @@ def test_the_probe_part_runs_each_cache_it_is_given(runs, tmp_path):
         assert result["prompt_tokens"] == [len(r.prompt) for r in trace.requests[:2]]
         assert all(result[phase]["step_ms"] > 0 for phase in ("capped_first", "capped_warm", "uncapped_warm"))
         assert result["command"].startswith("python -m eval.serving probe-stock")
+
+
+def test_the_probe_times_batches_new_to_the_warm_process_with_and_without_cudnn(runs):
+    from eval.serving.probe import stock_step_probe
+    from eval.serving.setup import HbmCap
+
+    _, trace = runs
+    result = stock_step_probe("tiny", trace, HbmCap(1 << 28, 1 << 26), rows=1, steps=3)
+    for phase, index in (("capped_new_lengths", 1), ("capped_new_lengths_no_cudnn", 2)):
+        for timed in (phase, f"{phase}_warm"):
+            assert result[timed]["step_ms"] > 0 and result[timed]["prompt_tokens"] == [
+                len(trace.requests[index].prompt)
+            ]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # switched back on
