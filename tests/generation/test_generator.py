@@ -14,6 +14,12 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 LENGTHS = (5, 37, 80, 130, 16, 1)
 
 
+CHANNEL_SCORES = dict(metadata="channels", selection="kv_head", group_aggregation="sum")
+# A KV head loads exactly its budget with one selection per KV head (a group union loads up to G x
+# it), so working sets are smaller: a smaller HBM cache makes admission leave rows out as often.
+CHANNEL_CACHE_BYTES = 36 * 2048
+
+
 def small_config(**overrides) -> SparseServeConfig:
     values = dict(block_size=16, token_budget=48) | overrides
     return SparseServeConfig(**values)
@@ -52,8 +58,9 @@ def test_batch_equals_stock_generate_one_by_one(llama, llama_sdpa):
         dict(max_batch=4, prefill_mode="chunked", max_inject_tokens=64, max_batch_tokens=40),
         dict(prefill_mode="full", admission=False, hbm_cache_bytes=2 * 24 * 2048),
         dict(kv_dtype="float8_e4m3fn", max_batch=3, token_budget=64, hbm_cache_bytes=48 * 512, max_inject_tokens=60),
+        dict(CHANNEL_SCORES, max_batch=3, token_budget=64, hbm_cache_bytes=CHANNEL_CACHE_BYTES, max_inject_tokens=60),
     ],
-    ids=["default", "segmented-small-cache", "chunked", "full-no-admission", "fp8-kv"],
+    ids=["default", "segmented-small-cache", "chunked", "full-no-admission", "fp8-kv", "channel-scores"],
 )
 def test_small_budget_batch_equals_one_by_one(llama, overrides):
     """Budget 48 of up to 150 tokens: real selection. Rows join, sit out and leave; tokens must not move."""
@@ -200,7 +207,10 @@ GRAPH_CONFIG = dict(
 @pytest.mark.core
 @pytest.mark.parametrize("pools", ["fixed", "growing"])
 @pytest.mark.parametrize("stand_in_graphs", [False, True], ids=["static-step", "fake-graphs"])
-def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools):
+@pytest.mark.parametrize(
+    "selector", [{}, CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES}], ids=["default", "channel-scores"]
+)
+def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools, selector):
     """cuda_graphs=True: rows join, sit out and leave (a restart each time), tokens and admission must not move.
 
     On CPU the runner runs the captured step eagerly; with the stand-in it captures and replays,
@@ -210,7 +220,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
 
     prompts = [prompt(n, seed=n) for n in LENGTHS]
     params = SamplingParams(max_new_tokens=24)
-    config = GRAPH_CONFIG | ({"dram_bytes": None} if pools == "growing" else {})  # the pool grows during the run
+    config = GRAPH_CONFIG | selector | ({"dram_bytes": None} if pools == "growing" else {})  # growing: during the run
     eager = Generator(llama, None, small_config(**config))
     graphed = Generator(llama, None, small_config(**config, cuda_graphs=True))
     runner, starts = graphed._runner, []
