@@ -99,8 +99,9 @@ def measure(
     batch: int, context: int, args, device: torch.device, group_union: bool, flash=None, metadata: str = "quest"
 ) -> dict[str, Any]:
     from sparseserve_hf import SparseServeConfig
-    from sparseserve_hf.attention import pick_blocks, rank_depth
+    from sparseserve_hf.attention import pick_blocks
     from sparseserve_hf.ops import get_ops, reference, triton_decode, triton_score
+    from sparseserve_hf.scoring import rank_depth
 
     vectors = SparseServeConfig(metadata=metadata).metadata_vectors  # the kind's default layout
     x = decode_inputs(batch, context, args.budget, group_union, device, vectors)

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from .cache import handoff
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
-from .ops.channels import channel_count
+from .scoring import SCORERS
 
 logger = logging.getLogger(__name__)
 
@@ -240,30 +240,13 @@ def select_blocks(
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
-    if config.metadata == "channels":
-        channels = channel_count(config.channel_share, q.shape[-1])
-        scores = store.ops.score_channels(q, store.metadata, table, channels, scaling)  # (B, Hq, N)
-    else:
-        scores = store.ops.score_table(q, store.metadata, table, config.metadata, rank_depth(config))  # (B, Hq, N)
+    scores = store.scorer.score(store.ops, q, store.metadata, table, config, scaling)  # (B, Hq, N)
     picked, valid, head_mask = pick_blocks(store.ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
     return picked, valid, head_mask
-
-
-def rank_depth(config: SparseServeConfig) -> int | None:
-    """How deep hybrid scoring must rank: each head's top-k is all a per-query-head selection reads;
-    a per-KV-head selection aggregates scores over the group, so there every rank counts."""
-    return None if config.selection == "kv_head" else config.selected_full_blocks
-
-
-def rank_floor(config: SparseServeConfig) -> int | None:
-    """The lowest score a depth-limited hybrid ranking gives (`combine_by_rank`: integers from
-    -2 * depth up, -inf for unused entries), or None where scores are real numbers."""
-    depth = rank_depth(config)
-    return -2 * depth if config.metadata == "hybrid" and depth is not None else None
 
 
 def pick_blocks(
@@ -292,7 +275,7 @@ def pick_blocks(
             config.sink_blocks,
             config.window_blocks,
             num_kv_heads,
-            rank_floor(config),
+            SCORERS[config.metadata].score_floor(config),
         )  # (B, Hkv, G*K)
         return picked, valid, None
     if config.selection == "kv_head":

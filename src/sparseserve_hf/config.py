@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METADATA_KINDS = ("quest", "cuboid", "hybrid", "channels")
+from .scoring import SCORERS
+
+METADATA_KINDS = tuple(SCORERS)
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
 KV_DTYPES = ("auto", "float8_e4m3fn")
-CHANNEL_BITS = 2  # bits per key value of "channels" metadata (`ops.channels.BITS`)
-HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
 SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
@@ -257,17 +257,10 @@ class SparseServeConfig:
             )
         object.__setattr__(self, "dense_layers", _layer_indices("dense_layers", self.dense_layers))
         _check_choice("metadata", self.metadata, METADATA_KINDS)
-        _check_positive_int("metadata_sub_blocks", self.sub_blocks)
-        if self.sub_blocks & (self.sub_blocks - 1) or self.sub_blocks > self.block_size:
-            raise ValueError(
-                f"metadata_sub_blocks must be a power of two no larger than block_size ({self.block_size}), "
-                f"got {self.metadata_sub_blocks}"
-            )
         _check_choice("metadata_dtype", self.metadata_dtype, METADATA_DTYPES)
         if not isinstance(self.channel_share, numbers.Real) or not 0 < self.channel_share <= 1:
             raise ValueError(f"channel_share must be a number in (0, 1], got {self.channel_share!r}")
-        if self.metadata == "channels":
-            _check_channel_metadata(self)
+        SCORERS[self.metadata].check(self)
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         if self.kv_dtype != "auto" and self.backend == "flash":
             raise NotImplementedError(
@@ -360,17 +353,14 @@ class SparseServeConfig:
         """Summaries per block: `metadata_sub_blocks`, or the metadata kind's default when it is None."""
         if self.metadata_sub_blocks is not None:
             return self.metadata_sub_blocks
-        return min(HYBRID_SUB_BLOCKS, self.block_size) if self.metadata == "hybrid" else 1
+        return SCORERS[self.metadata].default_sub_blocks(self.block_size)
 
     @property
     def metadata_vectors(self) -> int:
-        """Metadata vectors (each head_dim wide) per block: 2 (min, max) or 1 (mean) per sub-block;
-        for "channels" the packed 2-bit codes' rows plus a minimum and a step."""
-        if self.metadata == "channels":
-            return self.block_size * CHANNEL_BITS // 8 + 2
-        if self.metadata == "hybrid":
-            return 2 + self.sub_blocks
-        return (2 if self.metadata == "quest" else 1) * self.sub_blocks
+        """Metadata rows (each head_dim wide) per block, as the metadata kind lays them out
+        (`scoring.SCORERS`): 2 (min, max) or 1 (mean) per sub-block; "hybrid" one min/max pair and a
+        mean per sub-block; "channels" the packed 2-bit codes' rows plus a minimum and a step."""
+        return SCORERS[self.metadata].metadata_rows(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, ready for `json.dumps` (`dense_layers` goes out as a list)."""
@@ -419,19 +409,3 @@ def _layer_indices(name: str, value: object) -> tuple[int, ...]:
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in value):
         raise ValueError(f"{name} must be a sequence of non-negative ints, got {value!r}")
     return tuple(sorted({int(i) for i in value}))
-
-
-def _check_channel_metadata(config: SparseServeConfig) -> None:
-    """What metadata="channels" needs: whole bytes of codes per block and 8-bit storage."""
-    if (config.block_size * CHANNEL_BITS) % 8:
-        raise ValueError(
-            f"metadata='channels' packs {8 // CHANNEL_BITS} tokens per byte: block_size must be a multiple of it"
-        )
-    if config.metadata_sub_blocks is not None:
-        raise ValueError(
-            "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
-        )
-    if config.metadata_dtype == "kv":
-        raise ValueError(
-            "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
-        )

@@ -10,7 +10,9 @@ from eval import code_paths
 # The selection (`attention.select_blocks`) and the 8-bit scales (`TieredBlockStore.scales_of`) are
 # their own functions: attention over the resident blocks starts between the selection and the lookup.
 # The position limit is one rule wherever it applies (`PositionLimit.has`), one call more per step.
-MOST = {"dropin": (12, 67), "dropin_block_boundary": (13, 83), "generator": (23, 107)}
+# The metadata kind is one object (`scoring.SCORERS`) instead of string branches in the config, the
+# store and the selection: one file more on every path, a scorer's call before the scoring op.
+MOST = {"dropin": (13, 68), "dropin_block_boundary": (14, 86), "generator": (24, 107)}
 
 
 def test_each_step_is_counted_and_stays_within_todays_size(tmp_path):

@@ -11,6 +11,7 @@ from ..config import SparseServeConfig
 from ..layer_graphs import LayerGraphs
 from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
+from ..scoring import SCORERS
 from .block_cache import HbmBlockCache
 from .device_blocks import DeviceBlocks
 from .dram_pool import DramPool
@@ -91,12 +92,9 @@ class TieredBlockStore:
         self.saver = FlashD2HSaver(device) if config.save_path == "flash_d2h" else None
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
+        self.scorer = SCORERS[config.metadata]  # what a block's metadata is and how a step scores it
         meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
-        if config.metadata == "channels" and meta_dtype.itemsize != 1:
-            raise ValueError(
-                f"metadata='channels' needs 8-bit metadata, and metadata_dtype={config.metadata_dtype!r} is "
-                f"{meta_dtype} on {device} (a GPU older than compute capability 8.9): use another metadata kind"
-            )
+        self.scorer.check_dtype(meta_dtype)
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)
@@ -205,9 +203,7 @@ class TieredBlockStore:
             self.wait_for_saves()
             self.ops.scatter_blocks(stored, self.dram.storage, device_ids)
         config = self.config
-        self.metadata[device_ids] = self.ops.block_metadata(
-            blocks[:, 0], config.metadata, config.sub_blocks, self.metadata.dtype
-        )
+        self.metadata[device_ids] = self.scorer.summarize(self.ops, blocks[:, 0], config, self.metadata.dtype)
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids

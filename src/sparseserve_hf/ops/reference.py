@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import channels
-
 
 def block_metadata(
     keys: torch.Tensor, kind: str, sub_blocks: int = 1, dtype: torch.dtype | None = None
@@ -24,8 +22,7 @@ def block_metadata(
     Args:
         keys: (..., S, D) keys of full blocks.
         kind: "quest" -> per-channel (min, max); "cuboid" -> per-channel mean; "hybrid" -> the
-            whole block's quest (min, max) followed by the cuboid mean of each sub-block;
-            "channels" -> every key in 2 bits (`ops.channels.channel_metadata`; `sub_blocks` unused).
+            whole block's quest (min, max) followed by the cuboid mean of each sub-block.
         sub_blocks: summaries per block (a divisor of S). Finer summaries bound the keys more
             tightly (a needle's few tokens are not averaged or boxed with 31 others), at
             sub_blocks x the metadata; the block is still loaded and attended whole.
@@ -35,8 +32,6 @@ def block_metadata(
         (min_0, max_0, min_1, max_1, ...); M = sub_blocks for cuboid (mean_0, mean_1, ...);
         M = 2 + sub_blocks for hybrid (min, max, mean_0, mean_1, ...).
     """
-    if kind == "channels":
-        return channels.channel_metadata(keys, torch.float8_e4m3fn if dtype is None else dtype)
     summary = _summarize(keys, kind, sub_blocks)
     return summary if dtype is None else to_metadata_dtype(summary, dtype)
 

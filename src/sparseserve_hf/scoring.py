@@ -1,0 +1,195 @@
+"""Block scorers: one per `SparseServeConfig.metadata` kind.
+
+A scorer says what a full block keeps as metadata (rows of head_dim values, in the store's (C, M, D)
+pool), what a config needs for it, how a block's metadata is made when the block fills, and how a
+decode step scores every block of a row's table from it. The config's validation, the store and
+the decode step ask `SCORERS`; a new kind is one class here with its ops (a spec in `ops/`, and a
+kernel where it pays) and one entry in `SCORERS`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .ops import channels
+
+if TYPE_CHECKING:
+    from .config import SparseServeConfig
+    from .ops import BlockOps
+
+HYBRID_SUB_BLOCKS = 4  # default sub-blocks of "hybrid" metadata: one cuboid mean per 8 tokens of a 32-token block
+
+
+class Scorer(Protocol):
+    """What the cache needs of a metadata kind (every method takes the cache's config)."""
+
+    def default_sub_blocks(self, block_size: int) -> int:
+        """`SparseServeConfig.sub_blocks` when `metadata_sub_blocks` is None."""
+        ...
+
+    def metadata_rows(self, config: SparseServeConfig) -> int:
+        """M: head_dim-wide rows of metadata per block."""
+        ...
+
+    def check(self, config: SparseServeConfig) -> None:
+        """ValueError naming the field, where the config's other fields do not suit this kind."""
+        ...
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """ValueError where the metadata dtype the config resolved to does not suit this kind."""
+        ...
+
+    def summarize(
+        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """(n, S, D) keys of full blocks -> their (n, M, D) metadata in `dtype`."""
+        ...
+
+    def score(
+        self,
+        ops: BlockOps,
+        query: torch.Tensor,
+        metadata: torch.Tensor,
+        block_ids: torch.Tensor,
+        config: SparseServeConfig,
+        scaling: float,
+    ) -> torch.Tensor:
+        """(B, Hq, N) fp32 scores of each row's table, higher is better, -inf where the id is -1.
+        query (B, Hq, D); metadata (C, M, D) by DRAM id; block_ids (B, Hkv, N); scaling: the softmax's."""
+        ...
+
+    def score_floor(self, config: SparseServeConfig) -> int | None:
+        """A promise that every score is -inf or an integer >= this (None: real numbers), which lets
+        the group union's kernel search fewer key bits (`reference.select_group_union`)."""
+        ...
+
+
+class BlockSummaries:
+    """ "quest" (per-channel key min/max: Quest's bound of q.k), "cuboid" (per-channel key mean) and
+    "hybrid" (the block's min/max and a mean per sub-block, the two rankings interleaved), each per
+    `metadata_sub_blocks` sub-block (`reference.block_metadata`, `reference.score_table`)."""
+
+    def __init__(self, kind: str, default_sub_blocks: int = 1) -> None:
+        self.kind = kind
+        self._default_sub_blocks = default_sub_blocks
+
+    def default_sub_blocks(self, block_size: int) -> int:
+        """The kind's default (4 for hybrid, else 1), at most one per token."""
+        return min(self._default_sub_blocks, block_size)
+
+    def metadata_rows(self, config: SparseServeConfig) -> int:
+        """quest: (min, max) per sub-block; cuboid: a mean per sub-block; hybrid: one (min, max), then a
+        mean per sub-block."""
+        if self.kind == "hybrid":
+            return 2 + config.sub_blocks
+        return (2 if self.kind == "quest" else 1) * config.sub_blocks
+
+    def check(self, config: SparseServeConfig) -> None:
+        """Sub-blocks: a power of two, at most one per token."""
+        sub = config.sub_blocks
+        if not isinstance(sub, int) or isinstance(sub, bool) or sub < 1 or sub & (sub - 1) or sub > config.block_size:
+            raise ValueError(
+                f"metadata_sub_blocks must be a power of two no larger than block_size ({config.block_size}), "
+                f"got {config.metadata_sub_blocks!r}"
+            )
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Any float dtype holds a summary."""
+
+    def summarize(
+        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`ops.block_metadata` of the kind (computed from the keys as given, then stored in `dtype`)."""
+        return ops.block_metadata(keys, self.kind, config.sub_blocks, dtype)
+
+    def score(
+        self,
+        ops: BlockOps,
+        query: torch.Tensor,
+        metadata: torch.Tensor,
+        block_ids: torch.Tensor,
+        config: SparseServeConfig,
+        scaling: float,
+    ) -> torch.Tensor:
+        """`ops.score_table`: Quest's bound or the mean's q.k, or for hybrid the interleaved ranks."""
+        return ops.score_table(query, metadata, block_ids, self.kind, rank_depth(config))
+
+    def score_floor(self, config: SparseServeConfig) -> int | None:
+        """Hybrid ranks are integers from -2 x the ranked depth up; the other kinds' scores are real numbers."""
+        depth = rank_depth(config)
+        return -2 * depth if self.kind == "hybrid" and depth is not None else None
+
+
+def rank_depth(config: SparseServeConfig) -> int | None:
+    """How deep hybrid scoring must rank: each head's top-k is all a per-query-head selection reads;
+    a per-KV-head selection aggregates scores over the group, so there every rank counts."""
+    return None if config.selection == "kv_head" else config.selected_full_blocks
+
+
+class ChannelScores:
+    """ "channels": a 2-bit copy of every key, and each block scored by its query heads' softmax mass
+    as estimated from the channels of most |q| (`ops.channels`)."""
+
+    def default_sub_blocks(self, block_size: int) -> int:
+        """1: every token is scored; there are no sub-block summaries."""
+        return 1
+
+    def metadata_rows(self, config: SparseServeConfig) -> int:
+        """The packed codes' rows, a minimum and a step (`ops.channels`)."""
+        return channels.metadata_rows(config.block_size)
+
+    def check(self, config: SparseServeConfig) -> None:
+        """Whole bytes of codes per block, no sub-blocks, 8-bit storage."""
+        if (config.block_size * channels.BITS) % 8:
+            raise ValueError(
+                f"metadata='channels' packs {8 // channels.BITS} tokens per byte: block_size must be a multiple of it"
+            )
+        if config.metadata_sub_blocks is not None:
+            raise ValueError(
+                "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
+            )
+        if config.metadata_dtype == "kv":
+            raise ValueError(
+                "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
+            )
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """One byte per value: the codes are raw bytes."""
+        if dtype.itemsize != 1:
+            raise ValueError(
+                f"metadata='channels' needs 8-bit metadata, and metadata_dtype resolved to {dtype} here (a GPU "
+                "older than compute capability 8.9): use another metadata kind"
+            )
+
+    def summarize(
+        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`channels.channel_metadata`."""
+        return channels.channel_metadata(keys, dtype)
+
+    def score(
+        self,
+        ops: BlockOps,
+        query: torch.Tensor,
+        metadata: torch.Tensor,
+        block_ids: torch.Tensor,
+        config: SparseServeConfig,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Each query head's estimated softmax mass per block (`ops.score_channels`)."""
+        count = channels.channel_count(config.channel_share, query.shape[-1])
+        return ops.score_channels(query, metadata, block_ids, count, scaling)
+
+    def score_floor(self, config: SparseServeConfig) -> int | None:
+        """None: the masses are real numbers."""
+        return None
+
+
+SCORERS: dict[str, Scorer] = {
+    "quest": BlockSummaries("quest"),
+    "cuboid": BlockSummaries("cuboid"),
+    "hybrid": BlockSummaries("hybrid", HYBRID_SUB_BLOCKS),
+    "channels": ChannelScores(),
+}
