@@ -128,6 +128,8 @@ CHANNEL_SCORES = {  # variant -> (channels read per KV head, bits per value)
     "channels_r20_q3": (20, 3),
     "channels_r24_q2_s8": (24, 2),  # min and scale in 8 bits: 192 + 48 bytes per 8 KiB block-head (2.9%)
     "channels_r24_q2": (24, 2),
+    "channels_r32_q2_s8": (32, 2),
+    "channels_r64_q2_s8": (64, 2),  # every channel of the default model's head_dim: what a read of whole blocks allows
     "channels_r24_q2_s8_pairs": (24, 2),
     "channels_r24_q2_s8_quads": (24, 2),
 }

@@ -209,7 +209,7 @@ class SparseServeConfig:
     metadata: str = "hybrid"
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
-    channel_share: float = 0.375
+    channel_share: float = 0.5
     kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
