@@ -48,6 +48,9 @@
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 #   fp8kv       8-bit KV (kv_dtype=float8_e4m3fn): the decode kernel and drop-in GPU tests, then the real-locality
 #               step with 8-bit blocks and with model-dtype blocks in the same call (fp8_decode_vs_bf16)
+#   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
+#               scorer and ladder tests, then the real-locality step with stock and the default config, and the
+#               same step with channel scores at half and at all of the channels (bookkeeping per layer beside it)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -117,6 +120,16 @@ case $part in
       --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
       --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
+  channels)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
+      tests/unit/test_channel_scores.py tests/unit/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
+    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
+      --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
+    for share in 0.5 1.0; do
+      python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
+        --set selection=kv_head --set group_aggregation=sum --set channel_share=$share \
+        --out "$out/decode_step_channels_$share.json" 2>&1 | tee "$out/decode_step_channels_$share.log" | tail -14
+    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -165,5 +178,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
