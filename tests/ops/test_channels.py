@@ -55,3 +55,19 @@ def test_empty_table_returns_empty():
         scaled, chosen, metadata, torch.zeros(0, 2, 5, dtype=torch.long, device=DEVICE)
     )
     assert out.shape == (0, 4, 5)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4)])
+@pytest.mark.parametrize("dim,read", [(16, 5), (128, 48)])
+def test_tensor_core_products_match_reference_to_fp16_rounding(poisoned, kv_heads, group, dim, read):
+    """The launch knob: keys and the scaled query rounded to fp16, products on tensor cores."""
+    torch.manual_seed(dim + group)
+    table = ragged_table(2, kv_heads, 21, 200, [21, 9])
+    metadata = channels.channel_metadata(torch.randn(200, 32, dim) * 2, FP8)
+    chosen, scaled = channels.channel_queries(torch.randn(2, kv_heads * group, dim), kv_heads, read, dim**-0.5)
+    expected = channels.block_logsumexp(scaled, chosen, metadata, table)
+    got = triton_channels.block_logsumexp(
+        scaled.to(DEVICE), chosen.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), tensor_cores=True
+    )
+    assert torch.equal(torch.isneginf(got).cpu(), torch.isneginf(expected))
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-2, rtol=2e-3)

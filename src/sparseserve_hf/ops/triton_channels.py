@@ -20,6 +20,11 @@ from . import channels
 
 BLOCK_N = 16  # blocks per program
 NUM_WARPS = 4
+# A launch knob, off by default until timed: the group's products as one fp16 tensor-core product per
+# token (keys and the scaled query rounded to fp16, about 1e-3 relative) instead of fp32 products
+# summed over the channels in registers (exact up to the order of the sum).
+TENSOR_CORES = False
+MIN_DOT = 16  # tl.dot's smallest tile side
 
 
 @triton.jit
@@ -46,8 +51,9 @@ def _block_lse_kernel(
     CODE_ROWS: tl.constexpr,
     PER_BYTE: tl.constexpr,
     BITS: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. BLOCK_G >= 16 with DOT."""
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
@@ -66,13 +72,17 @@ def _block_lse_kernel(
     mask = valid[:, None] & has_r[None, :]
     low = tl.load(bounds_ptr + cell + CODE_ROWS * D, mask=mask, other=0.0).to(tl.float32)
     step = tl.maximum(tl.load(bounds_ptr + cell + (CODE_ROWS + 1) * D, mask=mask, other=0.0).to(tl.float32), 1e-8)
+    q_half = tl.trans(q.to(tl.float16))  # (BLOCK_R, BLOCK_G), for DOT
     best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for j in tl.static_range(CODE_ROWS):
         packed = tl.load(codes_ptr + cell + j * D, mask=mask, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_R)
         for t in tl.static_range(PER_BYTE):
             keys = ((packed >> (t * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * step + low  # (BLOCK_N, BLOCK_R)
-            logits = tl.sum(keys[:, None, :] * q[None, :, :], axis=2)  # (BLOCK_N, BLOCK_G)
+            if DOT:
+                logits = tl.dot(keys.to(tl.float16), q_half)  # (BLOCK_N, BLOCK_G), fp32 accumulation
+            else:
+                logits = tl.sum(keys[:, None, :] * q[None, :, :], axis=2)  # (BLOCK_N, BLOCK_G)
             newest = tl.maximum(best, logits)
             total = total * tl.exp(best - newest) + tl.exp(logits - newest)
             best = newest
@@ -82,9 +92,14 @@ def _block_lse_kernel(
 
 
 def block_logsumexp(
-    scaled: torch.Tensor, chosen: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor
+    scaled: torch.Tensor,
+    chosen: torch.Tensor,
+    metadata: torch.Tensor,
+    block_ids: torch.Tensor,
+    tensor_cores: bool | None = None,
 ) -> torch.Tensor:
     """`channels.block_logsumexp` as one kernel: (B, Hq, N) fp32, -inf where the id is -1.
+    `tensor_cores`: the products in fp16 on tensor cores (None: `TENSOR_CORES`).
 
     Args:
         scaled, chosen: (B, Hkv, G, R) and (B, Hkv, R), from `channels.channel_queries`.
@@ -99,13 +114,15 @@ def block_logsumexp(
         return out
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
+    dot = TENSOR_CORES if tensor_cores is None else tensor_cores
+    block_g = triton.next_power_of_2(group)
     _block_lse_kernel[grid](
         scaled.float().contiguous(), chosen.to(torch.int32).contiguous(), metadata.view(torch.uint8), metadata,
         block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads, count,
-        D=dim, G=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_R=max(16, triton.next_power_of_2(count)),
-        BLOCK_N=BLOCK_N, CODE_ROWS=metadata.shape[1] - 2, PER_BYTE=8 // channels.BITS, BITS=channels.BITS,
-        num_warps=NUM_WARPS,
+        D=dim, G=group, BLOCK_G=max(MIN_DOT, block_g) if dot else block_g,
+        BLOCK_R=max(MIN_DOT, triton.next_power_of_2(count)), BLOCK_N=BLOCK_N, CODE_ROWS=metadata.shape[1] - 2,
+        PER_BYTE=8 // channels.BITS, BITS=channels.BITS, DOT=dot, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
