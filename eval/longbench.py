@@ -403,7 +403,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """CLI entry point; returns the summary written to `--out`."""
-    from sparseserve_hf.models import DEFAULT_MODEL_NAME, load_default
+    from sparseserve_hf.data.models import DEFAULT_MODEL_NAME, load_default
 
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)

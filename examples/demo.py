@@ -23,8 +23,8 @@ from transformers.utils import logging as hf_logging
 import sparseserve_hf  # noqa: F401  (importing it registers attn_implementation="sparseserve")
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
-from sparseserve_hf.models import load_default
+from sparseserve_hf.data.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
+from sparseserve_hf.data.models import load_default
 
 CONTEXT_TOKENS = 7680
 NEEDLE_DEPTH = 0.5

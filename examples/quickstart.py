@@ -24,7 +24,7 @@ from transformers.utils import logging as hf_logging
 import sparseserve_hf  # noqa: F401  (importing it registers attn_implementation="sparseserve")
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.models import default_model_dir, load_default
+from sparseserve_hf.data.models import default_model_dir, load_default
 
 QUESTION = "Explain in three sentences why the sky is blue."
 

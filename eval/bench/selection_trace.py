@@ -273,7 +273,7 @@ def record(model, tokenizer, config, contexts: list[int], depths: list[float], s
 
     from sparseserve_hf import SparseServeCache
     from sparseserve_hf.compat import cache_kwarg
-    from sparseserve_hf.haystack import build_needle_prompt, encode_prompt
+    from sparseserve_hf.data.haystack import build_needle_prompt, encode_prompt
 
     per_prompt, counts = [], []
     max_blocks = max(contexts) // config.block_size + steps // config.block_size + 2
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.record:
         from sparseserve_hf import SparseServeConfig
-        from sparseserve_hf.models import load_default
+        from sparseserve_hf.data.models import load_default
 
         model, tokenizer = load_default()
         depths = [(i + 0.5) / args.prompts for i in range(args.prompts)]

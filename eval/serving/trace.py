@@ -149,8 +149,8 @@ def build_trace(
 
 def essay_token_ids() -> tuple[list[int], str]:
     """The Paul Graham essays through the default model's tokenizer, and a label saying so."""
-    from sparseserve_hf.haystack import load_essays
-    from sparseserve_hf.models import load_default
+    from sparseserve_hf.data.haystack import load_essays
+    from sparseserve_hf.data.models import load_default
 
     _, tokenizer = load_default()
     ids = tokenizer(load_essays(), add_special_tokens=False).input_ids

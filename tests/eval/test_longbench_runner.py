@@ -67,7 +67,7 @@ def tiny_llama():
 def write_fixture(folder: Path, words_per_passage: int = 150) -> Path:
     """Two multi_news and two passage_retrieval_en records in LongBench JSONL, cut from real essays."""
     try:
-        from sparseserve_hf.haystack import load_essays
+        from sparseserve_hf.data.haystack import load_essays
 
         words = load_essays().split()
     except FileNotFoundError as exc:
@@ -239,7 +239,7 @@ def test_batched_run_equals_one_by_one(tmp_path):
 @pytest.mark.slow
 def test_cli_on_default_real_model(tmp_path):
     """`python -m eval.longbench` on SmolLM2-135M: chat template, middle truncation, 2 samples, dense vs 512."""
-    from sparseserve_hf.models import ModelNotAvailableError
+    from sparseserve_hf.data.models import ModelNotAvailableError
 
     # 2 x 600 essay words ~ 1.6K tokens: cut in the middle to 1500, so truncation runs on the real tokenizer.
     data = write_fixture(tmp_path / "data", words_per_passage=600)

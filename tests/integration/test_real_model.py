@@ -27,8 +27,8 @@ from transformers import DynamicCache
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
-from sparseserve_hf.models import ModelNotAvailableError, load_default
+from sparseserve_hf.data.haystack import NeedleSample, build_needle_prompt, encode_prompt, needle_found
+from sparseserve_hf.data.models import ModelNotAvailableError, load_default
 
 pytestmark = pytest.mark.slow
 

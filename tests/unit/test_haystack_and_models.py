@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from sparseserve_hf import haystack
-from sparseserve_hf.models import HOME_ENV_VAR, ModelNotAvailableError, default_model_dir, load_default
+from sparseserve_hf.data import haystack
+from sparseserve_hf.data.models import HOME_ENV_VAR, ModelNotAvailableError, default_model_dir, load_default
 from toy_tokenizer import word_tokenizer
 
 ESSAY = " ".join(f"Sentence number {i} talks about startups and essays." for i in range(400))

@@ -94,7 +94,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import sparseserve_hf  # noqa: F401  registers attn_implementation="sparseserve"
-    from sparseserve_hf.models import prepare_default_model
+    from sparseserve_hf.data.models import prepare_default_model
 
     folder = Path(args.model) if args.model is not None else prepare_default_model()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

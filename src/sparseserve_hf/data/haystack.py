@@ -1,7 +1,7 @@
 """Needle-in-a-haystack prompts on real text (Paul Graham essays), built offline.
 
-RULER's own generator needs NLTK data that cannot be downloaded here (models-and-data.md,
-"Gotchas"), so this module rebuilds its niah sample construction: a haystack of essay text
+RULER's own generator needs NLTK data that cannot be downloaded offline, so this module rebuilds
+its niah sample construction: a haystack of essay text
 cut at a sentence boundary, one "special magic number" needle inserted at a sentence boundary
 at a given depth, and the question, wrapped in the model's chat template.
 """
