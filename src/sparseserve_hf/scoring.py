@@ -142,10 +142,7 @@ class ChannelScores:
 
     def check(self, config: SparseServeConfig) -> None:
         """Whole bytes of codes per block, no sub-blocks, 8-bit storage."""
-        if (config.block_size * channels.BITS) % 8:
-            raise ValueError(
-                f"metadata='channels' packs {8 // channels.BITS} tokens per byte: block_size must be a multiple of it"
-            )
+        channels.metadata_rows(config.block_size)  # raises unless the codes fill whole bytes
         if config.metadata_sub_blocks is not None:
             raise ValueError(
                 "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
