@@ -147,10 +147,51 @@ TWO_STAGE_CHANNELS = {  # variant -> (stage-1 channels, 1 in this many blocks re
     "twostage_channels_r12_16th": (12, 16),
 }
 CHANNEL_SCORES.update({name: (channels, 4) for name, (channels, _) in TWO_STAGE_CHANNELS.items()})
+# "calib_{source}_p{P}[_r{R}]_q{B}": channel scores from P channels per (layer, KV head) chosen once per
+# request, before decode, so that only those channels' codes are stored and every step reads exactly
+# them (contiguous runs, no scattered channel reads; a per-step choice among all D channels reads whole
+# sectors of every channel). At each step the R of them where the group's |q| is largest are used (R = P
+# unless given). The choice, by RoPE rotation pair (d, d + D/2), whose summed magnitude a rotation keeps:
+# "keys": mean |k| over the prompt's keys; "pq": mean |q| over the prompt's last PROMPT_QUERIES queries,
+# summed over the group; "pqk": the product of the two per channel (an estimate of |q_d k_d|). "pq1":
+# as "pq" by single channels. Min and scale per (block, channel) in 8 bits. Read per step at D = 64:
+# P = 24 in 2 bits, 240 bytes per 8 KiB block-head (2.9%); P = 32, 320 (3.9%); P = 16 in 3 bits, 224 (2.7%).
+CALIBRATED = {  # variant -> (source, channels stored P, channels used per step R)
+    "calib_keys_p24_q2": ("keys", 24, 24),
+    "calib_pq_p24_q2": ("pq", 24, 24),
+    "calib_pqk_p24_q2": ("pqk", 24, 24),
+    "calib_pq1_p24_q2": ("pq1", 24, 24),
+    "calib_pqk_p32_q2": ("pqk", 32, 32),
+    "calib_pqk_p32_r24_q2": ("pqk", 32, 24),
+    "calib_pqk_p16_q3": ("pqk", 16, 16),
+    "calib_pqk_p20_q3": ("pqk", 20, 20),
+}
+# "blockch_{source}_p{P}_q{B}": the P channels are chosen per block, when it fills, from its own keys
+# (and stored with it: P bytes of channel numbers per block-head), so a block's metadata describes itself
+# (a shared prefix needs no per-request state). "std": the block's per-channel standard deviation of
+# keys (what tells its tokens apart); "stdq": that times the request's prompt-query |q| (as "pq" above);
+# "abs", "absq": mean |k| instead of the deviation; "std1": by single channels, not RoPE pairs.
+BLOCK_CHANNELS = {  # variant -> (source, channels stored P)
+    "blockch_std_p24_q2": ("std", 24),
+    "blockch_stdq_p24_q2": ("stdq", 24),
+    "blockch_absq_p24_q2": ("absq", 24),
+    "blockch_abs_p24_q2": ("abs", 24),
+    "blockch_std1_p24_q2": ("std1", 24),
+    "blockch_std_p32_q2": ("std", 32),
+    "blockch_std_p16_q3": ("std", 16),
+    "blockch_std_p16_q4": ("std", 16),
+    "blockch_std_p12_q4": ("std", 12),
+    "blockch_stdq_p32_q2": ("stdq", 32),
+    "blockch_stdq_p16_q3": ("stdq", 16),
+    "blockch_stdq1_p24_q2": ("stdq1", 24),
+}
+CHANNEL_SCORES.update({name: (stored, int(name[-1])) for name, (_, stored) in BLOCK_CHANNELS.items()})
+CHANNEL_SCORES.update({name: (used, int(name[-1])) for name, (_, _, used) in CALIBRATED.items()})
 ESTIMATES.update(CHANNEL_SCORES)
 for _name in CHANNEL_SCORES:
     VARIANTS[_name] = dict(selection="kv_head")
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
+PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
 
@@ -168,6 +209,8 @@ class Recording:
         needle: (L,) bool, True on the tokens of the needle's value(s).
         scaling: softmax scale of the model's attention.
         answer: the dense greedy answer text.
+        prompt_query_abs: per layer (Hq, D) mean |q| over the prompt's last `PROMPT_QUERIES` positions
+            (what a prefill sees before decode starts); None in recordings made before it was kept.
     """
 
     queries: list[torch.Tensor]
@@ -176,6 +219,7 @@ class Recording:
     needle: torch.Tensor
     scaling: float
     answer: str
+    prompt_query_abs: list[torch.Tensor] | None = None
 
 
 def _register_capture(store: dict) -> None:
@@ -185,6 +229,8 @@ def _register_capture(store: dict) -> None:
         if store.get("on"):
             steps = store["steps"]
             store["q"][module.layer_idx] = query[0, :, -steps:].float().cpu().clone()  # (Hq, T, D)
+            prompt = query[0, :, -steps - PROMPT_QUERIES : -steps].float()  # (Hq, W, D)
+            store["q_prompt"][module.layer_idx] = prompt.abs().mean(1).cpu()  # (Hq, D)
             store["k"][module.layer_idx] = key[0].float().cpu().clone()  # (Hkv, L, D)
             store["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
         return sdpa_attention_forward(
@@ -197,7 +243,7 @@ def _register_capture(store: dict) -> None:
 
 def record(model, tokenizer, prompt: str, references: list[str], steps: int) -> Recording:
     """Dense greedy `steps` answer tokens, then one capturing forward over prompt + answer."""
-    store: dict = dict(q={}, k={}, steps=steps, on=False)
+    store: dict = dict(q={}, k={}, q_prompt={}, steps=steps, on=False)
     _register_capture(store)
     previous = model.config._attn_implementation
     model.set_attn_implementation(CAPTURE)
@@ -232,6 +278,7 @@ def _record(model, tokenizer, prompt: str, references: list[str], steps: int, st
         needle=needle_token_mask(enc["offset_mapping"][0], prompt, references, full.shape[1]),
         scaling=float(store["scaling"]),
         answer=tokenizer.decode(answer_ids, skip_special_tokens=True),
+        prompt_query_abs=[store["q_prompt"][i] for i in layers],
     )
 
 
@@ -399,14 +446,15 @@ def channel_score_blocks(
     scaling: float,
     channels: int,
     group: int = 1,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each KV head loads the blocks of most attention its group puts on them as `channel_mass`
-    estimates it from `channels` channels of `coarse_keys` (Hkv, >= N*S, D), exactly the budget.
-    Same returns as `attended_blocks`."""
+    estimates it from `channels` channels of `coarse_keys` (Hkv, >= N*S, D) (among `allowed`, if
+    given), exactly the budget. Same returns as `attended_blocks`."""
     num_kv_heads, heads = coarse_keys.shape[0], q.shape[0]
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
-    mass = channel_mass(q, coarse_keys, num_full, config.block_size, scaling, channels, group)
+    mass = channel_mass(q, coarse_keys, num_full, config.block_size, scaling, channels, group, allowed)
     return top_blocks_by_mass(config, mass.reshape(heads, num_full), num_kv_heads)
 
 
@@ -423,6 +471,62 @@ def chosen_channels(weight: torch.Tensor, channels: int, group: int = 1) -> torc
     return torch.cat((members, members + half), dim=-1).flatten(1)  # (Hkv, R)
 
 
+def calibrated_channels(
+    source: str, stored: int, keys: torch.Tensor, prompt_queries: torch.Tensor | None
+) -> torch.Tensor:
+    """(Hkv, P) the `stored` channels a request keeps codes of, chosen before decode from the prompt:
+    keys (Hkv, L, D) are the prompt's (and the steps'; their first L - T are the prompt), prompt_queries
+    (Hq, D) its last queries' mean |q|. See `CALIBRATED` for the sources."""
+    num_kv_heads, _, dim = keys.shape
+    key_abs = keys.abs().mean(1)  # (Hkv, D)
+    if source == "keys":
+        weight = key_abs
+    else:
+        if prompt_queries is None:
+            raise ValueError(f"calibrated source {source!r} needs a recording with prompt_query_abs: record again")
+        weight = prompt_queries.view(num_kv_heads, -1, dim).sum(1)  # (Hkv, D)
+        if source == "pqk":
+            weight = weight * key_abs
+    return chosen_channels(weight, stored, 1 if source == "pq1" else 2).sort(dim=-1).values
+
+
+def block_channels(
+    source: str, stored: int, keys: torch.Tensor, size: int, prompt_queries: torch.Tensor | None
+) -> torch.Tensor:
+    """(Hkv, N, D) bool: the `stored` channels each full block keeps codes of, by RoPE pair, from the
+    block's own keys (Hkv, >= N*size, D) (see `BLOCK_CHANNELS`)."""
+    num_kv_heads, length, dim = keys.shape
+    blocks = keys[:, : length // size * size].reshape(num_kv_heads, -1, size, dim)  # (Hkv, N, S, D)
+    weight = blocks.std(2) if source.startswith("std") else blocks.abs().mean(2)  # (Hkv, N, D)
+    if "q" in source:
+        if prompt_queries is None:
+            raise ValueError(f"block channel source {source!r} needs a recording with prompt_query_abs")
+        weight = weight * prompt_queries.view(num_kv_heads, -1, dim).sum(1)[:, None]
+    if source.endswith("1"):
+        top = weight.topk(stored, dim=-1).indices
+        return torch.zeros_like(weight, dtype=torch.bool).scatter_(-1, top, True)
+    half = dim // 2
+    pairs = weight[..., :half] + weight[..., half:]  # (Hkv, N, D/2)
+    top = pairs.topk(stored // 2, dim=-1).indices
+    mask = torch.zeros_like(pairs, dtype=torch.bool).scatter_(-1, top, True)
+    return torch.cat((mask, mask), dim=-1)
+
+
+def block_channel_mass(
+    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """(Hkv, G, N) as `channel_mass`, each block scored from its own stored channels `mask` (Hkv, >= N, D)."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
+    mask = mask[:, :num_full].float()  # (Hkv, N, D)
+    keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim) * mask[:, :, None]
+    logits = torch.einsum("hgd,hnsd->hgns", grouped, keys)  # (Hkv, G, N, S)
+    kept = (grouped.abs() @ mask.transpose(1, 2)) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (Hkv, G, N)
+    logits = logits * scaling / kept.clamp(min=1e-6).sqrt()[..., None]
+    probs = torch.softmax(logits.flatten(2), dim=-1).view(num_kv_heads, -1, num_full, size)
+    return probs.sum(-1)
+
+
 def channel_group(variant: str) -> int:
     """Channels chosen together by a channel-score `variant` (see `CHANNEL_GROUPS`)."""
     return next((size for suffix, size in CHANNEL_GROUPS.items() if variant.endswith(suffix)), 1)
@@ -436,13 +540,19 @@ def channel_mass(
     scaling: float,
     channels: int,
     group: int = 1,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(Hkv, G, N): each query head's attention over the N full blocks (blocks of `size` tokens)
     estimated from the `channels` channels of `coarse_keys` (Hkv, >= N*size, D) where its group's
-    |q| is largest, the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ)."""
+    |q| is largest, the softmax temperature scaled by 1 / sqrt(the share of |q| kept) (SparQ).
+    `allowed` (Hkv, P): the channels are chosen among these only (a calibrated, stored subset)."""
     num_kv_heads, _, dim = coarse_keys.shape
     grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
-    chosen = chosen_channels(grouped.abs().sum(1), channels, group)  # (Hkv, R)
+    if allowed is None:
+        chosen = chosen_channels(grouped.abs().sum(1), channels, group)  # (Hkv, R)
+    else:  # the step's choice among the channels stored
+        weight = torch.gather(grouped.abs().sum(1), 1, allowed)  # (Hkv, P)
+        chosen = torch.gather(allowed, 1, weight.topk(min(channels, allowed.shape[1]), dim=-1).indices)
     q_part = torch.gather(grouped, 2, chosen[:, None].expand(-1, grouped.shape[1], -1))  # (Hkv, G, R)
     keys = coarse_keys[:, : num_full * size]
     k_part = torch.gather(keys, 2, chosen[:, None].expand(-1, keys.shape[1], -1))  # (Hkv, N*S, R)
@@ -564,12 +674,27 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
         coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
         coarse |= {
             name: channel_quantized_keys(
-                keys, config.block_size, CHANNEL_SCORES[name][1], torch.float8_e4m3fn if "_s8" in name else None
+                keys,
+                config.block_size,
+                CHANNEL_SCORES[name][1],
+                torch.float8_e4m3fn if "_s8" in name or name in CALIBRATED else None,
             )
             for name, config in configs.items()
             if name in CHANNEL_SCORES
         }
         per_token = quantized_keys(keys, KEY_BITS) if any(name in TWO_STAGE_CHANNELS for name in configs) else None
+        prompt_keys = keys[:, : int(rec.positions[0])]
+        prompt_queries = None if rec.prompt_query_abs is None else rec.prompt_query_abs[layer]
+        block_masks = {
+            name: block_channels(*BLOCK_CHANNELS[name], keys, config.block_size, prompt_queries)
+            for name, config in configs.items()
+            if name in BLOCK_CHANNELS
+        }
+        allowed = {
+            name: calibrated_channels(CALIBRATED[name][0], CALIBRATED[name][1], prompt_keys, prompt_queries)
+            for name in configs
+            if name in CALIBRATED
+        }
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
@@ -587,6 +712,14 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                     chosen, loaded = two_stage_channel_blocks(
                         config, queries[:, t], coarse[name], per_token, num_full, rec.scaling, *TWO_STAGE_CHANNELS[name]
                     )
+                elif name in BLOCK_CHANNELS:
+                    if num_full <= config.selected_full_blocks:
+                        chosen, loaded = _all_blocks(queries.shape[0], num_full, keys.shape[0])
+                    else:
+                        group_mass = block_channel_mass(
+                            queries[:, t], coarse[name], num_full, config.block_size, rec.scaling, block_masks[name]
+                        )
+                        chosen, loaded = top_blocks_by_mass(config, group_mass.reshape(-1, num_full), keys.shape[0])
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(
                         config,
@@ -596,6 +729,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                         rec.scaling,
                         CHANNEL_SCORES[name][0],
                         channel_group(name),
+                        allowed.get(name),
                     )
                 elif name in ESTIMATES:
                     chosen, loaded = estimated_mass_blocks(config, queries[:, t], metas[name], num_full, rec.scaling)
@@ -784,6 +918,13 @@ def variant_configs(names: list[str], budget: int) -> dict[str, SparseServeConfi
     return configs
 
 
+def _prompt_profile(rec: Recording) -> torch.Tensor:
+    """(layers, Hq, D) a recording's prompt-query |q| (`Recording.prompt_query_abs`)."""
+    if rec.prompt_query_abs is None:
+        raise ValueError("--profile-from-others needs recordings with prompt_query_abs: record again")
+    return torch.stack(rec.prompt_query_abs)
+
+
 def _parse_override(text: str) -> tuple[str, object]:
     field, _, raw = text.partition(":")
     if field == "dense_layers":
@@ -820,6 +961,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--answer-budgets", default=None, help="budgets for the real-path answers (default: --budgets)")
     parser.add_argument("--max-new-tokens", type=int, default=12, help="answer tokens of the real-path check")
+    parser.add_argument(
+        "--profile-from-others",
+        action="store_true",
+        help="the prompt-query |q| that calibrated channel choices read: each prompt gets the mean of the "
+        "other prompts' (a profile of the model, not of the request)",
+    )
     args = parser.parse_args(argv)
     command = "python -m eval.selection_diagnostics " + " ".join(argv if argv is not None else sys.argv[1:])
 
@@ -832,10 +979,31 @@ def main(argv: list[str] | None = None) -> dict:
     names = [n.replace("+", ",") for n in args.variants.split(",") if n]
     per_key: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     answers, start = [], time.time()
-    for task in args.tasks.split(",") if not args.skip_diagnostics else []:
+    tasks = args.tasks.split(",") if not args.skip_diagnostics else []
+    profiles = (
+        {
+            (task, index): _prompt_profile(
+                cached_record(
+                    args.cache_dir,
+                    model,
+                    tokenizer,
+                    generate_sample(task, tokenizer, args.length, index, args.seed),
+                    args.steps,
+                )
+            )
+            for task in tasks
+            for index in range(args.samples)
+        }
+        if args.profile_from_others
+        else {}
+    )
+    for task in tasks:
         for index in range(args.samples):
             sample = generate_sample(task, tokenizer, args.length, index, args.seed)
             rec = cached_record(args.cache_dir, model, tokenizer, sample, args.steps)
+            if profiles:  # the prompt-query profile as a model-level calibration: the other prompts' mean
+                others = torch.stack([p for key, p in profiles.items() if key != (task, index)]).mean(0)
+                rec.prompt_query_abs = list(others)
             answers.append(
                 dict(
                     task=task,

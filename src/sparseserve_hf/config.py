@@ -55,14 +55,15 @@ class SparseServeConfig:
             two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
             the few tokens a retrieval head reads). "hybrid" is the default: on the real model it
             keeps more of dense's accuracy than either alone, for 3x quest's metadata vectors.
-            "channels": a 2-bit copy of every key (a minimum and a step per block and channel,
-            `ops.channels`); each step reads the `channel_share` of the channels where the group's
-            queries are largest, estimates each query head's attention over every token from them
-            and scores a block by that estimate's mass on it. Token-level, so a needle is not
-            averaged into its block; best with `selection="kv_head"` and `group_aggregation="sum"`
-            (each KV head loads the blocks of most estimated attention of its group, exactly the
-            budget). Needs 8-bit metadata (`metadata_dtype` "auto" or "float8_e4m3fn"); 10 bytes
-            per block and channel, 7.8% of 16-bit 32-token KV, scored by PyTorch ops for now.
+            "channels": each block keeps a 2-bit copy of the `channel_share` of its keys' channels
+            where its keys spread most, weighted by the size of recent prompts' queries (whole RoPE
+            pairs, with a minimum and a step per channel, `ops.channels`); each step estimates every
+            query head's attention over every token from them and scores a block by that estimate's
+            mass on it. Token-level, so a needle is not averaged into its block; best with
+            `selection="kv_head"` and `group_aggregation="sum"` (each KV head loads the blocks of most
+            estimated attention of its group, exactly the budget). Needs 8-bit metadata
+            (`metadata_dtype` "auto" or "float8_e4m3fn"); at the default share and 32-token blocks,
+            4 rows of head_dim bytes per block: 1/32 of 16-bit KV.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
             min/max or cuboid mean per block_size // metadata_sub_blocks tokens, the block
             scoring the max over its sub-blocks. Blocks are still loaded and attended whole;
@@ -77,8 +78,8 @@ class SparseServeConfig:
             on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
             it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
             16-bit KV (docs/metadata.md measures what the rounding costs in selection).
-        channel_share: metadata="channels" only: the share of head_dim's channels each KV head
-            reads per decode step (rounded, at least one channel).
+        channel_share: metadata="channels" only: the share of head_dim's channels each block keeps
+            and each decode step reads (rounded down to whole RoPE pairs, at least one pair).
         kv_dtype: how full blocks are stored, in DRAM and in the HBM block cache: "auto" (the
             default: the model's dtype, exactly) or "float8_e4m3fn" (one byte per value, each
             head-block's keys and its values scaled by their own fp32 scale so that their largest
@@ -209,7 +210,7 @@ class SparseServeConfig:
     metadata: str = "hybrid"
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
-    channel_share: float = 0.5
+    channel_share: float = 0.375
     kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
@@ -359,7 +360,7 @@ class SparseServeConfig:
     def metadata_vectors(self) -> int:
         """Metadata rows (each head_dim wide) per block, as the metadata kind lays them out
         (`scoring.SCORERS`): 2 (min, max) or 1 (mean) per sub-block; "hybrid" one min/max pair and a
-        mean per sub-block; "channels" the packed 2-bit codes' rows plus a minimum and a step."""
+        mean per sub-block; "channels" the packed 2-bit codes' rows, then the stored channels, minima and steps."""
         return SCORERS[self.metadata].metadata_rows(self)
 
     def to_dict(self) -> dict[str, Any]:

@@ -42,9 +42,20 @@ class Scorer(Protocol):
         ...
 
     def summarize(
-        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+        self,
+        ops: BlockOps,
+        keys: torch.Tensor,
+        config: SparseServeConfig,
+        dtype: torch.dtype,
+        profile: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(n, S, D) keys of full blocks -> their (n, M, D) metadata in `dtype`."""
+        """(n, S, D) keys of full blocks -> their (n, M, D) metadata in `dtype`; `profile` (n, D):
+        each block's KV head's query profile (`uses_query_profile`), or None."""
+        ...
+
+    def uses_query_profile(self) -> bool:
+        """Whether `summarize` weighs channels by the queries of recent prompts (`ops.channels.query_profile`),
+        which the cache then keeps per (layer, KV head) and hands to every save."""
         ...
 
     def score(
@@ -99,10 +110,19 @@ class BlockSummaries:
         """Any float dtype holds a summary."""
 
     def summarize(
-        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+        self,
+        ops: BlockOps,
+        keys: torch.Tensor,
+        config: SparseServeConfig,
+        dtype: torch.dtype,
+        profile: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`ops.block_metadata` of the kind (computed from the keys as given, then stored in `dtype`)."""
         return ops.block_metadata(keys, self.kind, config.sub_blocks, dtype)
+
+    def uses_query_profile(self) -> bool:
+        """No: a summary depends on the keys alone."""
+        return False
 
     def score(
         self,
@@ -129,20 +149,21 @@ def rank_depth(config: SparseServeConfig) -> int | None:
 
 
 class ChannelScores:
-    """ "channels": a 2-bit copy of every key, and each block scored by its query heads' softmax mass
-    as estimated from the channels of most |q| (`ops.channels`)."""
+    """ "channels": each block keeps a 2-bit copy of a share of its keys' channels, chosen by their
+    spread and the group's query profile, and is scored by its query heads' softmax mass as
+    estimated from them (`ops.channels`)."""
 
     def default_sub_blocks(self, block_size: int) -> int:
         """1: every token is scored; there are no sub-block summaries."""
         return 1
 
     def metadata_rows(self, config: SparseServeConfig) -> int:
-        """The packed codes' rows, a minimum and a step (`ops.channels`)."""
-        return channels.metadata_rows(config.block_size)
+        """The packed codes' rows and the header's (`ops.channels.metadata_rows`)."""
+        return channels.metadata_rows(config.block_size, config.channel_share)
 
     def check(self, config: SparseServeConfig) -> None:
         """Whole bytes of codes per block, no sub-blocks, 8-bit storage."""
-        channels.metadata_rows(config.block_size)  # raises unless the codes fill whole bytes
+        channels.code_rows(config.block_size, config.channel_share)  # raises unless the codes fill whole bytes
         if config.metadata_sub_blocks is not None:
             raise ValueError(
                 "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
@@ -161,10 +182,19 @@ class ChannelScores:
             )
 
     def summarize(
-        self, ops: BlockOps, keys: torch.Tensor, config: SparseServeConfig, dtype: torch.dtype
+        self,
+        ops: BlockOps,
+        keys: torch.Tensor,
+        config: SparseServeConfig,
+        dtype: torch.dtype,
+        profile: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`channels.channel_metadata`."""
-        return channels.channel_metadata(keys, dtype)
+        """`channels.channel_metadata`, the channels weighed by `profile`."""
+        return channels.channel_metadata(keys, config.channel_share, dtype, profile)
+
+    def uses_query_profile(self) -> bool:
+        """Yes: the channels a block keeps are weighed by the size of the group's queries."""
+        return True
 
     def score(
         self,
@@ -176,8 +206,8 @@ class ChannelScores:
         scaling: float,
     ) -> torch.Tensor:
         """Each query head's estimated softmax mass per block (`ops.score_channels`)."""
-        count = channels.channel_count(config.channel_share, query.shape[-1])
-        return ops.score_channels(query, metadata, block_ids, count, scaling)
+        stored = channels.stored_channels(config.channel_share, query.shape[-1])
+        return ops.score_channels(query, metadata, block_ids, config.block_size, stored, scaling)
 
     def score_floor(self, config: SparseServeConfig) -> int | None:
         """None: the masses are real numbers."""

@@ -8,6 +8,10 @@ from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
 from eval.selection_diagnostics import (
     StepMass,
+    block_channel_mass,
+    block_channels,
+    calibrated_channels,
+    channel_mass,
     channel_quantized_keys,
     channel_score_blocks,
     estimated_mass_blocks,
@@ -183,6 +187,32 @@ def test_two_stage_channels_over_every_block_with_exact_keys_is_the_mass_oracle(
     probs = torch.softmax(0.5 * (q.view(2, 3, 8) @ keys.transpose(1, 2)), dim=-1)  # (Hkv, G, L)
     want, _ = top_blocks_by_mass(config, probs.view(6, 12, 2).sum(-1), 2)
     assert torch.equal(chosen, want) and loaded.tolist() == [4, 4]
+
+
+def test_block_channels_keep_whole_pairs_and_score_as_the_channel_mass_with_every_channel():
+    torch.manual_seed(1)
+    keys, q = torch.randn(2, 24, 8), torch.randn(6, 8)  # 2 KV heads of 3 query heads, 6 blocks of 4
+    keys[0, :4, [1, 5]] *= 50  # block 0 of head 0 spreads on pair 1
+    one_pair = block_channels("std", 2, keys, 4, None)  # (Hkv, N, D)
+    assert one_pair.sum(-1).eq(2).all() and torch.equal(one_pair[..., :4], one_pair[..., 4:])
+    assert one_pair[0, 0].nonzero().flatten().tolist() == [1, 5]
+    profile = torch.zeros(6, 8)
+    profile[:, 3] = 1.0  # the queries live on pair 3: with the query weight every block keeps it
+    assert block_channels("stdq", 2, keys, 4, profile)[..., 3].all()
+    every = block_channels("std", 8, keys, 4, None)
+    torch.testing.assert_close(block_channel_mass(q, keys, 6, 4, 0.5, every), channel_mass(q, keys, 6, 4, 0.5, 8))
+
+
+def test_calibrated_channels_pick_pairs_from_keys_or_prompt_queries():
+    keys = torch.ones(1, 10, 8)
+    keys[0, :, 2] = 9.0  # pair 2 by key size
+    queries = torch.ones(2, 8)
+    queries[:, 7] = 9.0  # pair 3 by prompt query size (summed over the group of 2)
+    assert calibrated_channels("keys", 2, keys, None).tolist() == [[2, 6]]
+    assert calibrated_channels("pq", 2, keys, queries).tolist() == [[3, 7]]
+    assert calibrated_channels("pq1", 1, keys, queries).tolist() == [[7]]
+    with pytest.raises(ValueError, match="record again"):
+        calibrated_channels("pq", 2, keys, None)
 
 
 def test_variant_configs():

@@ -17,57 +17,60 @@ def ragged_table(batch: int, kv_heads: int, width: int, pool_size: int, counts: 
     return ids.masked_fill(torch.arange(width) >= torch.tensor(counts)[:, None, None], -1)
 
 
+def channel_pool(size: int, block_size: int, dim: int, share: float) -> torch.Tensor:
+    """(C, M, D) metadata of random blocks whose channels have different ranges, under a random profile."""
+    keys = torch.randn(size, block_size, dim) * torch.rand(dim) * 4
+    return channels.channel_metadata(keys, share, FP8, torch.rand(size, dim))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4)])
-@pytest.mark.parametrize("dim,read", [(16, 5), (64, 24), (128, 48), (64, 64)])
-def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim, read):
-    torch.manual_seed(dim + read + group)
+@pytest.mark.parametrize("dim,share", [(16, 0.375), (64, 0.375), (128, 0.375), (64, 1.0), (24, 0.5)])
+def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim, share):
+    torch.manual_seed(dim + group)
     counts = [37, 5, 0]  # odd, short and empty rows; N = 37 spans three 16-block tiles
     table = ragged_table(3, kv_heads, 37, 400, counts)
-    keys = torch.randn(400, 32, dim) * torch.rand(dim) * 4  # channels of different ranges
-    metadata = channels.channel_metadata(keys, FP8)  # (C, M, D)
+    metadata = channel_pool(400, 32, dim, share)  # (C, M, D)
+    stored = channels.stored_channels(share, dim)
     query = torch.randn(3, kv_heads * group, dim).to(dtype)
-    chosen, scaled = channels.channel_queries(query, kv_heads, read, dim**-0.5)
-    expected = channels.block_logsumexp(scaled, chosen, metadata, table)
-    got = triton_channels.block_logsumexp(scaled.to(DEVICE), chosen.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE))
+    expected = channels.block_logsumexp(query, metadata, table, 32, stored, dim**-0.5)
+    got = triton_channels.block_logsumexp(
+        query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 32, stored, dim**-0.5
+    )
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(torch.isneginf(got).cpu(), table.repeat_interleave(group, 1) < 0)
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_other_block_sizes_match_reference(poisoned, block_size):
+    torch.manual_seed(block_size)
+    table = ragged_table(2, 2, 20, 100, [20, 7])
+    metadata = channel_pool(100, block_size, 64, 0.375)
+    query = torch.randn(2, 6, 64)
+    expected = channels.block_logsumexp(query, metadata, table, block_size, 24, 0.125)
+    got = triton_channels.block_logsumexp(
+        query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), block_size, 24, 0.125
+    )
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
+
+
 def test_score_channels_matches_reference_and_strided_tables(poisoned):
     torch.manual_seed(5)
-    keys = torch.randn(300, 32, 64)
-    metadata = channels.channel_metadata(keys, FP8)
+    metadata = channel_pool(300, 32, 64, 0.375)
     wide = ragged_table(2, 3, 48, 300, [48, 20])
     table = wide[:, :, :40]  # a view: rows strided past its width, as a graph step's fixed-width tables
     query = torch.randn(2, 9, 64)
-    expected = channels.score_channels(query, metadata, table, 24, 0.125)
-    got = triton_channels.score_channels(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 24, 0.125)
+    expected = channels.score_channels(query, metadata, table, 32, 24, 0.125)
+    got = triton_channels.score_channels(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 32, 24, 0.125)
     torch.testing.assert_close(got.cpu(), expected, atol=1e-6, rtol=1e-4)
     assert torch.allclose(got[0].sum(-1).cpu(), torch.ones(9))
 
 
 def test_empty_table_returns_empty():
-    metadata = channels.channel_metadata(torch.randn(4, 32, 16), FP8).to(DEVICE)
-    scaled, chosen = torch.zeros(0, 2, 2, 4, device=DEVICE), torch.zeros(0, 2, 4, dtype=torch.long, device=DEVICE)
+    metadata = channel_pool(4, 32, 16, 0.375).to(DEVICE)
+    query = torch.zeros(0, 4, 16, device=DEVICE)
     out = triton_channels.block_logsumexp(
-        scaled, chosen, metadata, torch.zeros(0, 2, 5, dtype=torch.long, device=DEVICE)
+        query, metadata, torch.zeros(0, 2, 5, dtype=torch.long, device=DEVICE), 32, 6, 0.25
     )
     assert out.shape == (0, 4, 5)
-
-
-@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4)])
-@pytest.mark.parametrize("dim,read", [(16, 5), (128, 48)])
-def test_tensor_core_products_match_reference_to_fp16_rounding(poisoned, kv_heads, group, dim, read):
-    """The launch knob: keys and the scaled query rounded to fp16, products on tensor cores."""
-    torch.manual_seed(dim + group)
-    table = ragged_table(2, kv_heads, 21, 200, [21, 9])
-    metadata = channels.channel_metadata(torch.randn(200, 32, dim) * 2, FP8)
-    chosen, scaled = channels.channel_queries(torch.randn(2, kv_heads * group, dim), kv_heads, read, dim**-0.5)
-    expected = channels.block_logsumexp(scaled, chosen, metadata, table)
-    got = triton_channels.block_logsumexp(
-        scaled.to(DEVICE), chosen.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), tensor_cores=True
-    )
-    assert torch.equal(torch.isneginf(got).cpu(), torch.isneginf(expected))
-    torch.testing.assert_close(got.cpu(), expected, atol=2e-2, rtol=2e-3)

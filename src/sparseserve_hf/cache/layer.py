@@ -10,9 +10,12 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..config import SparseServeConfig
+from ..ops import channels
 from .grow import grown
 from .plain import plain_tensors
 from .store import TieredBlockStore
+
+PROFILE_QUERIES = 64  # a prompt's last queries that make its row's query profile (those nearest to decode)
 
 
 class SparseServeLayer(CacheLayerMixin):
@@ -58,6 +61,9 @@ class SparseServeLayer(CacheLayerMixin):
         self.tail: torch.Tensor | None = None  # (B, Hkv, 2, S, D) newest 1..S tokens per row
         self.tail_len: torch.Tensor | None = None  # (B,) tokens in each tail
         self.block_ids: torch.Tensor | None = None  # (B, Hkv, N) DRAM ids of full blocks, -1 unused
+        # (B, Hkv, D) each row's query profile, for a scorer that weighs a block's channels by it
+        # (`Scorer.uses_query_profile`; None otherwise): its last prompt's, zero before one.
+        self.query_profile: torch.Tensor | None = None
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
         # What `undo_update` takes back: the last update's new positions, the tokens it stored per
@@ -85,6 +91,8 @@ class SparseServeLayer(CacheLayerMixin):
         self.tail_len = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.block_ids = torch.full((batch, num_kv_heads, 16), -1, dtype=torch.long, device=self.device)
         self.num_blocks = torch.zeros(batch, dtype=torch.long, device=self.device)
+        if self.store.scorer.uses_query_profile():
+            self.query_profile = torch.zeros((batch, num_kv_heads, head_dim), dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
     @plain_tensors
@@ -192,9 +200,11 @@ class SparseServeLayer(CacheLayerMixin):
         # Every new tensor first (a bad index raises here): only then do references and rows change.
         selected = self.block_ids[indices]
         tail, tail_len, num_blocks = self.tail[indices], self.tail_len[indices], self.num_blocks[indices]
+        profile = None if self.query_profile is None else self.query_profile[indices]
         self.store.retain(selected)  # before freeing, so kept blocks never reach zero references
         self.store.free(self.block_ids)
         self.block_ids, self.tail, self.tail_len, self.num_blocks = selected, tail, tail_len, num_blocks
+        self.query_profile = profile
         self._undo, self.last_pick = None, None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -247,6 +257,7 @@ class SparseServeLayer(CacheLayerMixin):
                 other.block_ids,
                 other.num_blocks,
             )
+            self.query_profile = other.query_profile
             self.is_initialized = True
         else:
             width = max(self.block_ids.shape[2], other.block_ids.shape[2])
@@ -256,7 +267,9 @@ class SparseServeLayer(CacheLayerMixin):
             tail = torch.cat((self.tail, other.tail))
             tail_len = torch.cat((self.tail_len, other.tail_len))
             num_blocks = torch.cat((self.num_blocks, other.num_blocks))
+            profile = None if self.query_profile is None else torch.cat((self.query_profile, other.query_profile))
             self.block_ids, self.tail, self.tail_len, self.num_blocks = block_ids, tail, tail_len, num_blocks
+            self.query_profile = profile
         self.num_positions = max(self.num_positions, other.num_positions)
         self.last_pick, self._undo = None, None
         other._clear()
@@ -297,14 +310,17 @@ class SparseServeLayer(CacheLayerMixin):
         # Both sides' tensors first, then the assignments: no row is ever in both layers or in neither.
         moved = self.tail[taken], self.tail_len[taken], self.block_ids[taken], self.num_blocks[taken]
         stay = self.tail[kept], self.tail_len[kept], self.block_ids[kept], self.num_blocks[kept]
+        profiles = (None, None) if self.query_profile is None else (self.query_profile[taken], self.query_profile[kept])
         into.store, into.device, into.dtype = self.store, self.device, self.dtype
         into.tail, into.tail_len, into.block_ids, into.num_blocks = moved
+        into.query_profile = profiles[0]
         into.is_initialized = True
         into.num_positions = int(into.row_lengths().max())
         if kept.numel() == 0:
             self._clear()
             return
         self.tail, self.tail_len, self.block_ids, self.num_blocks = stay
+        self.query_profile = profiles[1]
         self.num_positions = int(self.row_lengths().max())
         self.last_pick, self._undo = None, None
 
@@ -332,6 +348,19 @@ class SparseServeLayer(CacheLayerMixin):
         if head_mask is not None:
             attended = attended & head_mask
         return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
+
+    def observe_prompt(self, query: torch.Tensor, real: torch.Tensor | None) -> None:
+        """Each row's query profile from a prompt's (B, Hq, T, D) queries (`real` (B, T) marks real
+        tokens): their last positions' |q| (`channels.query_profile`); a row with none keeps its own."""
+        if self.query_profile is None:
+            return
+        seen = channels.query_profile(query, self.tail.shape[1], PROFILE_QUERIES, real)  # (B, Hkv, D)
+        self.query_profile = torch.where(seen.sum(-1, keepdim=True) > 0, seen, self.query_profile)
+
+    def tail_profiles(self, full_rows: torch.Tensor) -> torch.Tensor | None:
+        """(R*Hkv, D) the query profile of rows `full_rows`' tail blocks, head-major per row (as
+        `full_tails`), or None without profiles."""
+        return None if self.query_profile is None else self.query_profile[full_rows].flatten(0, 1)
 
     def row_lengths(self) -> torch.Tensor:
         """(B,) real tokens stored per row."""
@@ -487,7 +516,7 @@ class SparseServeLayer(CacheLayerMixin):
             return
         full_rows = torch.tensor(rows, device=self.device)
         width = self.reserve_table(table_width)  # before the save: nothing may fail between save and link
-        ids = self.store.save(self.full_tails(full_rows))
+        ids = self.store.save(self.full_tails(full_rows), profile=self.tail_profiles(full_rows))
         try:
             self.link_saved_tails(full_rows, ids, width)
         except BaseException:
@@ -580,7 +609,10 @@ class SparseServeLayer(CacheLayerMixin):
             num_kv_heads, _, _, head_dim = joined.shape
             self._ensure_capacity(start + num_full)
             blocks = joined[:, :, : num_full * size].reshape(num_kv_heads, 2, num_full, size, head_dim)
-            ids = self.store.save(blocks.transpose(1, 2).flatten(0, 1), beside_compute=True)  # head-major: (Hkv*n,)
+            profile = None if self.query_profile is None else self.query_profile[row].repeat_interleave(num_full, 0)
+            ids = self.store.save(  # head-major: (Hkv*n,)
+                blocks.transpose(1, 2).flatten(0, 1), beside_compute=True, profile=profile
+            )
             self.block_ids[row, :, start : start + num_full] = ids.view(num_kv_heads, num_full)
             self.num_blocks[row] += num_full
         rest = joined[:, :, num_full * size :]

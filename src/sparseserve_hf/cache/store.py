@@ -142,8 +142,11 @@ class TieredBlockStore:
         return dram, hbm
 
     @plain_tensors
-    def save(self, blocks: torch.Tensor, beside_compute: bool = False) -> torch.Tensor:
+    def save(
+        self, blocks: torch.Tensor, beside_compute: bool = False, profile: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Save (n, 2, S, D) full blocks to DRAM, record their metadata; returns their ids (n,).
+        `profile`: (n, D) each block's query profile, for a scorer that weighs channels by it.
 
         `beside_compute`: on CUDA with the pool in pinned host memory, the copy runs on a
         high-priority side stream, so the compute launched after it (a prefill's next layer) does
@@ -165,7 +168,7 @@ class TieredBlockStore:
                 f"{self.block_bytes} bytes); raise dram_bytes or set it to None to grow"
             )
         try:
-            return self._write(blocks, ids, beside_compute)
+            return self._write(blocks, ids, beside_compute, profile)
         except BaseException:
             self._release_unsaved(ids)
             raise
@@ -179,7 +182,9 @@ class TieredBlockStore:
         self.dram.reserve(count)
         self._track_capacity()
 
-    def _write(self, blocks: torch.Tensor, ids: torch.Tensor, beside_compute: bool = False) -> torch.Tensor:
+    def _write(
+        self, blocks: torch.Tensor, ids: torch.Tensor, beside_compute: bool = False, profile: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Copy `blocks` into the allocated DRAM `ids` (n,) and record their metadata (and their
         scales, for 8-bit blocks); returns the ids on the device."""
         self._track_capacity()
@@ -203,7 +208,7 @@ class TieredBlockStore:
             self.wait_for_saves()
             self.ops.scatter_blocks(stored, self.dram.storage, device_ids)
         config = self.config
-        self.metadata[device_ids] = self.scorer.summarize(self.ops, blocks[:, 0], config, self.metadata.dtype)
+        self.metadata[device_ids] = self.scorer.summarize(self.ops, blocks[:, 0], config, self.metadata.dtype, profile)
         if self.config.offload:  # without offload the blocks never left the device
             self._stats.d2h_bytes += blocks.shape[0] * self.block_bytes
         return device_ids
@@ -249,14 +254,18 @@ class TieredBlockStore:
         self.dram.free(ids)
 
     @plain_tensors
-    def save_many(self, groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    def save_many(
+        self, groups: list[torch.Tensor], profiles: list[torch.Tensor | None] | None = None
+    ) -> list[torch.Tensor]:
         """`save` for several (n_i, 2, S, D) groups at once (e.g. one per layer); returns each group's ids.
 
         One allocation, one id copy, one scatter and one metadata launch for all groups instead of
         one of each per group: the graph-mode decode step saves every layer's full tails this way.
-        Ids come out as consecutive `save` calls in the same order would give them.
+        Ids come out as consecutive `save` calls in the same order would give them. `profiles`: each
+        group's (n_i, D) query profiles (as `save`'s), or None.
         """
-        ids = self.save(torch.cat(groups))
+        joined = None if profiles is None or profiles[0] is None else torch.cat(profiles)
+        ids = self.save(torch.cat(groups), profile=joined)
         return list(ids.split([group.shape[0] for group in groups]))
 
     @plain_tensors
