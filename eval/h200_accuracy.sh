@@ -23,8 +23,8 @@
 #                the same selector with model-dtype blocks, at 256 and 512 (the `fp8` block of accuracy.json)
 #   8k_oracle    8K, the four tasks: the block oracle (`--oracle`: true attention picks each KV head's blocks) at
 #                256 and 512, ~1/32 and ~1/16 of the context loaded (the `oracle_at_*` of accuracy.json's T7)
-#   8k_channels  8K, the four tasks: channel scores (`metadata="channels"`, a 2-bit copy of every key; half
-#                the channels, the default, and all of them), one selection per KV head by the group's summed
+#   8k_channels  8K, the four tasks: channel scores (`metadata="channels"`, each block's 2-bit copy of its own
+#                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
 #   Next (not run yet):
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
@@ -67,7 +67,7 @@ case $part in
   8k_channels)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
       --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum \
-      --variant channels_all:metadata=channels:selection=kv_head:group_aggregation=sum:channel_share=1.0 \
+      --variant channels_half:metadata=channels:selection=kv_head:group_aggregation=sum:channel_share=0.5 \
       "${common[@]}" --out "$out/ruler_8k_channels" ;;
   8k_loaded)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \

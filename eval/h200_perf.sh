@@ -50,8 +50,8 @@
 #               step with 8-bit blocks and with model-dtype blocks in the same call (fp8_decode_vs_bf16)
 #   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
 #               scorer and ladder tests, then the real-locality step with stock and the default config, and the
-#               same step with channel scores at half and at all of the channels (bookkeeping per layer beside it),
-#               and all of them with the products on tensor cores (triton_channels.TENSOR_CORES)
+#               same step with channel scores at the default share (3/8: 1/32 of the KV read) and at 1/2
+#               (bookkeeping per layer beside it)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -126,14 +126,11 @@ case $part in
       tests/unit/test_channel_scores.py tests/unit/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
-    for share in 0.5 1.0; do
+    for share in 0.375 0.5; do
       python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
         --set selection=kv_head --set group_aggregation=sum --set channel_share=$share \
         --out "$out/decode_step_channels_$share.json" 2>&1 | tee "$out/decode_step_channels_$share.log" | tail -14
-    done
-    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
-      --set selection=kv_head --set group_aggregation=sum --set channel_share=1.0 --knob triton_channels.TENSOR_CORES=True \
-      --out "$out/decode_step_channels_1.0_tc.json" 2>&1 | tee "$out/decode_step_channels_1.0_tc.log" | tail -14 ;;
+    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
