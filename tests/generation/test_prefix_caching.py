@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from gen_support import prompt
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
@@ -103,3 +104,21 @@ def test_requests_sharing_a_document_reserve_its_blocks_once(llama):
     lifetimes = [gen.sizes.lifetime_dram_blocks(len(p) + PARAMS.max_new_tokens) for p in prompts]
     assert gen.prefixes.index.pinned_blocks() == shared
     assert gen._limits().dram_free_blocks == gen.store.dram.capacity - (sum(lifetimes) - shared)
+
+
+@pytest.mark.core
+def test_channel_scores_keep_the_channels_a_shared_block_was_written_with(llama):
+    """Channel metadata describes its own block (its channels chosen under the prompt that wrote it):
+    requests adopting another's document score those blocks as written, and serve their answers."""
+    cfg = config(metadata="channels", selection="kv_head", group_aggregation="sum", prefix_caching=True)
+    gen = Generator(llama, None, cfg)
+    prompts = [DOC + q for q in QUESTIONS]
+    outs = gen.generate(prompts[:1], PARAMS)
+    doc = gen.prefixes.index.match(list(DOC))
+    assert len(doc) == len(DOC) // BLOCK
+    ids = torch.stack([entry.ids for entry in doc]).flatten().to(gen.store.metadata.device)
+    written = gen.store.metadata[ids].view(torch.uint8).clone()
+    outs += [gen.generate([p], PARAMS)[0] for p in prompts[1:]]
+    assert [len(o.token_ids) for o in outs] == [PARAMS.max_new_tokens] * 4
+    assert gen.metrics()["totals"]["prefix_hits"] == 3
+    assert torch.equal(gen.store.metadata[ids].view(torch.uint8), written)
