@@ -77,8 +77,7 @@ def _attend(
         layer.commit(real)
         return sparse_decode_attention(layer, query, scaling)
     out = dense_attention_with_past(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    layer.observe_prompt(query, real)  # before the commit, whose saves weigh channels by it
-    layer.commit(real)
+    layer.commit(real, prompt_queries=query)
     return out
 
 

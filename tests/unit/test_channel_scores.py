@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.ops import channels, reference
 from tiny_models import greedy, random_ids, tiny_model
 
@@ -241,3 +242,28 @@ def test_the_cache_profiles_each_rows_prompt_and_saves_its_blocks_under_it():
     assert torch.equal(layer.store.metadata[saved].view(torch.uint8), expected.view(torch.uint8))
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(layer.query_profile, profile[1:])
+
+
+def test_a_failed_prefill_leaves_every_rows_profile_as_it_was(monkeypatch):
+    """A second turn whose save fails in the last layer: its commit and the undo of layer 0 put their
+    query profiles back with their tokens."""
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2)
+    cache = _channel_cache(model, token_budget=64)
+    greedy(model, random_ids(1, 100), cache, max_new_tokens=1)
+    before = [layer.query_profile.clone() for layer in cache.layers]
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    store, save, calls = cache.layers[0].store, cache.layers[0].store.save, []
+
+    def save_failing_last(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == len(cache.layers):
+            raise RuntimeError("DRAM write failed")
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(store, "save", save_failing_last)
+    with pytest.raises(RuntimeError, match="DRAM write failed"), torch.no_grad():
+        model(random_ids(1, 60, seed=3), **{cache_kwarg(model): cache}, use_cache=True)
+    assert len(calls) == len(cache.layers) == 2
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    for layer, profile in zip(cache.layers, before):
+        assert torch.equal(layer.query_profile, profile)

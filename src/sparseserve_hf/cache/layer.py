@@ -149,6 +149,7 @@ class SparseServeLayer(CacheLayerMixin):
         lengths = self.row_lengths().tolist()
         self._truncate_rows([(row, lengths[row] - added[row]) for row in range(len(lengths))])
         self.num_positions -= undo.num_new
+        self.query_profile = undo.profile
         self.last_pick = None
 
     def get_seq_length(self) -> int:
@@ -349,7 +350,7 @@ class SparseServeLayer(CacheLayerMixin):
             attended = attended & head_mask
         return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
 
-    def observe_prompt(self, query: torch.Tensor, real: torch.Tensor | None) -> None:
+    def _observe_prompt(self, query: torch.Tensor, real: torch.Tensor | None) -> None:
         """Each row's query profile from a prompt's (B, Hq, T, D) queries (`real` (B, T) marks real
         tokens): their last positions' |q| (`channels.query_profile`); a row with none keeps its own."""
         if self.query_profile is None:
@@ -367,25 +368,31 @@ class SparseServeLayer(CacheLayerMixin):
         return self.num_blocks * self.config.block_size + self.tail_len
 
     @plain_tensors
-    def commit(self, valid: torch.Tensor | None) -> None:
+    def commit(self, valid: torch.Tensor | None, prompt_queries: torch.Tensor | None = None) -> None:
         """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real).
+        `prompt_queries`: a prompt's (B, Hq, T, D) queries, which set each row's query profile
+        (`_observe_prompt`) before its blocks are saved.
 
-        All or nothing: when it fails, the rows and positions are as before the `update`.
+        All or nothing: when it fails, the rows, positions and profiles are as before the `update`.
         """
         if self.staged is None:
             raise RuntimeError(f"SparseServeCache layer {self.layer_idx}: commit without staged keys")
         keys, values = self.staged
         self.staged = None
         undo, self._undo = self._undo, None
+        profile = self.query_profile
         try:
+            if prompt_queries is not None:
+                self._observe_prompt(prompt_queries, valid)
             added = self._store(keys, values, valid, empty=undo is not None and undo.initialized)
         except BaseException:
+            self.query_profile = profile
             self.num_positions -= keys.shape[-2]
             if undo is not None and undo.initialized:
                 self.reset()  # the failed update made the layer: nothing of it may stay
             raise
         if undo is not None:
-            self._undo = _Undo(undo.num_new, undo.initialized, committed=True, added=added)
+            self._undo = _Undo(undo.num_new, undo.initialized, committed=True, added=added, profile=profile)
 
     def _store(
         self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, empty: bool = False
@@ -661,12 +668,18 @@ class _Undo:
 
     num_new: positions the update counted; initialized: the update created the layer's tensors;
     committed: its tokens were stored (else only staged); added: (B,) tokens stored per row
-    (None: all `num_new` in every row).
+    (None: all `num_new` in every row); profile: the rows' query profiles before the commit.
     """
 
-    __slots__ = ("added", "committed", "initialized", "num_new")
+    __slots__ = ("added", "committed", "initialized", "num_new", "profile")
 
     def __init__(
-        self, num_new: int, initialized: bool, committed: bool = False, added: torch.Tensor | None = None
+        self,
+        num_new: int,
+        initialized: bool,
+        committed: bool = False,
+        added: torch.Tensor | None = None,
+        profile: torch.Tensor | None = None,
     ) -> None:
         self.num_new, self.initialized, self.committed, self.added = num_new, initialized, committed, added
+        self.profile = profile
