@@ -184,6 +184,9 @@ BLOCK_CHANNELS = {  # variant -> (source, channels stored P)
     "blockch_stdq_p32_q2": ("stdq", 32),
     "blockch_stdq_p16_q3": ("stdq", 16),
     "blockch_stdq1_p24_q2": ("stdq1", 24),
+    "blockch_stdq_p32_q1": ("stdq", 32),
+    "blockch_stdq_p40_q1": ("stdq", 40),
+    "blockch_stdq_p20_q3": ("stdq", 20),
 }
 CHANNEL_SCORES.update({name: (stored, int(name[-1])) for name, (_, stored) in BLOCK_CHANNELS.items()})
 CHANNEL_SCORES.update({name: (used, int(name[-1])) for name, (_, _, used) in CALIBRATED.items()})
