@@ -387,9 +387,8 @@ class SparseServeCache(Cache):
         _check_table_width(table_width)
         full_rows = torch.tensor(rows, device=layers[0].device)
         widths = [layer.reserve_table(table_width) for layer in layers]  # before the save: linking cannot fail
-        saved = self.store.save_many(
-            [layer.full_tails(full_rows) for layer in layers], [layer.tail_profiles(full_rows) for layer in layers]
-        )
+        tails, profiles = zip(*(layer.full_tails(full_rows) for layer in layers))
+        saved = self.store.save_many(list(tails), list(profiles))
         self._log.clear()
         for done, (layer, ids, width) in enumerate(zip(layers, saved, widths)):
             try:

@@ -358,11 +358,6 @@ class SparseServeLayer(CacheLayerMixin):
         seen = channels.query_profile(query, self.tail.shape[1], PROFILE_QUERIES, real)  # (B, Hkv, D)
         self.query_profile = torch.where(seen.sum(-1, keepdim=True) > 0, seen, self.query_profile)
 
-    def tail_profiles(self, full_rows: torch.Tensor) -> torch.Tensor | None:
-        """(R*Hkv, D) the query profile of rows `full_rows`' tail blocks, head-major per row (as
-        `full_tails`), or None without profiles."""
-        return None if self.query_profile is None else self.query_profile[full_rows].flatten(0, 1)
-
     def row_lengths(self) -> torch.Tensor:
         """(B,) real tokens stored per row."""
         return self.num_blocks * self.config.block_size + self.tail_len
@@ -523,7 +518,8 @@ class SparseServeLayer(CacheLayerMixin):
             return
         full_rows = torch.tensor(rows, device=self.device)
         width = self.reserve_table(table_width)  # before the save: nothing may fail between save and link
-        ids = self.store.save(self.full_tails(full_rows), profile=self.tail_profiles(full_rows))
+        blocks, profile = self.full_tails(full_rows)
+        ids = self.store.save(blocks, profile=profile)
         try:
             self.link_saved_tails(full_rows, ids, width)
         except BaseException:
@@ -539,9 +535,11 @@ class SparseServeLayer(CacheLayerMixin):
         self._ensure_capacity(width)
         return width
 
-    def full_tails(self, full_rows: torch.Tensor) -> torch.Tensor:
-        """(R*Hkv, 2, S, D) the tail blocks of rows `full_rows` (R,), head-major per row."""
-        return self.tail[full_rows].flatten(0, 1)
+    def full_tails(self, full_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(R*Hkv, 2, S, D) the tail blocks of rows `full_rows` (R,), head-major per row, and their
+        query profiles (R*Hkv, D) (None without profiles): what `TieredBlockStore.save` takes."""
+        profile = None if self.query_profile is None else self.query_profile[full_rows].flatten(0, 1)
+        return self.tail[full_rows].flatten(0, 1), profile
 
     @plain_tensors
     def link_saved_tails(self, full_rows: torch.Tensor, ids: torch.Tensor, table_width: int | None = None) -> None:
