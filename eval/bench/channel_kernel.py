@@ -1,0 +1,99 @@
+"""The channel-score kernel alone, at one decode step's shape, under its launch knobs.
+
+    python -m eval.bench.channel_kernel --out channel_kernel.json     # on a GPU
+    python -m eval.bench.channel_kernel --dry-run                     # tiny shapes, Triton's interpreter
+
+One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
+32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
+`triton_channels.block_logsumexp` (what a step launches per layer) and of the whole `score_channels`
+for each (BLOCK_N, NUM_WARPS), beside the time to copy the metadata's bytes once (the read's floor),
+measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+SETTINGS = [(16, 4), (8, 4), (8, 2), (4, 2), (4, 1), (2, 1), (16, 8)]  # (BLOCK_N, NUM_WARPS)
+
+
+def timed_us(fn, repeats: int) -> float:
+    """Median microseconds of `fn()` over `repeats` CUDA-event-timed calls, after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes under Triton's CPU interpreter")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from sparseserve_hf.ops import channels, triton_channels
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    batch, kv_heads, group, dim, blocks, size = (2, 2, 4, 16, 8, 32) if args.dry_run else (16, 8, 4, 128, 1024, 32)
+    share = 0.375
+    stored = channels.stored_channels(share, dim)
+    pool = batch * kv_heads * blocks
+    torch.manual_seed(0)
+    keys = torch.randn(pool, size, dim, device=device)
+    metadata = channels.channel_metadata(keys, share, torch.float8_e4m3fn, torch.rand(pool, dim, device=device))
+    del keys
+    table = torch.randperm(pool, device=device).view(batch, kv_heads, blocks)
+    query = torch.randn(
+        batch, kv_heads * group, dim, device=device, dtype=torch.float32 if args.dry_run else torch.bfloat16
+    )
+    scaling = dim**-0.5
+    repeats = 1 if args.dry_run else args.repeats
+    rows = []
+    for block_n, warps in SETTINGS:
+        triton_channels.BLOCK_N, triton_channels.NUM_WARPS = block_n, warps
+        if args.dry_run:
+            triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)
+            rows.append(dict(block_n=block_n, num_warps=warps))
+            continue
+        kernel = timed_us(
+            lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
+        )
+        whole = timed_us(lambda: triton_channels.score_channels(query, metadata, table, size, stored, scaling), repeats)
+        rows.append(
+            dict(block_n=block_n, num_warps=warps, kernel_us=round(kernel, 1), score_channels_us=round(whole, 1))
+        )
+        print(rows[-1], flush=True)
+    result = dict(
+        command="python -m eval.bench.channel_kernel " + " ".join(argv or []),
+        device="cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+        git_commit=os.environ.get("SPARSESERVE_COMMIT"),
+        shape=dict(batch=batch, kv_heads=kv_heads, group=group, head_dim=dim, blocks=blocks, block_size=size),
+        channel_share=share,
+        metadata_bytes=metadata.numel(),
+        rows=rows,
+    )
+    if not args.dry_run:
+        copy = torch.empty_like(metadata.view(torch.uint8))
+        result["metadata_copy_us"] = round(timed_us(lambda: copy.copy_(metadata.view(torch.uint8)), repeats), 1)
+        print("metadata copy", result["metadata_copy_us"], "us", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
