@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> dict:
         rows=rows,
     )
     if not args.dry_run:
+        fastest = min(rows, key=lambda row: row["kernel_us"])
+        blocks_knob = "DOT_BLOCK_N" if fastest["tensor_cores"] else "BLOCK_N"
+        result["fastest_knobs"] = [  # as `eval.bench.decode_step --knob` takes them
+            f"triton_channels.TENSOR_CORES={fastest['tensor_cores']}",
+            f"triton_channels.{blocks_knob}={fastest['block_n']}",
+            f"triton_channels.NUM_WARPS={fastest['num_warps']}",
+        ]
         copy = torch.empty_like(metadata.view(torch.uint8))
         result["metadata_copy_us"] = round(timed_us(lambda: copy.copy_(metadata.view(torch.uint8)), repeats), 1)
         print("metadata copy", result["metadata_copy_us"], "us", flush=True)
