@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval.bench import channel_kernel
 
 from kernel_support import DEVICE, ON_GPU
 
@@ -29,6 +30,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         "eval.bench.miss_copy",
         "eval.bench.prefill_memory",
         "eval.bench.step_knobs",
+        "eval.bench.channel_kernel",
     ],
 )
 def test_help(module):
@@ -58,6 +60,14 @@ def test_decode_attention_dry_run_writes_its_ratios(tmp_path):
     for key in ("speedup_vs_dense_sdpa", "select_and_attend_speedup", "hbm_bandwidth_fraction", "copy_gb_per_s"):
         assert result[key] > 0, key
     assert any(row["union"] for row in result["rows"])
+
+
+def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
+    out = tmp_path / "channel_kernel.json"
+    run_module("eval.bench.channel_kernel", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    settings = [(r["tensor_cores"], r["block_n"], r["num_warps"]) for r in result["rows"]]
+    assert settings == [tuple(s) for s in channel_kernel.SETTINGS] and result["metadata_bytes"] > 0
 
 
 def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
