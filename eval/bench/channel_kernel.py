@@ -6,7 +6,7 @@
 One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
 32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
 `triton_channels.block_logsumexp` (what a step launches per layer) and of the whole `score_channels`
-for each launch setting (the fp32 kernel's BLOCK_N and NUM_WARPS, or the tensor-core product's), beside the time to copy the metadata's bytes once (the read's floor),
+for each (BLOCK_N, NUM_WARPS), beside the time to copy the metadata's bytes once (the read's floor),
 measured in the same process.
 """
 
@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-# (TENSOR_CORES, blocks per program, NUM_WARPS): the fp32 kernel's BLOCK_N, or the tensor-core one's DOT_BLOCK_N
-SETTINGS = [(False, 16, 4), (False, 8, 4), (False, 8, 2), (False, 4, 2), (False, 4, 1), (False, 16, 8)]
-SETTINGS += [(True, 1, 4), (True, 2, 4), (True, 4, 4), (True, 2, 2), (True, 4, 8), (True, 8, 8)]
+SETTINGS = [(16, 4), (8, 4), (8, 2), (4, 2), (4, 1), (2, 1), (16, 8)]  # (BLOCK_N, NUM_WARPS)
 
 
 def timed_us(fn, repeats: int) -> float:
@@ -65,12 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     scaling = dim**-0.5
     repeats = 1 if args.dry_run else args.repeats
     rows = []
-    for dot, block_n, warps in SETTINGS:
-        triton_channels.TENSOR_CORES, triton_channels.NUM_WARPS = dot, warps
-        triton_channels.BLOCK_N, triton_channels.DOT_BLOCK_N = (16, block_n) if dot else (block_n, 2)
+    for block_n, warps in SETTINGS:
+        triton_channels.BLOCK_N, triton_channels.NUM_WARPS = block_n, warps
         if args.dry_run:
             triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-            rows.append(dict(tensor_cores=dot, block_n=block_n, num_warps=warps))
+            rows.append(dict(block_n=block_n, num_warps=warps))
             continue
         kernel = timed_us(
             lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
@@ -78,7 +75,6 @@ def main(argv: list[str] | None = None) -> dict:
         whole = timed_us(lambda: triton_channels.score_channels(query, metadata, table, size, stored, scaling), repeats)
         rows.append(
             dict(
-                tensor_cores=dot,
                 block_n=block_n,
                 num_warps=warps,
                 kernel_us=round(kernel, 1),
@@ -97,10 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if not args.dry_run:
         fastest = min(rows, key=lambda row: row["kernel_us"])
-        blocks_knob = "DOT_BLOCK_N" if fastest["tensor_cores"] else "BLOCK_N"
         result["fastest_knobs"] = [  # as `eval.bench.decode_step --knob` takes them
-            f"triton_channels.TENSOR_CORES={fastest['tensor_cores']}",
-            f"triton_channels.{blocks_knob}={fastest['block_n']}",
+            f"triton_channels.BLOCK_N={fastest['block_n']}",
             f"triton_channels.NUM_WARPS={fastest['num_warps']}",
         ]
         copy = torch.empty_like(metadata.view(torch.uint8))

@@ -19,14 +19,8 @@ import triton.language as tl
 
 from . import channels
 
-BLOCK_N = 16  # blocks per program
-NUM_WARPS = 4
-# A launch knob, off until timed: each block's (S, P) keys times its gathered (P, G) query as one fp16
-# tensor-core product (`_block_lse_dot_kernel`, DOT_BLOCK_N blocks per program; about 1e-3 relative),
-# instead of fp32 products summed over the channels token by token.
-TENSOR_CORES = False
-DOT_BLOCK_N = 2
-MIN_DOT = 16  # tl.dot's smallest tile side
+BLOCK_N = 4  # blocks per program (the fastest of 4-16 blocks x 1-8 warps on the H200)
+NUM_WARPS = 1
 
 
 @triton.jit
@@ -98,73 +92,6 @@ def _block_lse_kernel(
     tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])
 
 
-@triton.jit
-def _block_lse_dot_kernel(
-    query_ptr,  # (B, Hkv, G, D) fp32 queries times the softmax scale, contiguous
-    abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
-    codes_ptr,  # the pool's bytes, uint8 (C, M, D)
-    bounds_ptr,  # the same pool as float8_e4m3fn
-    ids_ptr,  # (B, Hkv, N) int64, unit stride on N
-    out_ptr,  # (B, Hq, N) fp32
-    stride_ib,
-    stride_ih,
-    stride_ob,
-    stride_oh,
-    stride_mc,
-    num_blocks,
-    num_kv_heads,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    P: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # >= 16
-    BLOCK_P: tl.constexpr,  # >= 16
-    BLOCK_N: tl.constexpr,
-    S: tl.constexpr,  # tokens per block, >= 16
-    HEADER: tl.constexpr,
-    PER_BYTE: tl.constexpr,
-    BITS: tl.constexpr,
-):
-    """`_block_lse_kernel` with every block's logits as one (S, P) x (P, G) fp16 product."""
-    row_head = tl.program_id(0)
-    b = row_head // num_kv_heads
-    h = row_head % num_kv_heads
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    p = tl.arange(0, BLOCK_P)
-    g = tl.arange(0, BLOCK_G)
-    t = tl.arange(0, S)
-    in_table = n < num_blocks
-    ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
-    valid = ids >= 0
-    has_p = p < P
-    mask = valid[:, None] & has_p[None, :]  # (BLOCK_N, BLOCK_P)
-    block = ids[:, None] * stride_mc  # (BLOCK_N, 1)
-    half = P // 2
-    pair = tl.load(codes_ptr + block + HEADER + (p % half)[None, :], mask=mask, other=0).to(tl.int32)
-    channel = pair + (p >= half).to(tl.int32)[None, :] * (D // 2)  # (BLOCK_N, BLOCK_P)
-    low = tl.load(bounds_ptr + block + HEADER + half + p[None, :], mask=mask, other=0.0).to(tl.float32)
-    step = tl.load(bounds_ptr + block + HEADER + half + P + p[None, :], mask=mask, other=0.0).to(tl.float32)
-    step = tl.maximum(step, 1e-8)
-    has_g = g < G
-    q = tl.load(
-        query_ptr + ((row_head * G + g) * D)[None, None, :] + channel[:, :, None],
-        mask=mask[:, :, None] & has_g[None, None, :],
-        other=0.0,
-    )  # (BLOCK_N, BLOCK_P, BLOCK_G)
-    total_abs = tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0)  # (BLOCK_G,)
-    kept = tl.sum(tl.abs(q), axis=1) / tl.maximum(total_abs, 1e-30)[None, :]  # (BLOCK_N, BLOCK_G)
-    q = q / tl.sqrt(tl.maximum(kept, 1e-6))[:, None, :]
-    byte = block[:, :, None] + ((t // PER_BYTE) * P)[None, :, None] + p[None, None, :]  # (BLOCK_N, S, BLOCK_P)
-    packed = tl.load(codes_ptr + byte, mask=mask[:, None, :], other=0).to(tl.int32)
-    codes = (packed >> ((t % PER_BYTE) * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    keys = codes.to(tl.float32) * step[:, None, :] + low[:, None, :]  # (BLOCK_N, S, BLOCK_P)
-    logits = tl.dot(keys.to(tl.float16), q.to(tl.float16))  # (BLOCK_N, S, BLOCK_G) fp32
-    best = tl.max(logits, axis=1)  # (BLOCK_N, BLOCK_G)
-    lse = best + tl.log(tl.sum(tl.exp(logits - best[:, None, :]), axis=1))
-    lse = tl.where(valid[:, None], lse, float("-inf"))
-    out = out_ptr + b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
-    tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])
-
-
 def block_logsumexp(
     query: torch.Tensor,
     metadata: torch.Tensor,
@@ -172,10 +99,8 @@ def block_logsumexp(
     block_size: int,
     stored: int,
     scaling: float,
-    tensor_cores: bool | None = None,
 ) -> torch.Tensor:
     """`channels.block_logsumexp` as one kernel: (B, Hq, N) fp32, -inf where the id is -1.
-    `tensor_cores`: each block's products as one fp16 tensor-core product (None: `TENSOR_CORES`).
 
     Args:
         query: (B, Hq, D) decode queries.
@@ -193,21 +118,12 @@ def block_logsumexp(
         return out
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    dot = (TENSOR_CORES if tensor_cores is None else tensor_cores) and _dot_tiles(block_size)
     args = (
         scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8), metadata,
         block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads,
     )  # fmt: skip
     header = channels.header_start(block_size, stored, dim)
-    if dot:
-        grid = (batch * num_kv_heads, triton.cdiv(num_blocks, DOT_BLOCK_N))
-        _block_lse_dot_kernel[grid](
-            *args, D=dim, G=group, P=stored, BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
-            BLOCK_P=max(MIN_DOT, triton.next_power_of_2(stored)), BLOCK_N=DOT_BLOCK_N, S=block_size,
-            HEADER=header, PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
-        )  # fmt: skip
-        return out
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
     _block_lse_kernel[grid](
         *args, D=dim, G=group, P=stored, BLOCK_G=triton.next_power_of_2(group),
@@ -215,11 +131,6 @@ def block_logsumexp(
         HEADER=header, PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
-
-
-def _dot_tiles(block_size: int) -> bool:
-    """Whether a block's tokens make a tl.dot tile side: a power of two of at least 16."""
-    return block_size >= MIN_DOT and block_size & (block_size - 1) == 0
 
 
 def score_channels(
