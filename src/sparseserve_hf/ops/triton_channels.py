@@ -118,17 +118,15 @@ def block_logsumexp(
         return out
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    args = (
+    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
+    _block_lse_kernel[grid](
         scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8), metadata,
         block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads,
-    )  # fmt: skip
-    header = channels.header_start(block_size, stored, dim)
-    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
-    _block_lse_kernel[grid](
-        *args, D=dim, G=group, P=stored, BLOCK_G=triton.next_power_of_2(group),
+        D=dim, G=group, P=stored, BLOCK_G=triton.next_power_of_2(group),
         BLOCK_P=triton.next_power_of_2(stored), BLOCK_N=BLOCK_N, CODE_ROWS=block_size // channels.PER_BYTE,
-        HEADER=header, PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
+        HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
+        BITS=channels.BITS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
