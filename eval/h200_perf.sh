@@ -27,6 +27,9 @@
 #               under torchrun (tp2_step_over_tp1, and its tokens against TP=1's)
 #   beside      the lookup beside attention (config.lookup_beside_attention): its kernel and graph tests, then
 #               the real-locality step with it (and stock) and without it (--set lookup_beside_attention=False)
+#   attention   the sparse decode attention kernel alone at the step's shape under its launch knobs (tile, warps,
+#               pipelining stages, split programs per SM), then the captured step per layer (8-layer cut) with the
+#               fastest setting against the defaults, twice each
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   critical    the layer's critical path (8-layer cut, us per layer): the score kernel's stores after both
@@ -131,6 +134,13 @@ case $part in
         --set selection=kv_head --set group_aggregation=sum --set channel_share=$share \
         --out "$out/decode_step_channels_$share.json" 2>&1 | tee "$out/decode_step_channels_$share.log" | tail -14
     done ;;
+  attention)
+    python -m eval.bench.attention_knobs --out "$out/attention_knobs.json" 2>&1 | tee "$out/attention_knobs.log" | tail -60
+    best=$(python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))['best']))" \
+      "$out/attention_knobs.json")
+    for knob in "" "$best" "" "$best"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_attention.jsonl" 2>&1 | tail -1
+    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -179,5 +189,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, attention, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

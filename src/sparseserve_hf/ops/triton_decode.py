@@ -24,6 +24,8 @@ PROGRAMS_PER_SM = 4
 # Beside a lookup (`begin_decode`) half as many: a second wave of split programs would wait behind
 # the lookup's and the miss copy's programs, which share the SMs meanwhile.
 PROGRAMS_PER_SM_BESIDE_LOOKUP = 2
+SPLIT_WARPS = 4  # warps of a split program (a launch knob)
+SPLIT_STAGES = 3  # software-pipelining stages of its block loop (a launch knob; Triton's default)
 
 
 @triton.jit
@@ -404,7 +406,8 @@ def _launch_split(
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
         SCALED=pending.scales is not None,
         LATE=late,
-        num_warps=4,
+        num_warps=SPLIT_WARPS,
+        num_stages=SPLIT_STAGES,
     )  # fmt: skip
 
 
