@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     shape = (2, 2, 4, 16, 32, 16, 3, 64) if args.dry_run else (16, 8, 4, 128, 32, 1024, args.mean_blocks, 32768)
-    batch, kv_heads, group, dim, size, width, mean_blocks, pool_slots = shape
+    dim = shape[3]
     inputs = attention_inputs(*shape, args.late_fraction, device, dtype)
     scaling = dim**-0.5
     expected = reference.sparse_decode(
@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = min(timed_rows, key=lambda row: row["ms"]) if timed_rows else {**defaults, "ms": None}
     result = {
         **run_record(device),
-        "shape": dict(zip(["batch", "kv_heads", "group", "dim", "block_size", "width", "mean_blocks", "pool_slots"], shape)),
+        "shape": dict(
+            zip(["batch", "kv_heads", "group", "dim", "block_size", "width", "mean_blocks", "pool_slots"], shape)
+        ),
         "mean_used_blocks": inputs["mean_used"],
         "kv_bytes": inputs["kv_bytes"],
         "late_fraction": args.late_fraction,
