@@ -52,9 +52,8 @@
 #   fp8kv       8-bit KV (kv_dtype=float8_e4m3fn): the decode kernel and drop-in GPU tests, then the real-locality
 #               step with 8-bit blocks and with model-dtype blocks in the same call (fp8_decode_vs_bf16)
 #   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
-#               scorer and ladder tests, then the real-locality step with stock and the default config, and the
-#               same step with channel scores at the default share (3/8: 1/32 of the KV read) and at 1/2
-#               (bookkeeping per layer beside it)
+#               scorer and ladder tests, their kernel alone under its launch knobs, then the real-locality step with
+#               stock and the default config, and the same step with channel scores (the kernel's fastest knobs)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -127,13 +126,14 @@ case $part in
   channels)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
       tests/unit/test_channel_scores.py tests/unit/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
+    python -m eval.bench.channel_kernel --out "$out/channel_kernel.json" 2>&1 | tee "$out/channel_kernel.log" | tail -12
+    fastest=$(python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))['fastest_knobs']))" \
+      "$out/channel_kernel.json")
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
-    for share in 0.375 0.5; do
-      python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
-        --set selection=kv_head --set group_aggregation=sum --set channel_share=$share \
-        --out "$out/decode_step_channels_$share.json" 2>&1 | tee "$out/decode_step_channels_$share.log" | tail -14
-    done ;;
+    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
+      --set selection=kv_head --set group_aggregation=sum $fastest \
+      --out "$out/decode_step_channels.json" 2>&1 | tee "$out/decode_step_channels.log" | tail -14 ;;
   attention)
     python -m eval.bench.attention_knobs --out "$out/attention_knobs.json" 2>&1 | tee "$out/attention_knobs.log" | tail -60
     best=$(python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))['best']))" \

@@ -6,7 +6,7 @@
 One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
 32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
 `triton_channels.block_logsumexp` (what a step launches per layer) and of the whole `score_channels`
-for each (BLOCK_N, NUM_WARPS), beside the time to copy the metadata's bytes once (the read's floor),
+for each (BLOCK_N, NUM_WARPS, PRECISION), beside the time to copy the metadata's bytes once (the read's floor),
 measured in the same process.
 """
 
@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-SETTINGS = [(16, 4), (8, 4), (8, 2), (4, 2), (4, 1), (2, 1), (16, 8)]  # (BLOCK_N, NUM_WARPS)
+SETTINGS = [  # (BLOCK_N, NUM_WARPS, PRECISION)
+    (8, 1, "tf32x3"), (4, 1, "tf32x3"), (16, 1, "tf32x3"), (32, 1, "tf32x3"), (8, 2, "tf32x3"), (8, 4, "tf32x3"),
+    (16, 2, "tf32x3"), (8, 1, "tf32"), (16, 1, "tf32"),
+]  # fmt: skip
 
 
 def timed_us(fn, repeats: int) -> float:
@@ -63,11 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     scaling = dim**-0.5
     repeats = 1 if args.dry_run else args.repeats
     rows = []
-    for block_n, warps in SETTINGS:
-        triton_channels.BLOCK_N, triton_channels.NUM_WARPS = block_n, warps
+    for block_n, warps, precision in SETTINGS:
+        triton_channels.BLOCK_N, triton_channels.NUM_WARPS, triton_channels.PRECISION = block_n, warps, precision
         if args.dry_run:
             triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-            rows.append(dict(block_n=block_n, num_warps=warps))
+            rows.append(dict(block_n=block_n, num_warps=warps, precision=precision))
             continue
         kernel = timed_us(
             lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             dict(
                 block_n=block_n,
                 num_warps=warps,
+                precision=precision,
                 kernel_us=round(kernel, 1),
                 score_channels_us=round(whole, 1),
             )
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["fastest_knobs"] = [  # as `eval.bench.decode_step --knob` takes them
             f"triton_channels.BLOCK_N={fastest['block_n']}",
             f"triton_channels.NUM_WARPS={fastest['num_warps']}",
+            f"triton_channels.PRECISION={fastest['precision']!r}",
         ]
         copy = torch.empty_like(metadata.view(torch.uint8))
         result["metadata_copy_us"] = round(timed_us(lambda: copy.copy_(metadata.view(torch.uint8)), repeats), 1)

@@ -66,7 +66,7 @@ def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
     out = tmp_path / "channel_kernel.json"
     run_module("eval.bench.channel_kernel", "--dry-run", "--out", str(out))
     result = json.loads(out.read_text())
-    settings = [(r["block_n"], r["num_warps"]) for r in result["rows"]]
+    settings = [(r["block_n"], r["num_warps"], r["precision"]) for r in result["rows"]]
     assert settings == [tuple(s) for s in channel_kernel.SETTINGS] and result["metadata_bytes"] > 0
 
 

@@ -1,14 +1,15 @@
 """Channel scores on the GPU (`ops.channels` is the spec): each block's log-sum-exp of its tokens'
 estimated logits, read straight from the channel metadata pool through the rows' tables.
 
-One program takes BLOCK_N blocks of one (row, KV head) for all G query heads of the group. Per block it
-reads the header (the stored pairs, minima and steps), gathers the group's query on the block's own
-channels and scales it by SparQ's correction for the share of |q| they hold; then, code byte row by
-code byte row, it decodes 8 / BITS tokens at a time and keeps a running maximum and sum of exp per
-(block, query head) (an online log-sum-exp), so no (B, Hkv, N, S, P) key copy is ever made. A step
-reads each block's metadata once, in whole contiguous rows. Everything computes in fp32, like the
-spec; only the order of the sums over channels differs. The softmax over a row's blocks
-(`channels.block_mass`) is one PyTorch op on (B, Hq, N).
+One program takes BLOCK_N blocks of one (row, KV head), one block at a time, for all G query heads of
+the group. Per block it reads the header (the stored pairs, minima and steps) and gathers the group's
+query on the block's own channels, scaled by SparQ's correction for the share of |q| they hold. A
+key is `code * step + low` per channel, so a token's logit is `code . (q * step) + q . low`: the codes
+of the whole block, unpacked to (S, P), meet the step-weighted query in one small tensor-core product
+(three TF32 passes: fp32 accuracy), and a log-sum-exp over the S tokens follows. A step reads each
+block's metadata once; no (B, Hkv, N, S, P) key copy is ever made. Only the order of the sums over
+channels differs from the spec. The softmax over a row's blocks (`channels.block_mass`) is one
+PyTorch op on (B, Hq, N).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import triton.language as tl
 
 from . import channels
 
-BLOCK_N = 4  # blocks per program (the fastest of 4-16 blocks x 1-8 warps on the H200)
-NUM_WARPS = 1
+BLOCK_N = 8  # blocks per program (a launch knob)
+NUM_WARPS = 1  # (a launch knob)
+PRECISION = "tf32x3"  # the product's input precision (a launch knob): "tf32x3" ~ fp32, "tf32" faster
 
 
 @triton.jit
@@ -41,55 +43,56 @@ def _block_lse_kernel(
     D: tl.constexpr,
     G: tl.constexpr,
     P: tl.constexpr,
+    S: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CODE_ROWS: tl.constexpr,  # packed code rows of P bytes: S / PER_BYTE
     HEADER: tl.constexpr,  # the header's first byte
     PER_BYTE: tl.constexpr,
     BITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.arange(0, BLOCK_P)
     g = tl.arange(0, BLOCK_G)
-    in_table = n < num_blocks
-    ids = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
-    valid = ids >= 0
+    t = tl.arange(0, S)
     has_p = p < P
-    mask = valid[:, None] & has_p[None, :]  # (BLOCK_N, BLOCK_P)
-    block = ids[:, None] * stride_mc  # (BLOCK_N, 1) the block's first byte
-    half = P // 2
-    pair = tl.load(codes_ptr + block + HEADER + (p % half)[None, :], mask=mask, other=0).to(tl.int32)
-    channel = pair + (p >= half).to(tl.int32)[None, :] * (D // 2)  # (BLOCK_N, BLOCK_P)
-    low = tl.load(bounds_ptr + block + HEADER + half + p[None, :], mask=mask, other=0.0).to(tl.float32)
-    step = tl.load(bounds_ptr + block + HEADER + half + P + p[None, :], mask=mask, other=0.0).to(tl.float32)
-    step = tl.maximum(step, 1e-8)
     has_g = g < G
-    q = tl.load(
-        query_ptr + ((row_head * G + g) * D)[None, :, None] + channel[:, None, :],
-        mask=mask[:, None, :] & has_g[None, :, None],
-        other=0.0,
-    )  # (BLOCK_N, BLOCK_G, BLOCK_P) the group's scaled query on each block's channels; padding 0
-    total_abs = tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0)  # (BLOCK_G,)
-    kept = tl.sum(tl.abs(q), axis=2) / tl.maximum(total_abs, 1e-30)[None, :]  # (BLOCK_N, BLOCK_G); scale cancels
-    q = q / tl.sqrt(tl.maximum(kept, 1e-6))[:, :, None]
-    best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for j in tl.static_range(CODE_ROWS):
-        packed = tl.load(codes_ptr + block + j * P + p[None, :], mask=mask, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_P)
-        for t in tl.static_range(PER_BYTE):
-            keys = ((packed >> (t * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * step + low  # (BLOCK_N, BLOCK_P)
-            logits = tl.sum(keys[:, None, :] * q, axis=2)  # (BLOCK_N, BLOCK_G)
-            newest = tl.maximum(best, logits)
-            total = total * tl.exp(best - newest) + tl.exp(logits - newest)
-            best = newest
-    lse = tl.where(valid[:, None], best + tl.log(total), float("-inf"))
-    out = out_ptr + b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]  # (BLOCK_N, BLOCK_G)
-    tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])
+    half = P // 2
+    channel_of_pair = (p >= half).to(tl.int32) * (D // 2)  # (BLOCK_P,) the pair's second half
+    code_offset = (t // PER_BYTE)[:, None] * P + p[None, :]  # (S, BLOCK_P) byte of each token's code
+    code_shift = ((t % PER_BYTE) * BITS)[:, None]
+    total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)  # (BLOCK_G,)
+    query_rows = query_ptr + (row_head * G + g) * D  # (BLOCK_G,)
+    for i in range(BLOCK_N):
+        n = tl.program_id(1) * BLOCK_N + i
+        block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=n < num_blocks, other=-1).to(tl.int64)
+        valid = block + tl.zeros_like(p) >= 0  # (BLOCK_P,) a vector: masks mix it with vectors
+        start = block * stride_mc
+        mask = has_p & valid  # (BLOCK_P,)
+        pair = tl.load(codes_ptr + start + HEADER + p % half, mask=mask, other=0).to(tl.int32)
+        low = tl.load(bounds_ptr + start + HEADER + half + p, mask=mask, other=0.0).to(tl.float32)
+        step = tl.maximum(
+            tl.load(bounds_ptr + start + HEADER + half + P + p, mask=mask, other=0.0).to(tl.float32), 1e-8
+        )
+        q = tl.load(
+            query_rows[:, None] + (pair + channel_of_pair)[None, :], mask=has_g[:, None] & mask[None, :], other=0.0
+        )  # (BLOCK_G, BLOCK_P) the group's scaled query on the block's channels; padding 0
+        kept = tl.sum(tl.abs(q), axis=1) / total_abs  # (BLOCK_G,) the scale cancels
+        q = q / tl.sqrt(tl.maximum(kept, 1e-6))[:, None]
+        packed = tl.load(codes_ptr + start + code_offset, mask=mask[None, :], other=0).to(tl.int32)  # (S, BLOCK_P)
+        codes = ((packed >> code_shift) & ((1 << BITS) - 1)).to(tl.float32)
+        logits = tl.dot(codes, tl.trans(q * step[None, :]), input_precision=PRECISION)  # (S, BLOCK_G)
+        logits += tl.sum(q * low[None, :], axis=1)[None, :]
+        best = tl.max(logits, axis=0)  # (BLOCK_G,)
+        lse = best + tl.log(tl.sum(tl.exp(logits - best[None, :]), axis=0))
+        lse = tl.where(block + tl.zeros_like(g) >= 0, lse, float("-inf"))
+        tl.store(
+            out_ptr + b * stride_ob + (h * G + g) * stride_oh + n, lse, mask=has_g & (n + tl.zeros_like(g) < num_blocks)
+        )
 
 
 def block_logsumexp(
@@ -123,10 +126,10 @@ def block_logsumexp(
         scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8), metadata,
         block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads,
-        D=dim, G=group, P=stored, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_P=triton.next_power_of_2(stored), BLOCK_N=BLOCK_N, CODE_ROWS=block_size // channels.PER_BYTE,
+        D=dim, G=group, P=stored, S=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_P=max(16, triton.next_power_of_2(stored)), BLOCK_N=BLOCK_N,
         HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
-        BITS=channels.BITS, num_warps=NUM_WARPS,
+        BITS=channels.BITS, PRECISION=PRECISION, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
