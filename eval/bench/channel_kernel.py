@@ -6,7 +6,7 @@
 One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
 32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
 `triton_channels.block_logsumexp` (what a step launches per layer) and of the whole `score_channels`
-for each (BLOCK_N, NUM_WARPS, PRECISION), beside the time to copy the metadata's bytes once (the read's floor),
+for each setting of its launch knobs, beside the time to copy the metadata's bytes once (the read's floor),
 measured in the same process.
 """
 
@@ -19,10 +19,13 @@ from pathlib import Path
 
 import torch
 
-SETTINGS = [  # (BLOCK_N, NUM_WARPS, PRECISION)
-    (8, 1, "tf32x3"), (4, 1, "tf32x3"), (16, 1, "tf32x3"), (32, 1, "tf32x3"), (8, 2, "tf32x3"), (8, 4, "tf32x3"),
-    (16, 2, "tf32x3"), (8, 1, "tf32"), (16, 1, "tf32"),
-]  # fmt: skip
+SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
+    {"FORM": "fma", "BLOCK_N": n, "NUM_WARPS": w} for n, w in [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)]
+] + [
+    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 1, "NUM_STAGES": 1, "PRECISION": "tf32x3"},
+    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 4, "NUM_STAGES": 1, "PRECISION": "tf32x3"},
+    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 1, "NUM_STAGES": 1, "PRECISION": "tf32"},
+]
 
 
 def timed_us(fn, repeats: int) -> float:
@@ -66,25 +69,24 @@ def main(argv: list[str] | None = None) -> dict:
     scaling = dim**-0.5
     repeats = 1 if args.dry_run else args.repeats
     rows = []
-    for block_n, warps, precision in SETTINGS:
-        triton_channels.BLOCK_N, triton_channels.NUM_WARPS, triton_channels.PRECISION = block_n, warps, precision
+    expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
+    defaults = {
+        name: getattr(triton_channels, name) for name in ("FORM", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PRECISION")
+    }
+    for setting in SETTINGS:
+        knobs = {**defaults, **setting}
+        for name, value in knobs.items():
+            setattr(triton_channels, name, value)
+        got = triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)
+        knobs["max_abs_diff"] = float((got - expected).abs().max())  # no id is -1 here: no inf
         if args.dry_run:
-            triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-            rows.append(dict(block_n=block_n, num_warps=warps, precision=precision))
+            rows.append(knobs)
             continue
         kernel = timed_us(
             lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
         )
         whole = timed_us(lambda: triton_channels.score_channels(query, metadata, table, size, stored, scaling), repeats)
-        rows.append(
-            dict(
-                block_n=block_n,
-                num_warps=warps,
-                precision=precision,
-                kernel_us=round(kernel, 1),
-                score_channels_us=round(whole, 1),
-            )
-        )
+        rows.append({**knobs, "kernel_us": round(kernel, 1), "score_channels_us": round(whole, 1)})
         print(rows[-1], flush=True)
     result = dict(
         command="python -m eval.bench.channel_kernel " + " ".join(argv or []),
@@ -98,9 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.dry_run:
         fastest = min(rows, key=lambda row: row["kernel_us"])
         result["fastest_knobs"] = [  # as `eval.bench.decode_step --knob` takes them
-            f"triton_channels.BLOCK_N={fastest['block_n']}",
-            f"triton_channels.NUM_WARPS={fastest['num_warps']}",
-            f"triton_channels.PRECISION={fastest['precision']!r}",
+            f"triton_channels.{name}={fastest[name]!r}" for name in defaults
         ]
         copy = torch.empty_like(metadata.view(torch.uint8))
         result["metadata_copy_us"] = round(timed_us(lambda: copy.copy_(metadata.view(torch.uint8)), repeats), 1)

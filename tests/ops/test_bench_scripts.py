@@ -66,8 +66,10 @@ def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
     out = tmp_path / "channel_kernel.json"
     run_module("eval.bench.channel_kernel", "--dry-run", "--out", str(out))
     result = json.loads(out.read_text())
-    settings = [(r["block_n"], r["num_warps"], r["precision"]) for r in result["rows"]]
-    assert settings == [tuple(s) for s in channel_kernel.SETTINGS] and result["metadata_bytes"] > 0
+    assert [{name: row[name] for name in setting} for row, setting in zip(result["rows"], channel_kernel.SETTINGS)] == (
+        channel_kernel.SETTINGS
+    )
+    assert len(result["rows"]) == len(channel_kernel.SETTINGS) and result["metadata_bytes"] > 0
 
 
 def test_score_tuning_dry_run_times_each_launch_point(tmp_path):

@@ -22,7 +22,9 @@ from . import channels
 
 BLOCK_N = 8  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
+NUM_STAGES = 1  # software-pipelining stages of the per-block loop (a launch knob)
 PRECISION = "tf32x3"  # the product's input precision (a launch knob): "tf32x3" ~ fp32, "tf32" faster
+FORM = "fma"  # "fma": a loop over the stored channels on the CUDA cores; "dot": a tensor-core product per block
 
 
 @triton.jit
@@ -95,6 +97,55 @@ def _block_lse_kernel(
         )
 
 
+@triton.jit
+def _block_lse_fma_kernel(
+    query_ptr, abs_sum_ptr, codes_ptr, bounds_ptr, ids_ptr, out_ptr,
+    stride_ib, stride_ih, stride_ob, stride_oh, stride_mc, num_blocks, num_kv_heads,
+    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEADER: tl.constexpr, PER_BYTE: tl.constexpr, BITS: tl.constexpr,
+):  # fmt: skip
+    """`_block_lse_kernel`'s result (same grid and arguments) with the BLOCK_N blocks side by side
+    and a loop over the P stored channels: per channel each block's (S,) codes times its step meet
+    the group's query on that channel in a (BLOCK_N, BLOCK_G, S) accumulator; SparQ's correction
+    scales each (block, head) at the end."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.arange(0, BLOCK_G)
+    t = tl.arange(0, S)
+    in_table = n < num_blocks
+    block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
+    valid = block >= 0
+    start = block * stride_mc  # (BLOCK_N,)
+    has_g = g < G
+    query_rows = query_ptr + (row_head * G + g) * D  # (BLOCK_G,)
+    code_rows = start[:, None, None] + ((t // PER_BYTE) * P)[None, None, :]  # (BLOCK_N, 1, S)
+    code_shift = ((t % PER_BYTE) * BITS)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_G, S], tl.float32)
+    kept = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    offset = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    for i in tl.static_range(P):
+        pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
+        channel = pair + (i >= P // 2) * (D // 2)  # (BLOCK_N,)
+        low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
+        step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
+        q = tl.load(query_rows[None, :] + channel[:, None], mask=valid[:, None] & has_g[None, :], other=0.0)
+        kept += tl.abs(q)
+        offset += q * low[:, None]
+        packed = tl.load(codes_ptr + code_rows + i, mask=valid[:, None, None], other=0).to(tl.int32)
+        codes = ((packed >> code_shift) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, 1, S)
+        acc += codes * (q * tl.maximum(step, 1e-8)[:, None])[:, :, None]
+    total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
+    correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[None, :], 1e-6))  # (BLOCK_N, BLOCK_G)
+    logits = (acc + offset[:, :, None]) * correction[:, :, None]
+    best = tl.max(logits, axis=2)
+    lse = best + tl.log(tl.sum(tl.exp(logits - best[:, :, None]), axis=2))
+    lse = tl.where(valid[:, None], lse, float("-inf"))
+    out = out_ptr + b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]
+    tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])
+
+
 def block_logsumexp(
     query: torch.Tensor,
     metadata: torch.Tensor,
@@ -122,15 +173,22 @@ def block_logsumexp(
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
-    _block_lse_kernel[grid](
+    arguments = (
         scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8), metadata,
         block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads,
-        D=dim, G=group, P=stored, S=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_P=max(16, triton.next_power_of_2(stored)), BLOCK_N=BLOCK_N,
-        HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
-        BITS=channels.BITS, PRECISION=PRECISION, num_warps=NUM_WARPS,
     )  # fmt: skip
+    shape = dict(
+        D=dim, G=group, P=stored, S=block_size, BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim),
+        PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    if FORM == "fma":
+        _block_lse_fma_kernel[grid](*arguments, BLOCK_G=triton.next_power_of_2(group), **shape)
+    else:
+        _block_lse_kernel[grid](
+            *arguments, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_P=max(16, triton.next_power_of_2(stored)), PRECISION=PRECISION, **shape,
+        )  # fmt: skip
     return out
 
 
