@@ -20,11 +20,18 @@ from pathlib import Path
 import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
-    {"FORM": "fma", "BLOCK_N": n, "NUM_WARPS": w} for n, w in [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)]
-] + [
-    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 1, "NUM_STAGES": 1, "PRECISION": "tf32x3"},
-    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 4, "NUM_STAGES": 1, "PRECISION": "tf32x3"},
-    {"FORM": "dot", "BLOCK_N": 8, "NUM_WARPS": 1, "NUM_STAGES": 1, "PRECISION": "tf32"},
+    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u}
+    for n, w, u in [
+        (4, 1, 1),
+        (4, 1, 4),
+        (4, 1, 48),
+        (8, 1, 1),
+        (8, 2, 1),
+        (16, 2, 1),
+        (16, 4, 1),
+        (2, 1, 1),
+        (1, 1, 1),
+    ]
 ]
 
 
@@ -70,9 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = 1 if args.dry_run else args.repeats
     rows = []
     expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-    defaults = {
-        name: getattr(triton_channels, name) for name in ("FORM", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PRECISION")
-    }
+    defaults = {name: getattr(triton_channels, name) for name in ("BLOCK_N", "NUM_WARPS", "UNROLL")}
     for setting in SETTINGS:
         knobs = {**defaults, **setting}
         for name, value in knobs.items():

@@ -1,15 +1,15 @@
 """Channel scores on the GPU (`ops.channels` is the spec): each block's log-sum-exp of its tokens'
 estimated logits, read straight from the channel metadata pool through the rows' tables.
 
-One program takes BLOCK_N blocks of one (row, KV head), one block at a time, for all G query heads of
-the group. Per block it reads the header (the stored pairs, minima and steps) and gathers the group's
-query on the block's own channels, scaled by SparQ's correction for the share of |q| they hold. A
-key is `code * step + low` per channel, so a token's logit is `code . (q * step) + q . low`: the codes
-of the whole block, unpacked to (S, P), meet the step-weighted query in one small tensor-core product
-(three TF32 passes: fp32 accuracy), and a log-sum-exp over the S tokens follows. A step reads each
-block's metadata once; no (B, Hkv, N, S, P) key copy is ever made. Only the order of the sums over
-channels differs from the spec. The softmax over a row's blocks (`channels.block_mass`) is one
-PyTorch op on (B, Hq, N).
+One program takes BLOCK_N blocks of one (row, KV head), side by side, for all G query heads of the
+group. A key is `code * step + low` per stored channel, so a token's logit is the sum over the
+block's channels of `code * (q * step)` plus `q . low`: a loop over the P stored channels reads
+each block's pair index, minimum and step, gathers the group's query on that channel and adds
+its codes' share into a (BLOCK_N, G, S) accumulator; SparQ's correction (the share of |q| the
+block's channels hold) scales each (block, head) at the end, and a log-sum-exp over the S tokens
+follows. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
+Everything computes in fp32, like the spec; only the order of the sums over channels differs.
+The softmax over a row's blocks (`channels.block_mass`) is one PyTorch op on (B, Hq, N).
 """
 
 from __future__ import annotations
@@ -20,92 +20,20 @@ import triton.language as tl
 
 from . import channels
 
-BLOCK_N = 8  # blocks per program (a launch knob)
+BLOCK_N = 4  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
-NUM_STAGES = 1  # software-pipelining stages of the per-block loop (a launch knob)
-PRECISION = "tf32x3"  # the product's input precision (a launch knob): "tf32x3" ~ fp32, "tf32" faster
-FORM = "fma"  # "fma": a loop over the stored channels on the CUDA cores; "dot": a tensor-core product per block
+UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 
 
 @triton.jit
 def _block_lse_kernel(
-    query_ptr,  # (B, Hkv, G, D) fp32 queries times the softmax scale, contiguous
-    abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
-    codes_ptr,  # the pool's bytes, uint8 (C, M, D)
-    bounds_ptr,  # the same pool as float8_e4m3fn (for the minima and the steps)
-    ids_ptr,  # (B, Hkv, N) int64, unit stride on N
-    out_ptr,  # (B, Hq, N) fp32
-    stride_ib,
-    stride_ih,
-    stride_ob,
-    stride_oh,
-    stride_mc,
-    num_blocks,
-    num_kv_heads,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    P: tl.constexpr,
-    S: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEADER: tl.constexpr,  # the header's first byte
-    PER_BYTE: tl.constexpr,
-    BITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]."""
-    row_head = tl.program_id(0)
-    b = row_head // num_kv_heads
-    h = row_head % num_kv_heads
-    p = tl.arange(0, BLOCK_P)
-    g = tl.arange(0, BLOCK_G)
-    t = tl.arange(0, S)
-    has_p = p < P
-    has_g = g < G
-    half = P // 2
-    channel_of_pair = (p >= half).to(tl.int32) * (D // 2)  # (BLOCK_P,) the pair's second half
-    code_offset = (t // PER_BYTE)[:, None] * P + p[None, :]  # (S, BLOCK_P) byte of each token's code
-    code_shift = ((t % PER_BYTE) * BITS)[:, None]
-    total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)  # (BLOCK_G,)
-    query_rows = query_ptr + (row_head * G + g) * D  # (BLOCK_G,)
-    for i in range(BLOCK_N):
-        n = tl.program_id(1) * BLOCK_N + i
-        block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=n < num_blocks, other=-1).to(tl.int64)
-        valid = block + tl.zeros_like(p) >= 0  # (BLOCK_P,) a vector: masks mix it with vectors
-        start = block * stride_mc
-        mask = has_p & valid  # (BLOCK_P,)
-        pair = tl.load(codes_ptr + start + HEADER + p % half, mask=mask, other=0).to(tl.int32)
-        low = tl.load(bounds_ptr + start + HEADER + half + p, mask=mask, other=0.0).to(tl.float32)
-        step = tl.maximum(
-            tl.load(bounds_ptr + start + HEADER + half + P + p, mask=mask, other=0.0).to(tl.float32), 1e-8
-        )
-        q = tl.load(
-            query_rows[:, None] + (pair + channel_of_pair)[None, :], mask=has_g[:, None] & mask[None, :], other=0.0
-        )  # (BLOCK_G, BLOCK_P) the group's scaled query on the block's channels; padding 0
-        kept = tl.sum(tl.abs(q), axis=1) / total_abs  # (BLOCK_G,) the scale cancels
-        q = q / tl.sqrt(tl.maximum(kept, 1e-6))[:, None]
-        packed = tl.load(codes_ptr + start + code_offset, mask=mask[None, :], other=0).to(tl.int32)  # (S, BLOCK_P)
-        codes = ((packed >> code_shift) & ((1 << BITS) - 1)).to(tl.float32)
-        logits = tl.dot(codes, tl.trans(q * step[None, :]), input_precision=PRECISION)  # (S, BLOCK_G)
-        logits += tl.sum(q * low[None, :], axis=1)[None, :]
-        best = tl.max(logits, axis=0)  # (BLOCK_G,)
-        lse = best + tl.log(tl.sum(tl.exp(logits - best[None, :]), axis=0))
-        lse = tl.where(block + tl.zeros_like(g) >= 0, lse, float("-inf"))
-        tl.store(
-            out_ptr + b * stride_ob + (h * G + g) * stride_oh + n, lse, mask=has_g & (n + tl.zeros_like(g) < num_blocks)
-        )
-
-
-@triton.jit
-def _block_lse_fma_kernel(
     query_ptr, abs_sum_ptr, codes_ptr, bounds_ptr, ids_ptr, out_ptr,
     stride_ib, stride_ih, stride_ob, stride_oh, stride_mc, num_blocks, num_kv_heads,
     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEADER: tl.constexpr, PER_BYTE: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEADER: tl.constexpr, PER_BYTE: tl.constexpr, BITS: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """`_block_lse_kernel`'s result (same grid and arguments) with the BLOCK_N blocks side by side
-    and a loop over the P stored channels: per channel each block's (S,) codes times its step meet
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. The BLOCK_N blocks side by
+    side, a loop over the P stored channels: per channel each block's (S,) codes times its step meet
     the group's query on that channel in a (BLOCK_N, BLOCK_G, S) accumulator; SparQ's correction
     scales each (block, head) at the end."""
     row_head = tl.program_id(0)
@@ -125,9 +53,9 @@ def _block_lse_fma_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_G, S], tl.float32)
     kept = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     offset = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for i in tl.static_range(P):
+    for i in tl.range(0, P, loop_unroll_factor=UNROLL):
         pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
-        channel = pair + (i >= P // 2) * (D // 2)  # (BLOCK_N,)
+        channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
         low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
         step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
         q = tl.load(query_rows[None, :] + channel[:, None], mask=valid[:, None] & has_g[None, :], other=0.0)
@@ -180,15 +108,9 @@ def block_logsumexp(
     )  # fmt: skip
     shape = dict(
         D=dim, G=group, P=stored, S=block_size, BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim),
-        PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
     )  # fmt: skip
-    if FORM == "fma":
-        _block_lse_fma_kernel[grid](*arguments, BLOCK_G=triton.next_power_of_2(group), **shape)
-    else:
-        _block_lse_kernel[grid](
-            *arguments, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_P=max(16, triton.next_power_of_2(stored)), PRECISION=PRECISION, **shape,
-        )  # fmt: skip
+    _block_lse_kernel[grid](*arguments, BLOCK_G=triton.next_power_of_2(group), UNROLL=UNROLL, **shape)
     return out
 
 
