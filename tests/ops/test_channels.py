@@ -23,9 +23,17 @@ def channel_pool(size: int, block_size: int, dim: int, share: float) -> torch.Te
     return channels.channel_metadata(keys, share, FP8, torch.rand(size, dim))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 3), (1, 4)])
-@pytest.mark.parametrize("dim,share", [(16, 0.375), (64, 0.375), (128, 0.375), (64, 1.0), (24, 0.5)])
+CASES = [  # (kv_heads, group, dim, share): every group shape, head size and share, each dtype at the step's shape
+    *[(1, 4, 128, 0.375, dtype) for dtype in DTYPES],
+    (2, 1, 16, 0.375, torch.float32),
+    (2, 3, 64, 0.375, torch.float32),
+    (2, 3, 64, 1.0, DTYPES[0]),
+    (1, 4, 24, 0.5, torch.float32),
+    (2, 1, 128, 0.375, DTYPES[-1]),
+]
+
+
+@pytest.mark.parametrize("kv_heads,group,dim,share,dtype", CASES, ids=str)
 def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim, share):
     torch.manual_seed(dim + group)
     counts = [37, 5, 0]  # odd, short and empty rows; N = 37 spans three 16-block tiles
