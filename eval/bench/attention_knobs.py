@@ -4,10 +4,10 @@
     python -m eval.bench.attention_knobs --dry-run                      # tiny shapes, Triton's interpreter
 
 One layer of the Llama-3-8B shape at B=16 x 32K as the captured step runs it: 8 KV heads of 4 query
-heads, head_dim 128, 32-token blocks in a 512 MiB HBM pool, a 1,024-entry slot table per (row, KV
-head) whose first `used` entries hold distinct random slots (`used` uniform in mean +- 25%, the
-recorded trace's load is ~85 blocks), a full tail block, no head mask (the group union attends
-the whole union). Timed as CUDA-graph replays (the GPU's time alone): `begin_decode` over the
+heads, head_dim 128, 32-token blocks in a 512 MiB HBM pool, a 256-entry slot table per (row, KV
+head) (G x 64, the group union's width) whose first `used` entries hold distinct random slots
+(`used` uniform in mean +- 25%, the recorded trace's load is ~85 blocks), a full tail block, no
+head mask (the group union attends the whole union). Timed as CUDA-graph replays (the GPU's time alone): `begin_decode` over the
 entries resident before the lookup (all but `--late-fraction`) followed by `finish_decode` over
 the rest, the form the step uses. Each setting (TILE_TOKENS, SPLIT_WARPS, SPLIT_STAGES,
 PROGRAMS_PER_SM_BESIDE_LOOKUP) is compared with the bytes the kernel must read (the attended
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
-    shape = (2, 2, 4, 16, 32, 16, 3, 64) if args.dry_run else (16, 8, 4, 128, 32, 1024, args.mean_blocks, 32768)
+    shape = (2, 2, 4, 16, 32, 16, 3, 64) if args.dry_run else (16, 8, 4, 128, 32, 256, args.mean_blocks, 32768)
     dim = shape[3]
     inputs = attention_inputs(*shape, args.late_fraction, device, dtype)
     scaling = dim**-0.5
