@@ -6,14 +6,14 @@
 One layer of the Llama-3-8B shape at B=16 x 32K as the captured step runs it: 8 KV heads of 4 query
 heads, head_dim 128, 32-token blocks in a 512 MiB HBM pool, a 256-entry slot table per (row, KV
 head) (G x 64, the group union's width) whose first `used` entries hold distinct random slots
-(`used` uniform in mean +- 25%, the recorded trace's load is ~85 blocks), a full tail block, no
-head mask (the group union attends the whole union). Timed as CUDA-graph replays (the GPU's time alone): `begin_decode` over the
-entries resident before the lookup (all but `--late-fraction`) followed by `finish_decode` over
-the rest, the form the step uses. Each setting (TILE_TOKENS, SPLIT_WARPS, SPLIT_STAGES,
-PROGRAMS_PER_SM_BESIDE_LOOKUP) is compared with the bytes the kernel must read (the attended
-K/V) over a device-to-device copy's bandwidth measured in the same process. A first sweep
-covers tile x warps x stages at the default programs per SM; a second sweeps programs per SM
-for the two fastest. `best` names the fastest setting as `--knob` arguments.
+(`used` uniform in mean +- 25%, the recorded trace's load is ~85 blocks), a full tail block, no head
+mask (the group union attends the whole union). Timed as CUDA-graph replays (the GPU's time alone):
+`begin_decode` over the entries resident before the lookup (all but `--late-fraction`) followed by
+`finish_decode` over the rest, the form the step uses. Each setting (TILE_TOKENS, SPLIT_WARPS,
+SPLIT_STAGES, PROGRAMS_PER_SM_BESIDE_LOOKUP) is compared with the bytes the kernel must read (the
+attended K/V) over a device-to-device copy's bandwidth measured in the same process. A first sweep
+covers tile x warps x stages at the default programs per SM; a second sweeps programs per SM for the
+two fastest. `best` names the fastest setting as `--knob` arguments.
 """
 
 from __future__ import annotations

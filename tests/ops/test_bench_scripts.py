@@ -31,6 +31,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         "eval.bench.prefill_memory",
         "eval.bench.step_knobs",
         "eval.bench.channel_kernel",
+        "eval.bench.attention_knobs",
     ],
 )
 def test_help(module):
@@ -70,6 +71,17 @@ def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
         channel_kernel.SETTINGS
     )
     assert len(result["rows"]) == len(channel_kernel.SETTINGS) and result["metadata_bytes"] > 0
+
+
+def test_attention_knobs_dry_run_checks_the_kernel_and_launches_each_setting(tmp_path):
+    out = tmp_path / "attention_knobs.json"
+    run_module("eval.bench.attention_knobs", "--dry-run", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["max_abs_diff_vs_reference"] < 1e-4 and result["kv_bytes"] > 0
+    settings = [tuple(row[name] for name in result["default"]) for row in result["rows"]]
+    assert len(settings) == len(set(settings)) >= 3  # distinct launches, the defaults among them
+    assert tuple(result["default"].values()) in settings
+    assert result["best"] == [] and result["best_ms"] is None  # nothing is timed without a GPU
 
 
 def test_score_tuning_dry_run_times_each_launch_point(tmp_path):
