@@ -20,19 +20,12 @@ from pathlib import Path
 import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
-    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u}
-    for n, w, u in [
-        (4, 1, 1),
-        (4, 1, 4),
-        (4, 1, 48),
-        (8, 1, 1),
-        (8, 2, 1),
-        (16, 2, 1),
-        (16, 4, 1),
-        (2, 1, 1),
-        (1, 1, 1),
+    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words}
+    for n, w, u, words in [
+        (4, 1, 1, True), (4, 1, 1, False), (4, 1, 2, True), (4, 1, 12, True), (8, 1, 1, True), (8, 2, 1, True),
+        (16, 4, 1, True), (2, 1, 1, True), (1, 1, 1, True),
     ]
-]
+]  # fmt: skip
 
 
 def timed_us(fn, repeats: int) -> float:
@@ -77,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = 1 if args.dry_run else args.repeats
     rows = []
     expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-    defaults = {name: getattr(triton_channels, name) for name in ("BLOCK_N", "NUM_WARPS", "UNROLL")}
+    defaults = {name: getattr(triton_channels, name) for name in ("BLOCK_N", "NUM_WARPS", "UNROLL", "WORDS")}
     for setting in SETTINGS:
         knobs = {**defaults, **setting}
         for name, value in knobs.items():

@@ -23,19 +23,22 @@ from . import channels
 BLOCK_N = 4  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
 UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
+WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 
 
 @triton.jit
 def _block_lse_kernel(
-    query_ptr, abs_sum_ptr, codes_ptr, bounds_ptr, ids_ptr, out_ptr,
+    query_ptr, abs_sum_ptr, codes_ptr, words_ptr, bounds_ptr, ids_ptr, out_ptr,
     stride_ib, stride_ih, stride_ob, stride_oh, stride_mc, num_blocks, num_kv_heads,
     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADER: tl.constexpr, PER_BYTE: tl.constexpr, BITS: tl.constexpr, UNROLL: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. The BLOCK_N blocks side by
     side, a loop over the P stored channels: per channel each block's (S,) codes times its step meet
     the group's query on that channel in a (BLOCK_N, BLOCK_G, S) accumulator; SparQ's correction
-    scales each (block, head) at the end."""
+    scales each (block, head) at the end. CHUNK 4 (P a multiple of 4): the codes of 4 channels come in
+    one 32-bit load from `words_ptr` (the pool as int32); CHUNK 1: one byte per channel."""
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
@@ -53,17 +56,22 @@ def _block_lse_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_G, S], tl.float32)
     kept = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     offset = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for i in tl.range(0, P, loop_unroll_factor=UNROLL):
-        pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
-        channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
-        low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
-        step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
-        q = tl.load(query_rows[None, :] + channel[:, None], mask=valid[:, None] & has_g[None, :], other=0.0)
-        kept += tl.abs(q)
-        offset += q * low[:, None]
-        packed = tl.load(codes_ptr + code_rows + i, mask=valid[:, None, None], other=0).to(tl.int32)
-        codes = ((packed >> code_shift) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, 1, S)
-        acc += codes * (q * tl.maximum(step, 1e-8)[:, None])[:, :, None]
+    for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL):
+        if CHUNK == 4:  # byte c of the word: channel first + c
+            packed = tl.load(words_ptr + (code_rows + first) // 4, mask=valid[:, None, None], other=0)
+        else:
+            packed = tl.load(codes_ptr + code_rows + first, mask=valid[:, None, None], other=0).to(tl.int32)
+        for c in tl.static_range(CHUNK):
+            i = first + c
+            pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
+            channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
+            low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
+            step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
+            q = tl.load(query_rows[None, :] + channel[:, None], mask=valid[:, None] & has_g[None, :], other=0.0)
+            kept += tl.abs(q)
+            offset += q * low[:, None]
+            codes = ((packed >> (code_shift + 8 * c)) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, 1, S)
+            acc += codes * (q * tl.maximum(step, 1e-8)[:, None])[:, :, None]
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
     correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[None, :], 1e-6))  # (BLOCK_N, BLOCK_G)
     logits = (acc + offset[:, :, None]) * correction[:, :, None]
@@ -101,16 +109,19 @@ def block_logsumexp(
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
+    words = WORDS and stored % 4 == 0 and dim % 4 == 0
     arguments = (
-        scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8), metadata,
-        block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
+        scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
+        metadata.view(torch.int32) if words else metadata.view(torch.uint8), metadata, block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
         metadata.stride(0), num_blocks, num_kv_heads,
     )  # fmt: skip
     shape = dict(
         D=dim, G=group, P=stored, S=block_size, BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim),
         PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
     )  # fmt: skip
-    _block_lse_kernel[grid](*arguments, BLOCK_G=triton.next_power_of_2(group), UNROLL=UNROLL, **shape)
+    _block_lse_kernel[grid](
+        *arguments, BLOCK_G=triton.next_power_of_2(group), UNROLL=UNROLL, CHUNK=4 if words else 1, **shape
+    )
     return out
 
 
