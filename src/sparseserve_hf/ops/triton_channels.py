@@ -28,17 +28,37 @@ WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch
 
 @triton.jit
 def _block_lse_kernel(
-    query_ptr, abs_sum_ptr, codes_ptr, words_ptr, bounds_ptr, ids_ptr, out_ptr,
-    stride_ib, stride_ih, stride_ob, stride_oh, stride_mc, num_blocks, num_kv_heads,
-    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEADER: tl.constexpr, PER_BYTE: tl.constexpr, BITS: tl.constexpr, UNROLL: tl.constexpr,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
+    query_ptr,  # (B, Hkv, G, D) fp32 queries times the softmax scale, contiguous
+    abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
+    codes_ptr,  # the pool's bytes, uint8 (C, M, D)
+    words_ptr,  # the same pool as int32 (C, M, D / 4) where CHUNK is 4 (else its bytes again)
+    bounds_ptr,  # the same pool as float8_e4m3fn (for the minima and the steps)
+    ids_ptr,  # (B, Hkv, N) int64, unit stride on N
+    out_ptr,  # (B, Hq, N) fp32
+    stride_ib,
+    stride_ih,
+    stride_ob,
+    stride_oh,
+    stride_mc,
+    num_blocks,
+    num_kv_heads,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    P: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEADER: tl.constexpr,  # the header's first byte
+    PER_BYTE: tl.constexpr,
+    BITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # channels per code load: 4 (a 32-bit word) or 1 (a byte)
+    UNROLL: tl.constexpr,
+):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. The BLOCK_N blocks side by
     side, a loop over the P stored channels: per channel each block's (S,) codes times its step meet
     the group's query on that channel in a (BLOCK_N, BLOCK_G, S) accumulator; SparQ's correction
-    scales each (block, head) at the end. CHUNK 4 (P a multiple of 4): the codes of 4 channels come in
-    one 32-bit load from `words_ptr` (the pool as int32); CHUNK 1: one byte per channel."""
+    scales each (block, head) at the end. With CHUNK 4 (P a multiple of 4) the codes of 4 channels come
+    in one 32-bit load from `words_ptr`; with CHUNK 1, a byte per channel."""
     row_head = tl.program_id(0)
     b = row_head // num_kv_heads
     h = row_head % num_kv_heads
@@ -109,19 +129,15 @@ def block_logsumexp(
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
-    words = WORDS and stored % 4 == 0 and dim % 4 == 0
-    arguments = (
-        scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
-        metadata.view(torch.int32) if words else metadata.view(torch.uint8), metadata, block_ids, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
-        metadata.stride(0), num_blocks, num_kv_heads,
-    )  # fmt: skip
-    shape = dict(
-        D=dim, G=group, P=stored, S=block_size, BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim),
-        PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    words = WORDS and stored % 4 == 0 and dim % 4 == 0  # then every block's code rows start 4-aligned
     _block_lse_kernel[grid](
-        *arguments, BLOCK_G=triton.next_power_of_2(group), UNROLL=UNROLL, CHUNK=4 if words else 1, **shape
-    )
+        scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
+        metadata.view(torch.int32 if words else torch.uint8), metadata, block_ids, out,
+        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0), num_blocks,
+        num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
+        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return out
 
 
