@@ -35,7 +35,7 @@ UNION_WARPS: int | None = None  # the union kernel's warps (a launch knob); None
 def order_key(x):
     """float32 -> uint32 with the same order, every key >= 0x007FFFFF (-inf's); NaN -> the key of
     the lowest finite float. Dead entries can then be keyed 0, below every score."""
-    x = tl.where(x != x, -3.4028234663852886e38, x)
+    x = tl.where(x != x, -3.4028234663852886e38, x)  # noqa: PLR0124 (true only for NaN)
     raw = x.to(tl.uint32, bitcast=True)
     return tl.where(raw >= 0x80000000, raw ^ 0xFFFFFFFF, raw | 0x80000000)
 
