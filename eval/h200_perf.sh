@@ -58,6 +58,9 @@
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
 set -euo pipefail
+
+# `--knob` arguments from a benchmark JSON's list of MODULE.NAME=VALUE strings under KEY
+knob_args() { python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
 part=${1:?part}
 out=${2:?out dir}
 mkdir -p "$out"
@@ -127,8 +130,7 @@ case $part in
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
       tests/unit/test_channel_scores.py tests/unit/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
     python -m eval.bench.channel_kernel --out "$out/channel_kernel.json" 2>&1 | tee "$out/channel_kernel.log" | tail -12
-    fastest=$(python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))['fastest_knobs']))" \
-      "$out/channel_kernel.json")
+    fastest=$(knob_args "$out/channel_kernel.json" fastest_knobs)
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
@@ -136,8 +138,7 @@ case $part in
       --out "$out/decode_step_channels.json" 2>&1 | tee "$out/decode_step_channels.log" | tail -14 ;;
   attention)
     python -m eval.bench.attention_knobs --out "$out/attention_knobs.json" 2>&1 | tee "$out/attention_knobs.log" | tail -60
-    best=$(python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))['best']))" \
-      "$out/attention_knobs.json")
+    best=$(knob_args "$out/attention_knobs.json" best)
     for knob in "" "$best" "" "$best"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_attention.jsonl" 2>&1 | tail -1
     done ;;

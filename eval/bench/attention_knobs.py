@@ -68,26 +68,24 @@ def split_decode(triton_decode, inputs: dict[str, Any], scaling: float) -> torch
     return triton_decode.finish_decode(pending, inputs["slots"])
 
 
-def copy_gb_per_s(device: torch.device) -> float | None:
-    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB buffer."""
-    from eval.bench.common import graph_ms
-
+def copy_gb_per_s(device: torch.device, replay_ms) -> float | None:
+    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB buffer;
+    `replay_ms` is `eval.bench.common.graph_ms` (imported once the interpreter switch is set)."""
     source = torch.empty(1 << 29, dtype=torch.int16, device=device)
     target = torch.empty_like(source)
-    ms = graph_ms(lambda: target.copy_(source), device)
+    ms = replay_ms(lambda: target.copy_(source), device)
     return None if ms is None else 2 * source.numel() * 2 / ms / 1e6
 
 
-def timed(triton_decode, inputs, scaling, device, setting: dict[str, int]) -> float | None:
-    """Graph-replay milliseconds of `split_decode` with the module's knobs set to `setting`."""
+def timed(triton_decode, inputs, scaling, device, setting: dict[str, int], replay_ms) -> float | None:
+    """Graph-replay milliseconds of `split_decode` with the module's knobs set to `setting` (on CPU
+    one eager launch and None)."""
     for name, value in setting.items():
         setattr(triton_decode, name, value)
     if device.type != "cuda":
         split_decode(triton_decode, inputs, scaling)
         return None
-    from eval.bench.common import graph_ms
-
-    return graph_ms(lambda: split_decode(triton_decode, inputs, scaling), device)
+    return replay_ms(lambda: split_decode(triton_decode, inputs, scaling), device)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -99,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-    from eval.bench.common import print_table, run_record, write_json  # after the interpreter switch
+    from eval.bench.common import graph_ms, print_table, run_record, write_json  # after the interpreter switch
     from sparseserve_hf.ops import reference, triton_decode
 
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {**defaults, "TILE_TOKENS": tile, "SPLIT_WARPS": warp, "SPLIT_STAGES": stage}
         for tile, warp, stage in itertools.product(tiles, warps, stages)
     ]
-    rows = [{**setting, "ms": timed(triton_decode, inputs, scaling, device, setting)} for setting in first]
+    rows = [{**setting, "ms": timed(triton_decode, inputs, scaling, device, setting, graph_ms)} for setting in first]
     fastest = sorted(rows, key=lambda row: row["ms"] or 0.0)[:2]
     per_sm = (1, 2) if args.dry_run else PER_SM
     candidates = [
@@ -132,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for count in per_sm
     ]
     second = [setting for index, setting in enumerate(candidates) if setting not in first + candidates[:index]]
-    rows += [{**setting, "ms": timed(triton_decode, inputs, scaling, device, setting)} for setting in second]
-    copy = copy_gb_per_s(device)
+    rows += [{**setting, "ms": timed(triton_decode, inputs, scaling, device, setting, graph_ms)} for setting in second]
+    copy = copy_gb_per_s(device, graph_ms)
     for row in rows:
         row["gb_per_s"] = None if row["ms"] is None else inputs["kv_bytes"] / row["ms"] / 1e6
         row["floor_ratio"] = None if row["gb_per_s"] is None or copy is None else copy / row["gb_per_s"]
