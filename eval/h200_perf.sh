@@ -30,6 +30,9 @@
 #   attention   the sparse decode attention kernel alone at the step's shape under its launch knobs (tile, warps,
 #               pipelining stages, split programs per SM), then the captured step per layer (8-layer cut) with the
 #               fastest setting against the defaults, twice each
+#   reorder     the lookup's eviction-order upkeep in a launch of its own beside the late misses' copy
+#               (block_cache.REORDER_BESIDE): its kernel and graph tests, the captured step per layer (8-layer cut)
+#               with and without it, twice each, then the real-locality step with it (and stock)
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   critical    the layer's critical path (8-layer cut, us per layer): the score kernel's stores after both
@@ -142,6 +145,15 @@ case $part in
     for knob in "" "$best" "" "$best"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_attention.jsonl" 2>&1 | tail -1
     done ;;
+  reorder)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_resolve.py tests/integration/test_decode_graph.py \
+      tests/integration/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_reorder.log" | tail -5
+    for knob in "" "--knob cache.block_cache.REORDER_BESIDE=True" "" "--knob cache.block_cache.REORDER_BESIDE=True"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_reorder.jsonl" 2>&1 | tail -1
+    done
+    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
+      --knob cache.block_cache.REORDER_BESIDE=True --out "$out/decode_step_reorder.json" 2>&1 \
+      | tee "$out/decode_step_reorder.log" | tail -14 ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -190,5 +202,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, attention, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, attention, reorder, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

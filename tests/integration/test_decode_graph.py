@@ -13,6 +13,7 @@ import torch
 from test_graph_runner import EagerReference
 from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 
+from sparseserve_hf.cache import block_cache
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
 from tiny_models import random_ids, tiny_model
@@ -32,9 +33,12 @@ def runner_for(model, capture: bool, **kwargs) -> DecodeGraphRunner:
     return runner
 
 
+@pytest.mark.parametrize("reorder_beside", [False, True], ids=["install_reorders", "reorder_beside"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype):
-    """Plan test (a); afterwards the ordinary eager path takes the rows over."""
+def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype, reorder_beside, monkeypatch):
+    """Plan test (a); afterwards the ordinary eager path takes the rows over. With the lookup's
+    eviction order on a stream of its own too (captured, that stream joins the step again)."""
+    monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
     model = model_on_cuda(dtype)
     graph, eager = runner_for(model, capture=True), runner_for(model, capture=False)
     reference = EagerReference(model, static_config(backend="triton"))

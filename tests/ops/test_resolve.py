@@ -103,6 +103,39 @@ def test_claims_list_the_early_loads_in_free_slots_and_install_lists_the_rest(fr
     assert (late_total == 0) == (free_ahead >= batch * width)
 
 
+@pytest.mark.parametrize("max_tile", [4096, 16], ids=["one_tile", "tiled"])
+@pytest.mark.parametrize("free_ahead", [0, 6])
+def test_install_without_its_reorder_returns_the_same_and_reorder_finishes_the_tables(free_ahead, max_tile):
+    """`install_(..., reorder=False)` returns the whole install's slots and late loads, leaving the
+    eviction order to `reorder_`, after which the tables are the spec's, lookup after lookup."""
+    heads, partitions, per, batch, width = 2, 3, 40, 3, 7
+    num_blocks = 40 * partitions
+    want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))
+    got = copy_tables(want, DEVICE)
+    want_counts, got_counts = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(free_ahead + max_tile)
+    for step in range(16):
+        first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
+        ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
+        slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, free_ahead)
+        claims = triton_resolve.claim_(ids.to(DEVICE), first, got, got_counts, max_tile=max_tile)
+        installed = triton_resolve.install_(
+            ids.to(DEVICE), first, got, claims, free_ahead, reorder=False, max_tile=max_tile
+        )
+        assert torch.equal(installed.slots.cpu(), slots), step
+        for head in range(heads):
+            early, misses = int(claims.early_counts[head]), int(load_counts[head])
+            late = int(installed.late_counts[head])
+            assert early + late == misses, step
+            assert torch.equal(installed.late_ids[head, :late].cpu(), load_ids[head, early:misses]), step
+            assert torch.equal(installed.late_slots[head, :late].cpu(), load_slots[head, early:misses]), step
+        untouched = [p for p in range(partitions) if not first <= p < first + heads]
+        order_before = got.slot_order.view(partitions, per).cpu()[untouched].clone()
+        triton_resolve.reorder_(first, heads, got, free_ahead, max_tile=max_tile)
+        assert_tables_equal(got, want)
+        assert torch.equal(got.slot_order.view(partitions, per).cpu()[untouched], order_before), step
+
+
 @pytest.mark.parametrize("max_tile", [4096, 32], ids=["one_tile", "tiled"])
 def test_a_lookup_that_fills_a_partition_over_several_steps(max_tile):
     """A decode step's shape in small: every slot of the partitions used, evictions every step."""
@@ -195,13 +228,19 @@ def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves()
         assert step == 0 or bool((resident >= 0).any())  # later steps hit what earlier ones loaded
 
 
+@pytest.mark.parametrize("reorder_beside", [False, True], ids=["install_reorders", "reorder_beside"])
 @pytest.mark.parametrize("per", [64, 24])  # free ahead: 8 slots, then 3 (an eighth of the partition)
-def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per):
+def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per, reorder_beside, monkeypatch):
     """`HbmBlockCache` with the claim and install kernels (the early copy beside the install on
-    CUDA, in turn here): every entry's slot holds its block, and the tables are the spec's with the
-    cache's `free_ahead`, lookup after lookup, with blocks forgotten in between."""
+    CUDA, in turn here) and, with `REORDER_BESIDE`, the eviction order's launch beside the late
+    copy (settled by the next lookup or by `settle`): every entry's slot holds its block, and the
+    tables are the spec's with the cache's `free_ahead`, lookup after lookup, with blocks
+    forgotten in between."""
+    from sparseserve_hf.cache import block_cache
     from sparseserve_hf.cache.block_cache import HbmBlockCache
     from sparseserve_hf.cache.dram_pool import DramPool
+
+    monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
 
     heads, per_head, shape = 2, 60, (2, 4, 8)
     dram = DramPool(shape, torch.float32, None, pin=False, device=DEVICE)
@@ -210,8 +249,9 @@ def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per):
     dram.storage[ids] = blocks
     cache = HbmBlockCache(
         heads * per, shape, torch.float32, DEVICE, triton_transfer.gather_blocks, heads,
-        triton_resolve.resolve_, triton_resolve.claim_, triton_resolve.install_,
+        triton_resolve.resolve_, triton_resolve.claim_, triton_resolve.install_, triton_resolve.reorder_,
     )  # fmt: skip
+    assert (cache.reorder is not None) == reorder_beside
     cache.track_blocks(dram.capacity)
     assert cache.free_ahead == per // 8
     want = copy_tables(cache.tables, torch.device("cpu"))
@@ -220,7 +260,8 @@ def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per):
     for step in range(10):
         selection = random_selection(gen, (3, heads, 6), heads * per_head, heads, 0)
         want_slots, *_ = lru.resolve_(selection, 0, want, counts, cache.free_ahead)
-        slots = cache.lookup(selection.to(DEVICE), dram, 0).cpu()
+        slots = cache.lookup(selection.to(DEVICE), dram, 0, settle=step % 2 == 0).cpu()
+        cache.settle()
         used = selection >= 0
         assert torch.equal(slots, want_slots), step
         assert torch.equal(cache.pool[slots[used].to(DEVICE)], blocks[selection[used].to(DEVICE)]), step

@@ -74,26 +74,30 @@ def test_small_budget_triton_equals_torch_backend():
         assert torch.equal(torch_layer.last_selection, triton_layer.last_selection)
 
 
-def test_lookup_beside_attention_keeps_the_static_steps_tokens_and_counts():
+def test_lookup_beside_attention_keeps_the_static_steps_tokens_and_counts(monkeypatch):
     """The static decode step (what a CUDA graph captures; run eagerly here) with the Triton kernels:
-    attending the resident blocks while the lookup runs, then the misses, gives the tokens and
-    hit/miss counts of the step that looks up first (the first steps miss, later ones hit)."""
+    attending the resident blocks while the lookup runs, then the misses, with the eviction order's
+    upkeep in the install or in a launch of its own, gives the tokens and hit/miss counts of the step
+    that looks up first (the first steps miss, later ones hit)."""
+    from sparseserve_hf.cache import block_cache
     from sparseserve_hf.graph import DecodeGraphRunner
 
     model = tiny_llama("sparseserve")
     ids = random_ids(2, 120)
     runs = []
-    for beside in (True, False):
+    for beside, reorder_beside in ((True, False), (True, True), (False, False)):
+        monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
         cache = triton_cache(model, token_budget=48, hbm_cache_bytes=72 * 2048, lookup_beside_attention=beside)
         with torch.no_grad():
             first = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
         assert cache.store.lookup_beside == beside
+        assert (cache.store.hbm.reorder is not None) == reorder_beside
         runner = DecodeGraphRunner(model, cache, capture=False)
         runner.start(first)
         tokens = torch.cat([runner.step().clone() for _ in range(8)], dim=1)
         stats = cache.stats()
         runs.append((tokens, stats["hits"], stats["misses"]))
-    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+    assert all(torch.equal(run[0], runs[0][0]) and run[1:] == runs[0][1:] for run in runs[1:])
     assert 0 < runs[0][2] < runs[0][1]
 
 

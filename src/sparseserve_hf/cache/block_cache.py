@@ -17,6 +17,9 @@ UNLIMITED_INITIAL_SLOTS = 256
 # lookup's first misses land there, so their copy starts before the other victims are chosen.
 FREE_AHEAD = 128
 SPLIT_LOOKUP = True  # split the lookup where the op set can (an ablation knob)
+# A split lookup keeps its eviction order (install's phases 5-6) in a launch of its own that runs
+# beside the copy of the late misses, where the op set has one; `settle` joins it (an ablation knob).
+REORDER_BESIDE = False
 
 
 def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
@@ -51,6 +54,8 @@ class HbmBlockCache:
             tensor one (its single partition spans the whole pool).
         claim, install: the same lookup in two halves (`ops.claim_blocks`, `ops.install_blocks`),
             or None: `resolve` whole (an unlimited cache never splits).
+        reorder: the split lookup's eviction-order upkeep as a launch of its own
+            (`ops.reorder_blocks`), or None: `install` does it.
     """
 
     @plain_tensors
@@ -65,13 +70,16 @@ class HbmBlockCache:
         resolve: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = lru.resolve_,
         claim: Callable[..., tuple[torch.Tensor, ...]] | None = None,
         install: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+        reorder: Callable[..., None] | None = None,
     ) -> None:
         self.gather_blocks = gather_blocks
         self.unlimited = num_slots is None
         self.resolve = lru.resolve_ if self.unlimited else resolve
         splits = SPLIT_LOOKUP and not self.unlimited and claim is not None and install is not None
         self.split = (claim, install) if splits else None
+        self.reorder = reorder if splits and REORDER_BESIDE else None
         self._install_stream: torch.cuda.Stream | None = None  # made by the first split lookup on CUDA
+        self._unsettled = False  # a reorder runs on the install stream that no stream has waited for
         self.block_shape = block_shape
         self.device = device
         self.num_partitions = 1 if self.unlimited else partitions
@@ -141,12 +149,16 @@ class HbmBlockCache:
             )
 
     @plain_tensors
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+    def lookup(
+        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+    ) -> torch.Tensor:
         """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
         KV head h's blocks live in partition `first_partition + h` (all in the one partition of a
         cache built with one). Launches only (no host sync). Returns the slots, (B, H, U), -1
-        where unused; the counters `counts()` reads are updated too.
+        where unused; the counters `counts()` reads are updated too. `settle=False`: the eviction
+        order's upkeep may still run on a side stream after the copy is done (see `reorder`);
+        the caller runs `settle()` on its stream once it has queued what reads the slots.
         """
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
@@ -155,7 +167,10 @@ class HbmBlockCache:
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
         if self.split is not None:
-            return self._split_lookup(selection, dram, first_partition).view(block_ids.shape)
+            slots = self._split_lookup(selection, dram, first_partition)
+            if settle:
+                self.settle()
+            return slots.view(block_ids.shape)
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
@@ -168,28 +183,51 @@ class HbmBlockCache:
 
     def _split_lookup(self, selection: torch.Tensor, dram: DramPool, first_partition: int) -> torch.Tensor:
         """`lookup` in two halves: the claims, then the copy of the early loads beside the install
-        (on the install stream, on CUDA), then the late loads' copy. Returns the slots."""
+        (on the install stream, on CUDA), then the late loads' copy, beside the eviction order's
+        upkeep where `reorder` runs it. Returns the slots."""
         claim, install = self.split
         selection = selection.contiguous()
-        claims = claim(selection, first_partition, self.tables, self._counts)
+        self.settle()  # the last lookup's upkeep, where its caller has not waited for it
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        claims = claim(selection, first_partition, self.tables, self._counts)
+        beside = {} if self.reorder is None else {"reorder": False}
         try:
             if current is not None:
                 if self._install_stream is None:
                     self._install_stream = torch.cuda.Stream(self.device, priority=-1)
                 self._install_stream.wait_stream(current)
                 with torch.cuda.stream(self._install_stream):
-                    installed = install(selection, first_partition, self.tables, claims, self.free_ahead)
+                    installed = install(selection, first_partition, self.tables, claims, self.free_ahead, **beside)
             else:
-                installed = install(selection, first_partition, self.tables, claims, self.free_ahead)
+                installed = install(selection, first_partition, self.tables, claims, self.free_ahead, **beside)
             self.gather_blocks(dram.storage, claims.load_ids, self.pool, claims.load_slots, claims.early_counts)
             if current is not None:
                 current.wait_stream(self._install_stream)
+            self._reorder_beside(first_partition, selection.shape[1])
             self.gather_blocks(dram.storage, installed.late_ids, self.pool, installed.late_slots, installed.late_counts)
         except BaseException:
             lru.forget_(claims.load_ids.view(-1), self.tables)  # as in `lookup`
             raise
         return installed.slots
+
+    def _reorder_beside(self, first_partition: int, heads: int) -> None:
+        """Queue the eviction order's upkeep of a split lookup whose install left it (on the install
+        stream, after the install, on CUDA; at once elsewhere)."""
+        if self.reorder is None:
+            return
+        if self._install_stream is None:
+            self.reorder(first_partition, heads, self.tables, self.free_ahead)
+            return
+        with torch.cuda.stream(self._install_stream):
+            self.reorder(first_partition, heads, self.tables, self.free_ahead)
+        self._unsettled = True
+
+    def settle(self) -> None:
+        """Order the last lookup's upkeep before whatever the current stream runs next (a no-op
+        where none runs beside): after a `lookup(..., settle=False)`, once its readers are queued."""
+        if self._unsettled:
+            torch.cuda.current_stream(self.device).wait_stream(self._install_stream)
+            self._unsettled = False
 
     def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one
@@ -223,6 +261,7 @@ class HbmBlockCache:
         """Forget blocks whose DRAM ids are being freed (their ids will be reused)."""
         if block_ids.numel() == 0:
             return
+        self.settle()
         lru.forget_(block_ids.to(self.device).reshape(-1), self.tables)
 
     def _grow(self, needed: int) -> None:

@@ -50,8 +50,14 @@ class DeviceBlocks(Protocol):
         """The host side of a lookup of a (B, H, U) selection, decided from its shape."""
         ...
 
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
-        """The slots holding `block_ids`, loading what misses."""
+    def lookup(
+        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+    ) -> torch.Tensor:
+        """The slots holding `block_ids`, loading what misses; `settle=False` leaves `settle()` to the caller."""
+        ...
+
+    def settle(self) -> None:
+        """Order the last lookup's trailing upkeep before what the current stream runs next."""
         ...
 
     def invalidate(self, block_ids: torch.Tensor) -> None:

@@ -56,13 +56,18 @@ class ResidentBlocks:
         """Nothing to forget: freed ids are the pool's business."""
 
     @plain_tensors
-    def lookup(self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0) -> torch.Tensor:
+    def lookup(
+        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+    ) -> torch.Tensor:
         """Slots of `block_ids` (any shape, -1 = unused): the ids themselves (nothing misses)."""
         ordered = block_ids.reshape(-1).sort().values
         distinct = ordered >= 0
         distinct[1:] &= ordered[1:] != ordered[:-1]  # first copy of each id: rows may share blocks
         self._looked_up += distinct.sum()
         return block_ids
+
+    def settle(self) -> None:
+        """Nothing runs after a lookup."""
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a lookup reads or writes by address (what a captured decode step holds)."""

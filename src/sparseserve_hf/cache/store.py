@@ -138,6 +138,7 @@ class TieredBlockStore:
             self.ops.resolve_blocks,
             self.ops.claim_blocks,
             self.ops.install_blocks,
+            self.ops.reorder_blocks,
         )
         return dram, hbm
 
@@ -344,7 +345,8 @@ class TieredBlockStore:
                 `fetch` would. The lookup (LRU update, victims, the copy of the misses) runs on CUDA
                 on a high-priority side stream, elsewhere at once. It never evicts a block its
                 selection uses, so the resident slots keep their blocks meanwhile.
-        Launches only, no host sync.
+        Launches only, no host sync. The lookup's trailing upkeep may still run when `join`
+        returns: the caller runs `settle()` once it has queued the attention that reads the slots.
         """
         self.wait_for_saves()
         self.hbm.prepare(tuple(picked.shape), self.dram, first_partition)  # may grow the tables: first
@@ -359,13 +361,18 @@ class TieredBlockStore:
         side = self._lookup_stream
         side.wait_stream(main)  # the selection is written there
         with torch.cuda.stream(side):
-            slots = self.fetch(block_ids, first_partition)
+            slots = self.hbm.lookup(block_ids, self.dram, first_partition, settle=False)
 
         def join() -> torch.Tensor:
             main.wait_stream(side)
             return slots
 
         return block_ids, resident, join
+
+    def settle(self) -> None:
+        """Order the last `fetch_beside`'s trailing upkeep (the HBM cache's eviction order, where it
+        runs beside the copy) before whatever the current stream runs next."""
+        self.hbm.settle()
 
     def scales_of(self, block_ids: torch.Tensor) -> torch.Tensor | None:
         """8-bit blocks: the key and value scales of each entry of `block_ids` (B, Hkv, U), as

@@ -48,6 +48,7 @@ class BlockOps:
     # `resolve_blocks` in two halves around the misses' first copy (`triton_resolve.claim_`); None: not split
     claim_blocks: Callable[..., tuple[torch.Tensor, ...]] | None
     install_blocks: Callable[..., tuple[torch.Tensor, ...]] | None
+    reorder_blocks: Callable[..., None] | None  # the install's eviction-order upkeep alone (`triton_resolve.reorder_`)
     picked_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # signature as `ops.lru.picked_blocks`
     account_loads: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]  # the model's own ops in a captured step (`fused_ops`)
@@ -74,6 +75,7 @@ TORCH_OPS = BlockOps(
     resolve_blocks=lru.resolve_,
     claim_blocks=None,
     install_blocks=None,
+    reorder_blocks=None,
     picked_blocks=lru.picked_blocks,
     account_loads=reference.account_loads,
     rms_norm=reference.rms_norm,
@@ -204,6 +206,7 @@ def _triton_ops() -> BlockOps:
         resolve_blocks=triton_resolve.resolve_,
         claim_blocks=triton_resolve.claim_,
         install_blocks=triton_resolve.install_,
+        reorder_blocks=triton_resolve.reorder_,
         picked_blocks=triton_resolve.picked_blocks,
         account_loads=triton_account.account_loads,
         rms_norm=triton_norm.rms_norm,

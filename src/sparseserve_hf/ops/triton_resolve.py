@@ -4,8 +4,9 @@ Each program owns one partition's slots and the blocks looked up in it, so progr
 touch each other's entries and need no grid-wide synchronisation. `claim_` (phases 1-2) and
 `install_` (phases 3-6) split the lookup where its misses are known: the misses that land in
 the partition's free slots (the first of the eviction order, which `free_ahead` keeps free) can
-be copied while `install_` still chooses the other victims. Inside a program the phases are
-separated by CTA barriers:
+be copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
+phases 5-6 to a third launch, `reorder_`: they decide nothing this lookup returns, so they can run
+beside the copy of its misses. Inside a program the phases are separated by CTA barriers:
 1. hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it counts the
    distinct hit); a missing block is claimed by its first entry (`atomic_min` of an encoded
    entry index written into its own `block_slot` entry, which is negative while it misses);
@@ -104,10 +105,11 @@ def _install_kernel(
     ids_ptr, first_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_ptr, clock_ptr, slots_ptr,
     load_ids_ptr, load_slots_ptr, load_counts_ptr, early_counts_ptr, late_ids_ptr, late_slots_ptr, late_counts_ptr,
     num_entries, per_partition, width, stride_row, stride_head, free_ahead,
-    BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
     """Program h, phases 3-6 after `_claim_kernel`: the late loads' victims (also listed from 0 in
-    `late_*`), the install, every entry's slot, the eviction order and the slots freed ahead."""
+    `late_*`), the install, every entry's slot, and with ORDER the eviction order and the slots
+    freed ahead (else `_reorder_kernel` runs those after it)."""
     head = tl.program_id(0)
     part = (first_partition + head).to(tl.int64)
     clock = tl.load(clock_ptr + part)
@@ -160,6 +162,31 @@ def _install_kernel(
         out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
         tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
+    if ORDER:
+        _keep_order(part, clock, order_base, block_slot_ptr, slot_block_ptr, slot_tick_ptr, per_partition, free_ahead,
+                    BLOCK, FREE_BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _reorder_kernel(
+    first_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_ptr, clock_ptr, per_partition, free_ahead,
+    BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program h, phases 5-6 of partition `first_partition + h` after `_install_kernel` without them."""
+    part = (first_partition + tl.program_id(0)).to(tl.int64)
+    clock = tl.load(clock_ptr + part)
+    _keep_order(part, clock, order_ptr + part * per_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr,
+                per_partition, free_ahead, BLOCK, FREE_BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _keep_order(
+    part, clock, order_base, block_slot_ptr, slot_block_ptr, slot_tick_ptr, per_partition, free_ahead,
+    BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Phases 5-6 of one partition: the eviction order after a lookup whose used slots carry `clock`."""
+    lanes = tl.arange(0, BLOCK)
+    zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
     # 5. the eviction order: kept slots compacted in place (writes land at or before what was read)
     kept = zero
     for start in range(0, per_partition, BLOCK):
@@ -338,10 +365,13 @@ def install_(
     claims: Claims,
     free_ahead: int = 0,
     *,
+    reorder: bool = True,
     max_tile: int = MAX_TILE,
 ) -> Installed:
     """Phases 3-6 of `ops.lru.resolve_` after `claim_` of the same (B, H, U) ids: victims, install,
-    each entry's slot, the eviction order and `free_ahead` (`ops.lru.resolve_`'s)."""
+    each entry's slot, the eviction order and `free_ahead` (`ops.lru.resolve_`'s). `reorder=False`
+    stops after each entry's slot: the slots and the late loads are final, and `reorder_` with the
+    same `free_ahead` must follow before any other lookup of these partitions."""
     batch, heads, width = ids.shape
     num_entries = batch * width
     per = tables.slots_per_partition
@@ -349,13 +379,32 @@ def install_(
     late_ids, late_slots = torch.empty_like(claims.load_ids), torch.empty_like(claims.load_slots)
     late_counts = torch.empty_like(claims.load_counts)
     block, warps = _launch_shape(num_entries, per, max_tile)
-    free_block = triton.next_power_of_2(min(free_ahead, per)) if free_ahead > 0 else 0
     _install_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
         slots, *claims, late_ids, late_slots, late_counts, num_entries, per, width, heads * width, width, free_ahead,
-        BLOCK=block, FREE_BLOCK=free_block, num_warps=warps,
+        BLOCK=block, FREE_BLOCK=_free_block(free_ahead, per), ORDER=reorder, num_warps=warps,
     )  # fmt: skip
     return Installed(slots, late_ids, late_slots, late_counts)
+
+
+def reorder_(
+    first_partition: int, heads: int, tables: LruTables, free_ahead: int = 0, *, max_tile: int = MAX_TILE
+) -> None:
+    """Phases 5-6 of `ops.lru.resolve_` for partitions `first_partition` .. `+ heads - 1`, after
+    `install_(..., reorder=False)` of their lookup: the eviction order (the slots that lookup used
+    move to its back) and `free_ahead` slots freed. Nothing the lookup returned changes, so this
+    can run beside the copy of its misses and the attention that reads them."""
+    per = tables.slots_per_partition
+    block, warps = _launch_shape(0, per, max_tile)
+    _reorder_kernel[(heads,)](
+        first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
+        per, free_ahead, BLOCK=block, FREE_BLOCK=_free_block(free_ahead, per), num_warps=warps,
+    )  # fmt: skip
+
+
+def _free_block(free_ahead: int, per: int) -> int:
+    """The tile of phase 6 (a power of two holding `free_ahead` slots), 0 where nothing is freed ahead."""
+    return triton.next_power_of_2(min(free_ahead, per)) if free_ahead > 0 else 0
 
 
 def resolve_(
