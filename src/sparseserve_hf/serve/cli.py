@@ -44,9 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options: where to listen, the model, auth and limits, and the engine's config."""
     parser.add_argument("model", nargs="?", default=None, help="a model folder (default: the default real model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help=f"the model's weights ({', '.join(DTYPES)}; auto: the folder's)"
+    )
     parser.add_argument(
         "--device", default="auto", help="'auto' (CUDA when there is one), 'cpu', 'cuda', 'cuda:1', ..."
     )
@@ -64,14 +66,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grace-seconds", type=float, default=30.0, help="on SIGTERM, how long running requests may finish"
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="uvicorn's and the engine's log level")
     engine = parser.add_argument_group("engine (SparseServeConfig; each defaults to the config's default)")
     for flag, name, kind in CONFIG_FLAGS:
-        engine.add_argument(flag, dest=name, type=kind, default=None)
+        engine.add_argument(flag, dest=name, type=kind, default=None, help=f"SparseServeConfig.{name}")
     engine.add_argument("--hbm-cache-gib", type=float, default=None, help="device block cache (default: unlimited)")
     engine.add_argument("--dram-gib", type=float, default=None, help="host block pool (default: grows on demand)")
     engine.add_argument("--cuda-graphs", action="store_true", default=None, help="decode steps as CUDA-graph replays")
-    engine.add_argument("--no-admission", dest="admission", action="store_false", default=None)
+    engine.add_argument(
+        "--no-admission", dest="admission", action="store_false", default=None, help="admit without working-set control"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> Any:
