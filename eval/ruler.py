@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import importlib.util
 import json
 import random
@@ -615,16 +616,22 @@ def build_samples(
 
 
 def read_samples(path: Path) -> list[RulerSample]:
-    """Samples from a `--dump-samples` JSONL file (no data packages or `datasets` needed)."""
-    with Path(path).open(encoding="utf-8") as f:
+    """Samples from a `--dump-samples` JSONL file, gzipped where its name ends in .gz (no data
+    packages or `datasets` needed)."""
+    with _open_text(Path(path), "rt") as f:
         return [RulerSample.from_json(line) for line in f if line.strip()]
 
 
 def write_samples(path: Path, samples: list[RulerSample]) -> None:
-    """One JSON line per sample."""
+    """One JSON line per sample; gzipped where the name ends in .gz (a 16K suite is ~3x smaller)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(s.to_json() + "\n" for s in samples), encoding="utf-8")
+    with _open_text(path, "wt") as f:
+        f.writelines(s.to_json() + "\n" for s in samples)
+
+
+def _open_text(path: Path, mode: str):
+    return gzip.open(path, mode, encoding="utf-8") if path.suffix == ".gz" else path.open(mode[0], encoding="utf-8")
 
 
 def evaluate(
@@ -704,6 +711,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated, or 'all' (default: {DEFAULT_TASKS}; with --from-samples: every task in the file)",
     )
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        choices=("smollm2-135m", "gemma3-270m"),
+        help="the real model (sparseserve_hf.data.models.REAL_MODELS): its tokenizer builds the samples",
+    )
     parser.add_argument("--lengths", default="4096,8192", help="target sequence lengths in tokens")
     parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
     parser.add_argument("--budgets", default="128,256,512,1024,2048", help="sparse token budgets")
@@ -742,7 +755,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
 
     from eval.common import metadata_kinds, parse_budgets, sparse_methods, write_results
-    from sparseserve_hf.data.models import load_default
+    from sparseserve_hf.data.models import REAL_MODELS, load_model
 
     args = parse_args(argv)
     if args.dump_only and args.dump_samples is None:
@@ -761,7 +774,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    model, tokenizer = load_default(dtype, attn_implementation="sparseserve", device=device)
+    model, tokenizer = load_model(args.model, dtype, attn_implementation="sparseserve", device=device)
 
     if args.from_samples is not None:
         samples = read_samples(args.from_samples)
@@ -781,7 +794,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = dict(
         suite="ruler",
         command="python -m eval.ruler " + " ".join(argv if argv is not None else sys.argv[1:]),
-        model="SmolLM2-135M-Instruct",
+        model=REAL_MODELS[args.model].folder,
         device=str(device),
         dtype=str(dtype),
         tasks=sorted({s.task for s in samples}),

@@ -146,3 +146,20 @@ def test_t7_reads_the_oracle_family_at_the_same_loaded_fractions(tmp_path):
     assert t7["ratio_at_1_16"] == pytest.approx(0.8)
     assert t7["oracle_at_1_16"] == 1.0  # oracle_256: the most the oracle loads at or below 1/16
     assert t7["oracle_at_1_32"] == pytest.approx(0.9)  # oracle_128
+
+
+def test_gemma3_runs_are_judged_on_their_own_at_16k(tmp_path):
+    scores = {"dense": [100] * 10, "sparse_512": [100] * 9 + [0], "sparse_1024": [100] * 10}
+    rows = _rows("niah@16384", scores) + _rows("vt@16384", {"dense": [0] * 10, "sparse_512": [100] * 10})
+    rows = _loaded(_loaded(rows, "sparse_512", 0.03), "sparse_1024", 0.06)
+    _write(tmp_path / "gemma", rows)
+    _write(tmp_path / "smol", _rows("niah@8192", {"dense": [100], "sparse_256": [50]}))
+    report = accuracy_report.main(
+        ["--ruler", str(tmp_path / "smol"), "--gemma3", str(tmp_path / "gemma"), "--out", str(tmp_path)]
+    )
+    block = report["t7_gemma3_16k"]
+    assert block["tasks"] == ["niah@16384"]  # vt: dense 0, left out
+    assert block["method_at_1_16"] == "sparse_1024" and block["ratio_at_1_16"] == 1.0
+    assert block["method_at_1_32"] == "sparse_512" and block["ratio_at_1_32"] == pytest.approx(0.9)
+    assert report["ratio_to_dense_8k"] == {"256": 0.5}  # the default model's rows stay its own
+    assert "T7 at Gemma-3-270M at 16K by loaded tokens" in (tmp_path / "accuracy.md").read_text()

@@ -90,3 +90,14 @@ def test_a_small_budget_loads_its_blocks_and_batch_rows_choose_as_alone():
         with oracle_run(model, budget(3)):
             alone = greedy(model, row[None], max_new_tokens=10)[0]
         assert torch.equal(alone, tokens)
+
+
+def test_sliding_window_layers_stay_dense_and_load_nothing():
+    """Gemma-3: only its full-attention layers go through the oracle (as only they are sparse in a
+    SparseServeCache), so the loads count those layers' decode steps alone."""
+    model = tiny_model("gemma3", attn="sdpa", num_layers=3)  # sliding, full, sliding
+    ids = random_ids(1, 5 * BLOCK + 3)
+    dense = greedy(model, ids, max_new_tokens=6)
+    with oracle_run(model, budget(32)) as run:
+        assert torch.equal(greedy(model, ids, max_new_tokens=6), dense)
+    assert len(run.steps) == 5  # one full layer, the 5 decode steps after the first token

