@@ -17,6 +17,8 @@
 #   scoring     the scoring kernel's tests, its launch sweep and decode attention (after a scoring change)
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the claim + install kernels
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
+#   fp8profile  the captured step's layer kernel by kernel with bf16 KV blocks, then with 8-bit ones (where the
+#               8-bit step's time goes: it measured 1.03x the bf16 step's, not the ~0.8x half the KV bytes allow)
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
 #               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV: whole_step (a cache
 #               built from the model), layer_graphs (from its config), launched; the first call of a new process
@@ -114,6 +116,9 @@ case $part in
       | tee "$out/decode_step.log" | tail -25
     python -m eval.bench.decode_step --graph --locality real --skip-static --set metadata_dtype=float8_e4m3fn \
       --out "$out/decode_step_fp8_metadata.json" 2>&1 | tee "$out/decode_step_fp8.log" | tail -25 ;;
+  fp8profile)
+    python -m eval.bench.profile_step --graph --out "$out/profile_graph_bf16_kv.md" 2>&1 | tail -45
+    python -m eval.bench.profile_step --graph --set kv_dtype=float8_e4m3fn --out "$out/profile_graph_fp8_kv.md" 2>&1 | tail -45 ;;
   fp8kv)
     python -m pytest -q -p no:cacheprovider tests/ops/test_decode.py tests/integration/test_cuda.py \
       tests/integration/test_fp8_kv.py 2>&1 | tee "$out/gpu_pytest_fp8kv.log" | tail -5
@@ -202,5 +207,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, attention, reorder, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, attention, reorder, fp8profile, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 
     python -m eval.bench.profile_step --out eval/results/profile_step.md     # H200: ~2 min
     python -m eval.bench.profile_step --graph [--no-fused-norms] --out profile_graph.md  # H200: ~20 s
+    python -m eval.bench.profile_step --graph --set kv_dtype=float8_e4m3fn   # any SparseServeConfig field
     python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
 
 `--graph` profiles the step users run fastest: `graph.DecodeGraphRunner`'s CUDA-graph replays (on
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.common import bench_setup, run_record, sync
+from eval.bench.common import add_config_overrides, bench_setup, config_overrides, run_record, sync
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
@@ -41,14 +42,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--no-fused-norms", dest="fused_norms", action="store_false", help="SparseServeConfig(fused_norms=False)"
     )
+    add_config_overrides(parser, "kv_dtype=float8_e4m3fn")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
+    fields = {"fused_norms": args.fused_norms} | config_overrides(args.overrides)
     device, shape, dtype = bench_setup(args.dry_run)
     if args.dry_run:
         args.batch, args.context, args.steps = 2, 200, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
     text = model.config
-    cache = replayed_cut(model, args.batch, args.context, args.trace, args.dry_run, fused_norms=args.fused_norms)
+    cache = replayed_cut(model, args.batch, args.context, args.trace, args.dry_run, **fields)
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> str:
     header = f"# One sparse decode layer, kernel by kernel\n\n{run_record(device)}\n\n"
     mode = "CUDA-graph replays" if args.graph else "eager steps"
     text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} {mode}"
-    text_out += f", fused_norms={args.fused_norms}\n\n"
+    text_out += ", " + ", ".join(f"{name}={value}" for name, value in fields.items()) + "\n\n"
     text_out += miss_line(cache.store.stats, args.steps * args.layers) + report
     if device.type == "cuda":
         text_out += "\n" + layer_timeline(prof)

@@ -230,13 +230,19 @@ def test_longdoc_dry_run_reports_the_prefix_targets_with_equal_tokens(tmp_path):
     assert result["no_prefix_caching"]["dram_bytes_after"] == 0
 
 
-@pytest.mark.parametrize("mode", [["--no-fused-norms"], ["--graph"]], ids=["eager", "graph"])
+@pytest.mark.parametrize(
+    "mode", [["--no-fused-norms"], ["--graph", "--set", "kv_dtype=float8_e4m3fn"]], ids=["eager", "graph_fp8_kv"]
+)
 def test_profile_step_dry_run_tables_the_kernels_per_layer(tmp_path, mode):
-    """The kernel profile of eager steps, or of `DecodeGraphRunner`'s static step (its CPU form)."""
+    """The kernel profile of eager steps, or of `DecodeGraphRunner`'s static step (its CPU form),
+    under config overrides."""
     out = tmp_path / "profile.md"
     run_module("eval.bench.profile_step", "--dry-run", *mode, "--out", str(out))
     text = out.read_text()
-    steps = "CUDA-graph replays, fused_norms=True" if "--graph" in mode else "eager steps, fused_norms=False"
+    if "--graph" in mode:
+        steps = "CUDA-graph replays, fused_norms=True, kv_dtype=float8_e4m3fn"
+    else:
+        steps = "eager steps, fused_norms=False"
     assert steps in text and "| us/layer | calls/layer | kernel |" in text and "misses per layer" in text
 
 
