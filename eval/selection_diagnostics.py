@@ -194,6 +194,19 @@ ESTIMATES.update(CHANNEL_SCORES)
 for _name in CHANNEL_SCORES:
     VARIANTS[_name] = dict(selection="kv_head")
 VARIANTS["kv_head"] = dict(selection="kv_head")  # the default metadata, one pick per KV head (max over the group)
+# One layer's exact attention chooses for the layers after it (TidalDecode, OmniKV): at every step, layer L
+# scores every block by its true attention (reading all of that layer's keys: 1/(2 x layers) of the KV, the
+# metadata this selector reads), and each later layer loads those blocks; the layers before L select with
+# the default metadata, one pick per KV head. "pool": one set for every KV head (the mass of all of layer
+# L's query heads summed); "head": KV head h of every later layer takes layer L's KV head h's set.
+REUSED = {
+    "reuse_l2_pool": (2, "pool"),
+    "reuse_l4_pool": (4, "pool"),
+    "reuse_l8_pool": (8, "pool"),
+    "reuse_l4_head": (4, "head"),
+    "reuse_l8_head": (8, "head"),
+}
+VARIANTS |= dict.fromkeys(REUSED, dict(selection="kv_head"))
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -668,10 +681,29 @@ def step_stats(
     )
 
 
+def reused_blocks(rec: Recording, config: SparseServeConfig, source: int, mode: str) -> list[torch.Tensor]:
+    """Per decode step, the (Hkv, N) blocks layer `source`'s exact attention picks for the layers
+    after it (`REUSED`): the sink, the window and the blocks of most true mass, pooled over all of
+    its query heads ("pool", the same set for every KV head) or summed over each KV head's group
+    ("head"), `config.selected_full_blocks` in all."""
+    queries, keys = rec.queries[source], rec.keys[source]
+    num_kv_heads = keys.shape[0]
+    picks = []
+    for t, position in enumerate(rec.positions.tolist()):
+        mass = step_mass(queries[:, t], keys[:, : position + 1], rec.needle, rec.scaling, config.block_size)
+        num_full = mass.block_mass.shape[1]
+        group_mass = mass.block_mass.view(num_kv_heads, -1, num_full).sum(1)  # (Hkv, N)
+        if mode == "pool":
+            group_mass = group_mass.sum(0, keepdim=True).expand(num_kv_heads, num_full)
+        picks.append(top_blocks(group_mass[None], torch.tensor([num_full]), config)[0])
+    return picks
+
+
 def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) -> dict[str, dict[str, torch.Tensor]]:
     """variant -> stat -> (layers, Hq, T) tensors over every decode step."""
     sizes = {c.block_size for c in configs.values()}
     out: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
+    reused = {name: reused_blocks(rec, config, *REUSED[name]) for name, config in configs.items() if name in REUSED}
     for layer, (queries, keys) in enumerate(zip(rec.queries, rec.keys)):
         metas = {name: layer_metadata(config, keys) for name, config in configs.items()}
         coarse = {name: quantized_keys(keys, TWO_STAGE[name][1]) for name in configs if name in TWO_STAGE}
@@ -707,6 +739,13 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 num_full = mass.block_mass.shape[1]
                 if name in ORACLES:
                     chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
+                elif name in REUSED and layer >= REUSED[name][0]:
+                    if num_full <= config.selected_full_blocks:
+                        chosen, loaded = _all_blocks(queries.shape[0], num_full, keys.shape[0])
+                    else:
+                        picks = reused[name][t]  # (Hkv, N)
+                        chosen = picks.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
+                        loaded = picks.sum(-1)
                 elif name in TWO_STAGE:
                     chosen, loaded = two_stage_blocks(
                         config, queries[:, t], metas[name], coarse[name], num_full, rec.scaling, TWO_STAGE[name][0]

@@ -7,6 +7,8 @@ import torch
 from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
 from eval.selection_diagnostics import (
+    REUSED,
+    Recording,
     StepMass,
     block_channel_mass,
     block_channels,
@@ -15,9 +17,11 @@ from eval.selection_diagnostics import (
     channel_quantized_keys,
     channel_score_blocks,
     estimated_mass_blocks,
+    evaluate_recording,
     needle_token_mask,
     oracle_blocks,
     quantized_keys,
+    reused_blocks,
     step_mass,
     step_stats,
     top_blocks_by_mass,
@@ -260,3 +264,25 @@ def test_longbench_takes_the_same_method_families():
     assert metadata_kinds("none") == [] and metadata_kinds(" quest , cuboid ") == ["quest", "cuboid"]
     with pytest.raises(ValueError, match="--metadata"):
         metadata_kinds(" , ")
+
+
+def test_one_layers_exact_attention_chooses_for_the_layers_after_it():
+    """`reuse_*`: from the source layer on, every layer loads the blocks the source layer's true
+    attention picks (pooled over its heads: one set for every KV head); before it, the layer's own
+    metadata selection. Layer 1's keys point at block 3, layer 0's and 2's elsewhere."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, size, length = 4, 2, 8, 4, 8 * 4 + 1  # 8 full blocks and the decoding token
+    keys = [torch.randn(kv_heads, length, dim, generator=gen) * 0.1 for _ in range(3)]
+    queries = [torch.randn(heads, 1, dim, generator=gen) for _ in range(3)]
+    keys[1][:, 12:16] = queries[1][0, 0] * 4  # block 3 of layer 1 matches its first query head strongly
+    rec = Recording(queries, keys, torch.tensor([length - 1]), torch.zeros(length, dtype=torch.bool), 1.0, "")
+    config = SparseServeConfig(block_size=size, token_budget=4 * size, selection="kv_head")  # 3 full blocks
+    (picks,) = reused_blocks(rec, config, 1, "pool")  # one step
+    assert picks.shape == (kv_heads, 8) and torch.equal(picks[0], picks[1])
+    assert picks[0].nonzero().flatten().tolist() == [0, 3, 7]  # sink, the block layer 1 reads, window
+    assert REUSED["reuse_l2_pool"] == (2, "pool")
+    stats = evaluate_recording(rec, {"reuse_l2_pool": config, "kv_head": config})
+    loaded = stats["reuse_l2_pool"]["loaded_fraction"]  # (layers, Hq, T)
+    assert loaded.shape == (3, heads, 1) and torch.allclose(loaded, stats["kv_head"]["loaded_fraction"])
+    for key in ("attended", "recall"):  # layers 0 and 1 select with their own metadata, as kv_head does
+        assert torch.equal(stats["reuse_l2_pool"][key][:2], stats["kv_head"][key][:2])
