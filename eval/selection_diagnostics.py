@@ -206,7 +206,7 @@ REUSED = {
     "reuse_l4_head": (4, "head"),
     "reuse_l8_head": (8, "head"),
 }
-VARIANTS |= dict.fromkeys(REUSED, dict(selection="kv_head"))
+VARIANTS |= {name: dict(selection="kv_head") for name in REUSED}
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
