@@ -118,10 +118,12 @@ def test_install_without_its_reorder_returns_the_same_and_reorder_finishes_the_t
         first = int(torch.randint(0, partitions - heads + 1, (1,), generator=gen))
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
         slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, free_ahead)
+        order_before_lookup = got.slot_order.cpu().clone()
         claims = triton_resolve.claim_(ids.to(DEVICE), first, got, got_counts, max_tile=max_tile)
         installed = triton_resolve.install_(
             ids.to(DEVICE), first, got, claims, free_ahead, reorder=False, max_tile=max_tile
         )
+        assert torch.equal(got.slot_order.cpu(), order_before_lookup), step  # the order is reorder_'s to keep
         assert torch.equal(installed.slots.cpu(), slots), step
         for head in range(heads):
             early, misses = int(claims.early_counts[head]), int(load_counts[head])
@@ -233,9 +235,9 @@ def test_picked_blocks_kernel_matches_the_spec_and_what_a_lookup_then_resolves()
 def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per, reorder_beside, monkeypatch):
     """`HbmBlockCache` with the claim and install kernels (the early copy beside the install on
     CUDA, in turn here) and, with `REORDER_BESIDE`, the eviction order's launch beside the late
-    copy (settled by the next lookup or by `settle`): every entry's slot holds its block, and the
-    tables are the spec's with the cache's `free_ahead`, lookup after lookup, with blocks
-    forgotten in between."""
+    copy (joined by `settle`, whichever way the lookup was asked to settle): every entry's slot
+    holds its block, and the tables are the spec's with the cache's `free_ahead`, lookup after
+    lookup, with blocks forgotten in between."""
     from sparseserve_hf.cache import block_cache
     from sparseserve_hf.cache.block_cache import HbmBlockCache
     from sparseserve_hf.cache.dram_pool import DramPool
@@ -271,3 +273,40 @@ def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per, reorder_b
             cache.invalidate(gone.to(DEVICE))
             lru.forget_(gone, want)
     assert cache.counts() == tuple(counts.tolist()) and counts[1] > 0
+
+
+@pytest.mark.parametrize("reorder_beside", [False, True], ids=["install_reorders", "reorder_beside"])
+def test_a_split_lookup_whose_late_copy_fails_forgets_its_misses(reorder_beside, monkeypatch):
+    """The late copy raises: the blocks the lookup claimed are forgotten (no slot claims a block it
+    never received), and the same lookup again loads and serves every block."""
+    from sparseserve_hf.cache import block_cache
+    from sparseserve_hf.cache.block_cache import HbmBlockCache
+    from sparseserve_hf.cache.dram_pool import DramPool
+
+    monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
+    shape, per = (2, 4, 8), 24
+    dram = DramPool(shape, torch.float32, None, pin=False, device=DEVICE)
+    ids = dram.allocate(2 * 40)
+    blocks = torch.randn(ids.numel(), *shape, device=DEVICE)
+    dram.storage[ids] = blocks
+    copies = []
+
+    def copy_then_fail(*args):
+        copies.append(args)
+        if len(copies) == 2:  # the late loads' copy
+            raise RuntimeError("copy failed")
+        triton_transfer.gather_blocks(*args)
+
+    cache = HbmBlockCache(
+        2 * per, shape, torch.float32, DEVICE, copy_then_fail, 2,
+        triton_resolve.resolve_, triton_resolve.claim_, triton_resolve.install_, triton_resolve.reorder_,
+    )  # fmt: skip
+    cache.track_blocks(dram.capacity)
+    selection = random_selection(torch.Generator().manual_seed(3), (3, 2, 6), 80, 2, 0).to(DEVICE)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.lookup(selection, dram, 0)
+    used = selection[selection >= 0]
+    assert bool((cache.tables.block_slot[used] == -1).all())  # nothing claims what never arrived
+    slots = cache.lookup(selection, dram, 0)
+    cache.settle()
+    assert torch.equal(cache.pool[slots[selection >= 0]], blocks[used])

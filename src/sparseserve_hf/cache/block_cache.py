@@ -206,6 +206,7 @@ class HbmBlockCache:
             self._reorder_beside(first_partition, selection.shape[1])
             self.gather_blocks(dram.storage, installed.late_ids, self.pool, installed.late_slots, installed.late_counts)
         except BaseException:
+            self.settle()  # a queued reorder rewrites the entries `forget_` rewrites
             lru.forget_(claims.load_ids.view(-1), self.tables)  # as in `lookup`
             raise
         return installed.slots

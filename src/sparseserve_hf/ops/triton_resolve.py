@@ -371,7 +371,8 @@ def install_(
     """Phases 3-6 of `ops.lru.resolve_` after `claim_` of the same (B, H, U) ids: victims, install,
     each entry's slot, the eviction order and `free_ahead` (`ops.lru.resolve_`'s). `reorder=False`
     stops after each entry's slot: the slots and the late loads are final, and `reorder_` with the
-    same `free_ahead` must follow before any other lookup of these partitions."""
+    same `free_ahead` must follow before any other lookup, `picked_blocks` or `ops.lru.forget_`
+    touches these partitions."""
     batch, heads, width = ids.shape
     num_entries = batch * width
     per = tables.slots_per_partition
