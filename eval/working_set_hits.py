@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.data.models import load_model
 
+    window = SparseServeConfig().working_set_window
+    if args.steps <= window:
+        raise ValueError(f"--steps must exceed the working-set window ({window}), got {args.steps}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, attn_implementation="sparseserve", device=device)
     sample = generate_sample(args.task, tokenizer, args.length, 0, args.seed)
     ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-    if args.steps <= SparseServeConfig().working_set_window:
-        raise ValueError(f"--steps must exceed the working-set window ({SparseServeConfig().working_set_window})")
     start, rows = time.time(), []
     for budget in [int(b) for b in args.budgets.split(",")]:
         config = SparseServeConfig(token_budget=budget)
