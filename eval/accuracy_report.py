@@ -180,8 +180,7 @@ def build(
         eight_k = ruler["lengths"].get("8192", {}).get("ratio_to_dense", {})
         report["ratio_to_dense_8k"] = eight_k.get(DEFAULT_FAMILY, {})
         report["t7_8k"] = t7_verdict(report["ratio_to_dense_8k"], 8192)
-        at_loaded = {f: t7_at_loaded(rows, 8192, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
-        at_loaded = {f: block for f, block in at_loaded.items() if block is not None}
+        at_loaded = loaded_blocks(rows, 8192)
         if DEFAULT_FAMILY in at_loaded:
             report["t7"] = at_loaded[DEFAULT_FAMILY]  # the default config, judged at what it loads
         if at_loaded:
@@ -194,12 +193,18 @@ def build(
     return report
 
 
+def loaded_blocks(rows: list[dict], length: int) -> dict[str, dict]:
+    """Every method family's T7 block at `length` tokens judged at what it loads (families without
+    loads or verdicts left out)."""
+    blocks = {f: t7_at_loaded(rows, length, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
+    return {family: block for family, block in blocks.items() if block is not None}
+
+
 def gemma3_report(rows: list[dict]) -> dict:
     """The second model's T7 at 16K loaded tokens: the default family's block (`t7_gemma3_16k`) and
     every family's (`t7_gemma3_16k_by_family`). Its 3 global layers are its sparse ones, so their
     loads are what each row's loaded fraction averages."""
-    blocks = {f: t7_at_loaded(rows, GEMMA3_LENGTH, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
-    blocks = {f: block for f, block in blocks.items() if block is not None}
+    blocks = loaded_blocks(rows, GEMMA3_LENGTH)
     out: dict = {"t7_gemma3_16k_by_family": blocks} if blocks else {}
     if DEFAULT_FAMILY in blocks:
         out["t7_gemma3_16k"] = blocks[DEFAULT_FAMILY]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -190,20 +191,18 @@ class HbmBlockCache:
         self.settle()  # the last lookup's upkeep, where its caller has not waited for it
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         claims = claim(selection, first_partition, self.tables, self._counts)
-        beside = {} if self.reorder is None else {"reorder": False}
         try:
-            if current is not None:
-                if self._install_stream is None:
-                    self._install_stream = torch.cuda.Stream(self.device, priority=-1)
-                self._install_stream.wait_stream(current)
-                with torch.cuda.stream(self._install_stream):
-                    installed = install(selection, first_partition, self.tables, claims, self.free_ahead, **beside)
-            else:
-                installed = install(selection, first_partition, self.tables, claims, self.free_ahead, **beside)
+            with self._install_side(after=current):
+                installed = install(
+                    selection, first_partition, self.tables, claims, self.free_ahead, reorder=self.reorder is None
+                )
             self.gather_blocks(dram.storage, claims.load_ids, self.pool, claims.load_slots, claims.early_counts)
             if current is not None:
                 current.wait_stream(self._install_stream)
-            self._reorder_beside(first_partition, selection.shape[1])
+            if self.reorder is not None:  # after the event the late copy waits on: beside that copy
+                with self._install_side():
+                    self.reorder(first_partition, selection.shape[1], self.tables, self.free_ahead)
+                self._unsettled = current is not None
             self.gather_blocks(dram.storage, installed.late_ids, self.pool, installed.late_slots, installed.late_counts)
         except BaseException:
             self.settle()  # a queued reorder rewrites the entries `forget_` rewrites
@@ -211,17 +210,16 @@ class HbmBlockCache:
             raise
         return installed.slots
 
-    def _reorder_beside(self, first_partition: int, heads: int) -> None:
-        """Queue the eviction order's upkeep of a split lookup whose install left it (on the install
-        stream, after the install, on CUDA; at once elsewhere)."""
-        if self.reorder is None:
-            return
+    def _install_side(self, after: torch.cuda.Stream | None = None) -> contextlib.AbstractContextManager:
+        """The install stream's context on CUDA (made at first use; ordered after `after`'s work
+        when given), no stream elsewhere: there the split lookup's launches run in turn."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
         if self._install_stream is None:
-            self.reorder(first_partition, heads, self.tables, self.free_ahead)
-            return
-        with torch.cuda.stream(self._install_stream):
-            self.reorder(first_partition, heads, self.tables, self.free_ahead)
-        self._unsettled = True
+            self._install_stream = torch.cuda.Stream(self.device, priority=-1)
+        if after is not None:
+            self._install_stream.wait_stream(after)
+        return torch.cuda.stream(self._install_stream)
 
     def settle(self) -> None:
         """Order the last lookup's upkeep before whatever the current stream runs next (a no-op
