@@ -40,6 +40,7 @@ from .ops import resolve_backend
 
 logger = logging.getLogger(__name__)
 DEFAULT_TABLE_STEP = 128  # blocks (4K tokens at block_size 32): widths are 128 x (1, 2, 3, 4, 6, 8, ...)
+EAGER_TABLE_STEP = 8  # uncaptured, a new width costs only a reallocation: tables stay near the rows' need
 DEFAULT_MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first): bounds their memory pools
 HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(position_ids) on the host
 
@@ -119,7 +120,7 @@ class DecodeGraphRunner:
             wherever a capture can run).
         table_step: block-table widths are this many blocks times 1, 2, 3, 4, 6, 8, ... (`table_width`).
             Unused entries add scoring and top-k work; crossing a width reallocates the tables and
-            recaptures.
+            recaptures. None: `DEFAULT_TABLE_STEP` when capturing, `EAGER_TABLE_STEP` when not.
         max_graphs: graphs kept, one per (rows, table width) seen; past it the least recently
             replayed one is dropped (with its memory), so a long-running server stays bounded.
 
@@ -135,7 +136,7 @@ class DecodeGraphRunner:
         cache: SparseServeCache,
         *,
         capture: bool | None = None,
-        table_step: int = DEFAULT_TABLE_STEP,
+        table_step: int | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         if capture is None:
@@ -143,6 +144,8 @@ class DecodeGraphRunner:
             capture = wanted if wanted is not None else can_capture(model, cache)
         self.capture = capture
         check_graph_ready(model, cache, self.capture)
+        if table_step is None:
+            table_step = DEFAULT_TABLE_STEP if capture else EAGER_TABLE_STEP
         for name, value in (("table_step", table_step), ("max_graphs", max_graphs)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -375,13 +378,13 @@ def graph_obstacle(model: torch.nn.Module, cache: SparseServeCache, capture: boo
             "graph mode needs every layer to be a SparseServeLayer: dense_layers and sliding-window layers "
             "grow their KV with torch.cat every step, which a captured step cannot follow"
         )
+    if not capture:
+        return None
     syncing = sorted(_rope_types(cache.model_config) & set(HOST_SYNCING_ROPE))
     if syncing:
         return NotImplementedError(
             f"graph mode cannot capture rope_type {syncing}: it reads max(position_ids) on the host every step"
         )
-    if not capture:
-        return None
     if cache.config.transfer != "kernel":
         return ValueError(
             "CUDA-graph capture needs transfer='kernel': transfer='copy' reads block ids back to the host"

@@ -311,15 +311,16 @@ def test_graph_runner_refuses_a_bad_max_graphs(llama):
             DecodeGraphRunner(llama, gen.batch, capture=False, max_graphs=bad)
 
 
-def test_cuda_graphs_none_decodes_through_graphs_only_where_a_capture_can_run(llama, monkeypatch):
-    """The default (None): eager on CPU; through the captured step where `graph_obstacle` finds nothing
-    in the way (as on CUDA), but not under tensor parallelism; True and False as given."""
-
-    assert Generator(llama, None, small_config(**GRAPH_CONFIG))._runner is None  # CPU: a capture cannot run
-    assert Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))._runner is not None
+def test_every_decode_runs_the_runners_step_captured_only_where_a_capture_can_run(llama, monkeypatch):
+    """One decode step for every setting: `cuda_graphs` only says whether the runner's step is
+    captured (None: where `graph_obstacle` finds nothing in the way, as on CUDA; never on a
+    tensor-parallel rank)."""
+    for setting in (None, True, False):
+        gen = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=setting))
+        assert gen._runner.capture is False  # CPU: a capture cannot run
     monkeypatch.setattr("sparseserve_hf.graph.graph_obstacle", lambda model, cache, capture: None)
-    assert Generator(llama, None, small_config(**GRAPH_CONFIG))._runner is not None
-    assert Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=False))._runner is None
-    gen = Generator(llama, None, small_config(**GRAPH_CONFIG))
+    assert gen._captures(llama) is False  # cuda_graphs=False
+    gen.config = small_config(**GRAPH_CONFIG)
+    assert gen._captures(llama) is True
     gen.tp_size = 2  # a rank of a tensor-parallel engine: its collectives are not captured
-    assert gen._decodes_through_graphs(llama) is False
+    assert gen._captures(llama) is False

@@ -96,6 +96,18 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
     assert layer.tail_len.tolist() == runner._tail_len and layer.num_blocks.tolist() == runner._num_blocks
 
 
+def test_static_step_with_a_host_syncing_rope_equals_the_eager_path():
+    """A rope that reads positions on the host keeps the step from a capture, not from the runner:
+    uncaptured, the static step of a dynamic-NTK Llama gives the eager path's tokens."""
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    config = static_config()
+    reference, runner = EagerReference(model, config), started_runner(model, config)
+    for step in range(12):
+        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+
+
 def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(llama):
     """Plan test (h): a graph holds these by address; nothing but a table-width change may move them."""
     config = static_config()
@@ -179,7 +191,8 @@ def test_runner_refuses_what_a_captured_step_cannot_follow():
         DecodeGraphRunner(gemma, SparseServeCache(gemma.config, fixed), capture=False)
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(NotImplementedError, match="dynamic"):
-        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=False)
+        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=True)
+    assert graph_obstacle(model, SparseServeCache(model.config, fixed), capture=False) is None  # eager: it may sync
     fresh = tiny_model("llama")
     runner = DecodeGraphRunner(fresh, SparseServeCache(fresh.config, fixed), capture=False)
     with pytest.raises(RuntimeError, match="start"):

@@ -103,9 +103,9 @@ class Generator(RequestFrontend):
         self._pending: list[StreamEvent] = []  # events produced between steps (cancel) or set aside
         self._next_id = 0
         self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
-        self._runner, self._graph_rows = None, None  # cuda_graphs: the decode runner and the rows it started on
-        if self._decodes_through_graphs(model):  # on CPU the runner runs the static step eagerly (a graph's reference)
-            self._runner = DecodeGraphRunner(model, self.batch, capture=device.type == "cuda")
+        # Every decode step is the runner's: replayed where it captures, else the same step eagerly.
+        self._runner = DecodeGraphRunner(model, self.batch, capture=self._captures(model))
+        self._runner_rows: tuple[int, ...] | None = None  # the batch rows the runner last started on
 
     # ---- engine-level API ------------------------------------------------------------------
 
@@ -272,7 +272,7 @@ class Generator(RequestFrontend):
                 "hbm_bytes_in_use": self.hbm_bytes_in_use(),
                 "dram_bytes_in_use": self.dram_bytes_in_use(),
                 "hbm_cache_bytes": self.config.hbm_cache_bytes,
-                "graph_captures": self._runner.num_captures if self._runner is not None else 0,
+                "graph_captures": self._runner.num_captures,
             }
             | self.store.load_summary()
             | (self.prefixes.totals() if self.prefixes is not None else {})
@@ -343,38 +343,32 @@ class Generator(RequestFrontend):
         device = self.stack.device
         tokens = torch.tensor([[r.output[-1]] for r in rows], device=device)  # (B, 1)
         positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
-        forward = self._graph_step if self._runner is not None else self._eager_step
-        logits = forward(tokens, positions)  # (B, V)
+        logits = self._runner_step(tokens, positions)  # (B, V)
         steps = torch.tensor([r.decode_steps + 1 for r in rows])  # this step included
         working_sets = self.tracker.observe(self.batch, steps)  # (B,) on the device
         chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
         tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()
         return tokens, blocks
 
-    def _decodes_through_graphs(self, model: torch.nn.Module) -> bool:
-        """`cuda_graphs`, or for None whether a captured step can serve this engine (see the config)."""
-        if self.config.cuda_graphs is not None:
-            return self.config.cuda_graphs
-        return self.tp_size == 1 and can_capture(model, self.batch)
+    def _captures(self, model: torch.nn.Module) -> bool:
+        """Whether the decode runner captures CUDA graphs: `cuda_graphs` on a CUDA model (on CPU True
+        runs the step a graph would capture, eagerly), for None wherever a graph can capture the
+        step, never on a tensor-parallel rank (its collectives are not captured; see the config)."""
+        if self.config.cuda_graphs is None:
+            return self.tp_size == 1 and can_capture(model, self.batch)
+        return self.config.cuda_graphs and self.stack.device.type == "cuda"
 
-    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, V) next-token logits of the batch rows, one eager forward."""
-        hidden = self.stack.run_layers(
-            self.stack.embed(tokens), 0, self.stack.num_layers, cache=self.batch, position_ids=positions
-        )  # (B, 1, H)
-        return self.stack.logits(hidden)[:, -1]
-
-    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits of the same step through `DecodeGraphRunner` (a CUDA-graph replay on CUDA).
+    def _runner_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of the step through `DecodeGraphRunner` (a CUDA-graph replay where it captures).
 
         The runner restarts (reads the rows' lengths back once) whenever the batch's rows change
         (a request joined, left or sat out); it captures only a (rows, table width) it has not
         seen, and otherwise copies the new rows into the graph's own tensors and replays.
         """
         rows = tuple(self.batch_ids)
-        if self._graph_rows != rows:
+        if self._runner_rows != rows:
             self._runner.start(tokens, positions)
-            self._graph_rows = rows
+            self._runner_rows = rows
         self._runner.step(tokens)
         return self._runner.logits
 
@@ -524,7 +518,7 @@ class Generator(RequestFrontend):
         moving when the step failed may be half in the batch). All their blocks are freed."""
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
-        failed, self.batch_ids, self._graph_rows = self.batch_ids, [], None
+        failed, self.batch_ids, self._runner_rows = self.batch_ids, [], None
         failed = failed + [rid for rid in request_ids if rid not in failed and rid in self._requests]
         for request_id in failed:
             events.append(self._finish(self._requests[request_id], "error", message))
