@@ -138,34 +138,30 @@ class SparseServeConfig:
             GPU-direct UVA scatter launch, close to bulk D2H bandwidth) or "flash_d2h" (the paper's
             FlashD2H: one contiguous D2H copy into pinned staging, CPU threads scatter it; slower,
             as the CPU scatter bounds it).
-        cuda_graphs: the `Generator`'s decode steps replay a captured CUDA graph
-            (`graph.DecodeGraphRunner`; on CUDA with the "triton" or "flash" backend) instead of
-            launching ~100 kernels per layer from Python. True needs `transfer="kernel"` and no
-            `dense_layers` (the backend is checked at capture, where the device is known: the
-            torch reference's block copy syncs). None (the default) turns it on wherever the
-            step can be captured (a CUDA model, the "triton" or "flash" backend,
-            transfer="kernel", every layer sparse, one process: not tensor parallel) and off
-            elsewhere; False is the eager step with each layer's attention replayed
-            (`layer_graphs`). It captures once per batch size and table width
-            and copies changed rows into the captured tensors; a captured step holds every pool
-            by address, so a pool that grows (`dram_bytes` or `hbm_cache_bytes` None) is captured
-            again after it moved: fixed sizes capture once. On CPU it runs the same static step
-            eagerly.
-        layer_graphs: eager decode steps (`model.generate`, the `Generator` without
-            `cuda_graphs`) on CUDA with the "triton" or "flash" backend and transfer="kernel"
-            replay each sparse layer's decode attention as a CUDA graph (`layer_graphs.LayerGraphs`):
-            one launch per layer instead of ~20, the rest of the model eager. Captured per
-            (layer, rows, table width) at the first step of each and again when the layer's
-            rows change (a `Generator` whose batch changes every few steps recaptures often:
-            `cuda_graphs=True` suits it better). No effect elsewhere. A capture that fails
-            switches it off for the store, with a warning.
-        generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) on
-            CUDA with the "triton" or "flash" backend replays each decode step of `model.generate`
-            as one CUDA graph of the whole model (`generate_graphs.GenerateGraphs`: the
-            Generator's captured step), not only its attention: eager, launching HF's own layers
-            from Python bounds a step at a few rows. Needs every layer sparse (no `dense_layers`,
-            no sliding-window layers) and transfer="kernel"; forwards it cannot replay exactly
-            run eagerly as before. No effect on a cache built from a config.
+        cuda_graphs: whether the `Generator`'s decode step (`graph.DecodeGraphRunner`'s static
+            step, the one step every decode of the engine runs) is replayed as a captured CUDA
+            graph instead of launching ~100 kernels per layer from Python. True needs a CUDA
+            model, the "triton" or "flash" backend and `transfer="kernel"` (checked; on CPU True
+            runs the same step eagerly). None (the default) captures wherever it can (those, and
+            one process: not tensor parallel), eagerly elsewhere; False runs the step eagerly
+            (an ablation). It captures once per batch size and table width and copies changed
+            rows into the captured tensors; a captured step holds every pool by address, so a
+            pool that grows (`dram_bytes` or `hbm_cache_bytes` None) is captured again after it
+            moved: fixed sizes capture once.
+        layer_graphs: eager decode steps of `model.generate` over a cache built from a config
+            (which has no model to replay whole) on CUDA with the "triton" or "flash" backend and
+            transfer="kernel" replay each sparse layer's decode attention as a CUDA graph
+            (`layer_graphs.LayerGraphs`): one launch per layer instead of ~20, the rest of the
+            model eager. Captured per (layer, rows, table width) at the first step of each and
+            again when the layer's rows change. No effect elsewhere. A capture that fails switches
+            it off for the store, with a warning.
+        generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) runs
+            each decode step of `model.generate` as the `Generator`'s step
+            (`generate_graphs.GenerateGraphs`): one CUDA graph of the whole model on CUDA with the
+            "triton" or "flash" backend and transfer="kernel", the same step eagerly elsewhere.
+            Needs every layer sparse (no `dense_layers`, no sliding-window layers); forwards the
+            step does not compute exactly (the prefill, hidden states asked for, a padded new
+            token) run the model's own forward. No effect on a cache built from a config.
         fused_rope: a decode step that runs as one CUDA graph (`cuda_graphs`, `generate_graphs`)
             with the "triton" or "flash" backend rotates q and k with one fused kernel per layer
             (`fused_ops`) instead of eager PyTorch's ten, bit for bit the model's own rotary

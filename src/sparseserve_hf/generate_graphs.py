@@ -18,6 +18,7 @@ changed the rows in between (an eager forward, `crop`, beam reordering) is follo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -33,6 +34,10 @@ from .graph import DecodeGraphRunner, can_capture, graph_obstacle
 CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.24 names of the cache argument
 ROUTED_KWARGS = frozenset(("input_ids", "position_ids", "attention_mask", "logits_to_keep", "use_cache", "return_dict"))
 ROUTED_MARK = "_sparseserve_routed_forward"
+# The output's cache field: `cache` from transformers 5.24 on (the old name warns there), else `past_key_values`.
+OUTPUT_CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
 
 
 class GenerateGraphs:
@@ -95,18 +100,16 @@ class GenerateGraphs:
             self._running = False
         self.steps += 1
         cache = next(kwargs[name] for name in CACHE_KWARGS if name in kwargs)
-        return CausalLMOutputWithPast(logits=self.runner.logits[:, None].clone(), past_key_values=cache)
+        return CausalLMOutputWithPast(logits=self.runner.logits[:, None].clone(), **{OUTPUT_CACHE_FIELD: cache})
 
 
 def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: bool | None = None) -> bool:
-    """Route `model`'s decode forwards over `cache` through CUDA graphs, if they can be: returns
-    whether they are. `capture`: None = wherever a CUDA graph can capture them (a CUDA model, the
-    "triton" or "flash" backend); False = the static step eagerly (tests, the CPU reference)."""
+    """Route `model`'s decode forwards over `cache` through the runner's static step, if it can
+    serve them: returns whether they are. `capture`: None = as CUDA graphs wherever one can
+    capture them (a CUDA model, the "triton" or "flash" backend), else eagerly; False = eagerly."""
     if capture is None:
         capture = can_capture(model, cache)
-        if not capture:
-            return False
-    elif graph_obstacle(model, cache, capture) is not None:
+    if graph_obstacle(model, cache, capture) is not None:
         return False
     cache.generate_graphs = GenerateGraphs(model, cache, capture=capture)
     _install_forward(model)

@@ -194,10 +194,15 @@ def test_the_wrapper_keeps_the_signature_and_is_installed_once(model):
     assert first.generate_graphs is not second.generate_graphs
 
 
-def test_a_cache_from_the_model_on_cpu_is_not_routed(model):
-    """Routing by default needs CUDA graphs; on CPU the eager path (and its layer pieces) stay."""
-    cache = SparseServeCache(model, static_config())
-    assert cache.generate_graphs is None and not hasattr(model.forward, "_sparseserve_routed_forward")
+def test_a_cache_from_the_model_on_cpu_routes_the_same_step_uncaptured(model):
+    """By default a cache built from the model routes its decode steps through the runner: captured
+    where a CUDA graph can capture them, eagerly elsewhere (here), the same step either way."""
+    config = static_config()
+    want = generate(model, SparseServeCache(model.config, config))
+    cache = SparseServeCache(model, config)
+    assert cache.generate_graphs.runner.capture is False and model.forward._sparseserve_routed_forward
+    assert torch.equal(generate(model, cache), want) and cache.generate_graphs.steps == NEW - 1
+    assert SparseServeCache(model, replace(config, generate_graphs=False)).generate_graphs is None
     assert SparseServeConfig().generate_graphs is True
     with pytest.raises(ValueError, match="generate_graphs must be a bool"):
         SparseServeConfig(generate_graphs=1)

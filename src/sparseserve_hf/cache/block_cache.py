@@ -20,7 +20,7 @@ FREE_AHEAD = 128
 SPLIT_LOOKUP = True  # split the lookup where the op set can (an ablation knob)
 # A split lookup keeps its eviction order (install's phases 5-6) in a launch of its own that runs
 # beside the copy of the late misses, where the op set has one; `settle` joins it (an ablation knob).
-REORDER_BESIDE = False
+REORDER_BESIDE = True
 
 
 def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
