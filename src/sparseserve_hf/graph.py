@@ -17,8 +17,10 @@ step splits in three:
 3. post-step, eager: what a replay does not advance, because no Python runs in it: each layer's
    `num_positions` and the host tail lengths.
 
-`capture=False` runs the very same static step eagerly: on CPU, and as the reference a graph's
-tokens must equal.
+`capture=False` runs the very same static step eagerly: wherever a capture cannot run (CPU, a
+tensor-parallel rank, a rope that reads positions on the host), and as the reference a graph's
+tokens must equal. Every decode of the `Generator`, and of `model.generate` over a cache built from
+the model, is this step.
 """
 
 from __future__ import annotations
