@@ -166,10 +166,10 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     the whole step itself (`graph.DecodeGraphRunner`, eager or capturing) runs it inline."""
     q = query[:, :, 0]  # (B, Hq, D)
     graphs = layer.store.layer_graphs
-    if graphs is not None and not layer.caller_owns_tails and not _capturing(q):
+    if graphs is not None and not layer.in_static_step and not _capturing(q):
         out = graphs.attend(layer, q, functools.partial(select_and_attend, layer, scaling=scaling))
     else:
-        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not layer.caller_owns_tails)
+        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not layer.in_static_step)
     return out.unsqueeze(1)
 
 

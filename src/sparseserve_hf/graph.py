@@ -267,17 +267,14 @@ class DecodeGraphRunner:
 
     def _static_step(self) -> torch.Tensor:
         """What a graph captures: one forward at fixed shapes, greedy pick fed back. Returns (B, V) logits."""
-        for layer in self.layers:
-            layer.caller_owns_tails = True  # the pre-step rolled full tails: commits only append
         if self._fused is not None:
             self._fused.enter()
         try:
-            logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
+            with self.cache.static_step():  # the pre-step rolled full tails: commits only append
+                logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
         finally:
             if self._fused is not None:
                 self._fused.exit()
-            for layer in self.layers:
-                layer.caller_owns_tails = False
         self._ids.copy_(logits.argmax(-1, keepdim=True))
         self._positions.add_(1)
         return logits

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -369,6 +370,20 @@ class SparseServeCache(Cache):
         return moved
 
     # ---- graph-mode decode (graph.DecodeGraphRunner) ---------------------------------------------
+
+    @contextlib.contextmanager
+    def static_step(self) -> Iterator[None]:
+        """Inside, a decode forward is the static step (`graph.DecodeGraphRunner`): the caller rolled
+        every full tail first (`roll_full_tails`) and feeds one real token per row, so each layer's
+        commit only appends it, at fixed shapes and with no host decision (a CUDA graph may capture it)."""
+        layers = self._sparse_layers()
+        for layer in layers:
+            layer.in_static_step = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.in_static_step = False
 
     @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:

@@ -69,9 +69,9 @@ class SparseServeLayer(CacheLayerMixin):
         # What `undo_update` takes back: the last update's new positions, the tokens it stored per
         # row once committed, and whether it initialized the layer. None: nothing to undo.
         self._undo: _Undo | None = None
-        # Graph mode (`graph.DecodeGraphRunner`): the caller rolls full tails before the step and
-        # tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
-        self.caller_owns_tails = False
+        # Set by the cache's `static_step` only: full tails were rolled before the step and the
+        # caller tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
+        self.in_static_step = False
         self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
         self._known_counts: tuple[tuple, tuple, tuple[int, int]] | None = None  # see _first_row_counts
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
@@ -396,7 +396,7 @@ class SparseServeLayer(CacheLayerMixin):
 
         `empty`: every row is known to hold nothing yet (the update made the layer), so no row's
         lengths are read back from the device: a prompt's commit then waits for no kernel."""
-        if self.caller_owns_tails:
+        if self.in_static_step:
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self._known_counts = None  # the kernel below changes tail_len without a version bump
