@@ -19,6 +19,8 @@
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 #   fp8profile  the captured step's layer kernel by kernel with bf16 KV blocks, then with 8-bit ones (where the
 #               8-bit step's time goes: it measured 1.03x the bf16 step's, not the ~0.8x half the KV bytes allow)
+#   fp8slots    the real-locality step with 8-bit KV blocks in an HBM cache of the bf16 run's slots (half its
+#               bytes: the install walks a partition's slots), then with the bf16 run's bytes, then bf16 blocks
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
 #               StaticCache), decode ms/step at B=4 x 32K, real locality and random KV: whole_step (a cache
 #               built from the model), layer_graphs (from its config), launched; the first call of a new process
@@ -33,8 +35,8 @@
 #               pipelining stages, split programs per SM), then the captured step per layer (8-layer cut) with the
 #               fastest setting against the defaults, twice each
 #   reorder     the lookup's eviction-order upkeep in a launch of its own beside the late misses' copy
-#               (block_cache.REORDER_BESIDE): its kernel and graph tests, the captured step per layer (8-layer cut)
-#               with and without it, twice each, then the real-locality step with it (and stock)
+#               (block_cache.REORDER_BESIDE, on by default): its kernel and graph tests, the captured step per
+#               layer (8-layer cut) without and with it, twice each, then the real-locality step (and stock)
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   critical    the layer's critical path (8-layer cut, us per layer): the score kernel's stores after both
@@ -119,6 +121,12 @@ case $part in
   fp8profile)
     python -m eval.bench.profile_step --graph --out "$out/profile_graph_bf16_kv.md" 2>&1 | tail -45
     python -m eval.bench.profile_step --graph --set kv_dtype=float8_e4m3fn --out "$out/profile_graph_fp8_kv.md" 2>&1 | tail -45 ;;
+  fp8slots)
+    for args in "--set kv_dtype=float8_e4m3fn --hbm-cache-fraction 0.125" "--set kv_dtype=float8_e4m3fn" ""; do
+      name=$(echo "$args" | tr -c 'a-z0-9.\n' '_')
+      python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense $args \
+        --out "$out/decode_step_slots${name}.json" 2>&1 | tail -6
+    done ;;
   fp8kv)
     python -m pytest -q -p no:cacheprovider tests/ops/test_decode.py tests/integration/test_cuda.py \
       tests/integration/test_fp8_kv.py 2>&1 | tee "$out/gpu_pytest_fp8kv.log" | tail -5
@@ -153,12 +161,11 @@ case $part in
   reorder)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_resolve.py tests/integration/test_decode_graph.py \
       tests/integration/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_reorder.log" | tail -5
-    for knob in "" "--knob cache.block_cache.REORDER_BESIDE=True" "" "--knob cache.block_cache.REORDER_BESIDE=True"; do
+    for knob in "--knob cache.block_cache.REORDER_BESIDE=False" "" "--knob cache.block_cache.REORDER_BESIDE=False" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_reorder.jsonl" 2>&1 | tail -1
     done
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
-      --knob cache.block_cache.REORDER_BESIDE=True --out "$out/decode_step_reorder.json" 2>&1 \
-      | tee "$out/decode_step_reorder.log" | tail -14 ;;
+      --out "$out/decode_step_reorder.json" 2>&1 | tee "$out/decode_step_reorder.log" | tail -14 ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -207,5 +214,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, attention, reorder, fp8profile, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
