@@ -18,7 +18,6 @@ changed the rows in between (an eager forward, `crop`, beam reordering) is follo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import weakref
@@ -29,15 +28,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
+from .compat import OUTPUT_CACHE_FIELD
 from .graph import DecodeGraphRunner, can_capture, graph_obstacle
 
 CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.24 names of the cache argument
 ROUTED_KWARGS = frozenset(("input_ids", "position_ids", "attention_mask", "logits_to_keep", "use_cache", "return_dict"))
 ROUTED_MARK = "_sparseserve_routed_forward"
-# The output's cache field: `cache` from transformers 5.24 on (the old name warns there), else `past_key_values`.
-OUTPUT_CACHE_FIELD = (
-    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-)
 
 
 class GenerateGraphs:

@@ -241,8 +241,9 @@ class DecodeGraphRunner:
             for row in full:
                 self._tail_len[row], self._num_blocks[row] = 0, self._num_blocks[row] + 1
         self.cache.store.wait_for_saves()  # a replay reads the pool with no fetch of its own: saves land first
-        self._prepare_lookups((len(self._tail_len), width))
-        self._check_state()
+        if self.capture:  # only graphs hold the store's tensors by address
+            self._prepare_lookups((len(self._tail_len), width))
+            self._check_state()
 
     def _prepare_lookups(self, key: tuple[int, int]) -> None:
         """What each layer's lookup does on the host that a replay of `key`'s graph skips: an unlimited
