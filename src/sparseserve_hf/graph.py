@@ -9,8 +9,10 @@ step splits in three:
    (`table_width`: `table_step` x 1, 2, 3, 4, 6, 8, ... blocks, room for every row's next block);
    save every full tail block to DRAM (`SparseServeCache.roll_full_tails`: a host allocation, once per block_size
    tokens of a row); drop the graphs if a store tensor they hold by address has moved. The rows'
-   own tensors (tail, lengths, block table) may move freely, e.g. when a batch's rows change:
-   before a replay they are copied into the ones its graph was captured with.
+   own tensors (tail, lengths, block table) stay where they are while a batch cache's slots change
+   hands (`SparseServeCache.place_rows` / `take_rows`: a vacant slot rides along storing
+   nothing); where they do move (another row count, a table width left and taken again, rows
+   rebuilt by the caller), a replay first copies them into the ones its graph holds.
 2. the static step: `model(ids, position_ids=positions)` over the cache with no attention mask,
    the greedy pick written back into `ids`, positions + 1. Fixed shapes, no host sync, no
    Python decision that depends on the data: captured once per (rows, table width), then replayed.
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from .cache.cache import SparseServeCache
+from .cache.grow import geometric_size
 from .cache.layer import SparseServeLayer
 from .cache.plain import plain_tensors
 from .compat import cache_kwarg
@@ -48,18 +51,13 @@ HOST_SYNCING_ROPE = ("dynamic", "longrope")  # their forward compares max(positi
 
 
 def table_width(blocks: int, step: int) -> int:
-    """The block-table width that holds `blocks`: `step` x the first of 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
-    (2^k and 1.5 x 2^k) at least `blocks / step`.
+    """The block-table width that holds `blocks`: `geometric_size(blocks, step)`.
 
     Every width is one more graph per batch size. Geometric widths keep the captures logarithmic in
     the context: linear 4K-token steps gave 14 widths between 10K and 64K tokens, these give 6, at the
     price of a table under 1.5x the `step`-rounded need: scoring and top-k work grows with the width.
     """
-    units = -(-blocks // step)
-    if units <= 1:
-        return step
-    half = 1 << ((units - 1).bit_length() - 1)  # the largest power of two below `units`
-    return step * (half * 3 // 2 if units <= half * 3 // 2 else 2 * half)
+    return geometric_size(blocks, step)
 
 
 @dataclass
@@ -171,7 +169,8 @@ class DecodeGraphRunner:
 
         positions: None = each row's stored length (rows of a SparseServeCache hold no padding).
         Reads the rows' tail lengths and block counts back once; from here on the runner keeps
-        them on the host, and the caller must not change the cache's rows between steps.
+        them on the host, and the caller must not change the cache's rows between steps. A row
+        that holds nothing (a vacant slot) stays empty: its token and position are ignored.
         """
         layer = self.layers[0]
         if not layer.is_initialized:
@@ -206,6 +205,8 @@ class DecodeGraphRunner:
         host = torch.cat((layer.tail_len.long(), layer.num_blocks.long(), self._positions.flatten())).tolist()
         self._tail_len: list[int] = host[:batch]  # one readback for all three
         self._num_blocks: list[int] = host[batch : 2 * batch]
+        # A row that holds nothing is a vacant slot (`SparseServeCache.take_rows`): the step stores nothing there.
+        self._holds = [length > 0 or blocks > 0 for length, blocks in zip(self._tail_len, self._num_blocks)]
         self._last_position = max(host[2 * batch :])
         # Graphs of an earlier start stay: a replay first copies these rows into the tensors its
         # graph was captured with (`_seat`), so a batch whose rows changed captures nothing new
@@ -281,7 +282,7 @@ class DecodeGraphRunner:
         return logits
 
     def _post_step(self) -> None:
-        self._tail_len = [length + 1 for length in self._tail_len]
+        self._tail_len = [length + held for length, held in zip(self._tail_len, self._holds)]
         self._last_position += 1
         for layer in self.layers:
             layer.forget_host_tail_len()

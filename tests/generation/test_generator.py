@@ -302,6 +302,45 @@ def test_graphs_past_max_graphs_are_dropped_least_recently_used_first(llama):
     assert len(runner._captured) == 2 and runner.num_captures > 3  # 3 batch sizes: evictions forced recaptures
 
 
+@pytest.mark.core
+def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_and_graph(llama):
+    """Slots: the middle request ends first; the other rows stay where they are (same tensors, no
+    copy into the graph's), the step keeps its graph, and a new request takes the vacant slot.
+    Every request's tokens are its tokens alone."""
+    from fake_graphs import FakeGraphs
+
+    settings = GRAPH_CONFIG | dict(hbm_cache_bytes=None, max_inject_tokens=None)
+    gen = Generator(llama, None, small_config(**settings, cuda_graphs=True))
+    gen._runner.capture, gen._runner.graphs = True, FakeGraphs(gen._runner)
+    prompts = [prompt(n, seed=n) for n in (40, 50, 60, 20)]
+    params = [SamplingParams(max_new_tokens=m) for m in (30, 6, 30, 4)]
+    ids, outputs = [gen.submit(p, q) for p, q in zip(prompts[:3], params[:3])], {}
+
+    def step() -> None:
+        outputs.update({e.request_id: e.output.token_ids for e in gen.step() if e.output is not None})
+
+    while None in gen.slots or len(gen.slots) < 3:
+        step()
+    assert gen.slots == ids
+    tensors = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
+    captures = gen._runner.num_captures
+    while ids[1] not in outputs:
+        step()
+    step()
+    assert gen.slots == [ids[0], None, ids[2]] and gen.batch.vacant_slots == [1]
+    now = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
+    assert all(a is b for a, b in zip(now, tensors))  # the rows that stayed did not move
+    assert gen._runner.num_captures == captures  # the same (rows, table width): replayed, not captured
+    ids.append(gen.submit(prompts[3], params[3]))
+    while gen.slots[1] is None:
+        step()
+    assert gen.slots == [ids[0], ids[3], ids[2]]
+    while gen.has_unfinished:
+        step()
+    assert gen.slots == [] and gen.batch.num_rows == 0
+    assert [outputs[rid] for rid in ids] == one_by_one(llama, small_config(**settings), prompts, params)
+
+
 def test_graph_runner_refuses_a_bad_max_graphs(llama):
     from sparseserve_hf.graph import DecodeGraphRunner
 

@@ -71,6 +71,6 @@ def test_soak_every_request_ends_and_pools_drain(llama):
     assert {"stop", "length", "cancelled"} <= reasons, reasons
     assert gen.dram_bytes_in_use() == 0 and gen.hbm_bytes_in_use() == 0
     assert gen.store.dram.num_used == 0 and int(gen.store.dram.refcount.sum()) == 0
-    assert gen.store.hbm.num_resident == 0 and gen.batch_ids == [] and not gen.batch.layers[0].is_initialized
+    assert gen.store.hbm.num_resident == 0 and gen.slots == [] and not gen.batch.layers[0].is_initialized
     totals = gen.metrics()["totals"]
     assert totals["finished"] == len(ended) and totals["hbm_peak_bytes"] > 0

@@ -45,7 +45,7 @@ def test_observe_runs_no_host_sync_and_counts_the_stamped_blocks(llama):
     gen.submit(prompt(300, seed=4), SamplingParams(max_new_tokens=8))
     while not all(r.decode_steps for r in gen._requests.values()):
         gen.step()
-    steps = torch.tensor([gen._requests[rid].decode_steps + 1 for rid in gen.batch_ids])
+    steps = torch.tensor([gen._requests[rid].decode_steps + 1 for rid in gen.slots])
     with forbid_host_syncs() as seen:
         sizes = gen.tracker.observe(gen.batch, steps)
     assert seen == [] and sizes.shape == (2,)

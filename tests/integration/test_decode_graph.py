@@ -94,8 +94,32 @@ def test_a_table_width_change_recaptures_and_keeps_the_tokens():
     assert len(widths) >= 2 and graph.num_captures == len(widths)
 
 
+def test_a_vacant_slot_rides_along_a_captured_step():
+    """A batch whose middle slot is vacant replays the tokens of its other rows decoded alone,
+    stores nothing in the vacant row and counts it in no statistic (Triton kernels, CUDA graphs)."""
+    from sparseserve_hf import SparseServeCache
+
+    model, config = model_on_cuda(torch.float32), static_config(backend="triton")
+    three, firsts = batch_cache(model, config)
+    three.take_rows([1]).reset()
+    again, _ = batch_cache(model, config)
+    pair = SparseServeCache(model.config, config, store=again.store)
+    for slot, row in enumerate((again.take_rows([0]), again.take_rows([2]))):
+        pair.place_rows(row, [slot])
+    runners = []
+    for cache, tokens in ((three, firsts), (pair, firsts[[0, 2]])):
+        runners.append(DecodeGraphRunner(model, cache, capture=True))
+        runners[-1].start(tokens)
+    for step in range(STEPS):
+        with_vacancy, alone = (runner.step().clone() for runner in runners)
+        assert torch.equal(with_vacancy[[0, 2]], alone), f"step {step}"
+    for layer in three.layers:
+        assert int(layer.row_lengths()[1]) == 0 and not bool((layer.block_ids[1] >= 0).any())
+    assert three.store.load_summary() == pair.store.load_summary() and runners[0].num_captures == 1
+
+
 def test_generator_with_cuda_graphs_gives_the_eager_generators_tokens():
-    """Plan test (c): staggered joins, sit-outs and finishes (the rows copied into captured graphs), max_batch 3."""
+    """Plan test (c): staggered joins, sit-outs and finishes (vacant slots riding along), max_batch 3."""
     from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
     model = model_on_cuda(torch.float32)
@@ -107,7 +131,7 @@ def test_generator_with_cuda_graphs_gives_the_eager_generators_tokens():
     graphed_gen = Generator(model, None, SparseServeConfig(**values, cuda_graphs=True))
     graphed = graphed_gen.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    runner = graphed_gen._runner  # one capture per (batch size, table width); row changes copy rows in
+    runner = graphed_gen._runner  # one capture per (rows, table width)
     assert runner.num_captures == len(runner._captured) > 1
 
 

@@ -96,6 +96,31 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
     assert layer.tail_len.tolist() == runner._tail_len and layer.num_blocks.tolist() == runner._num_blocks
 
 
+@pytest.mark.core
+def test_a_vacant_slot_rides_along_storing_loading_and_counting_nothing(llama):
+    """A batch whose middle row was taken out (`take_rows`, as when a request ends) decodes its
+    other rows as a batch of those rows alone: the vacant row takes no token, selects and loads no
+    block, and counts in no statistic. Block fills and table widths are crossed on the way."""
+    config = static_config()
+    three, firsts = batch_cache(llama, config)
+    three.take_rows([1]).reset()
+    again, _ = batch_cache(llama, config)  # the same rows over a store of its own
+    pair = SparseServeCache(llama.config, config, store=again.store)
+    for slot, row in enumerate((again.take_rows([0]), again.take_rows([2]))):
+        pair.place_rows(row, [slot])
+    runners = []
+    for cache, tokens in ((three, firsts), (pair, firsts[[0, 2]])):
+        runners.append(DecodeGraphRunner(llama, cache, capture=False, table_step=4))
+        runners[-1].start(tokens)
+    for _ in range(STEPS):
+        with_vacancy, alone = (runner.step().clone() for runner in runners)
+        assert torch.equal(with_vacancy[[0, 2]], alone)
+    for layer in three.layers:
+        assert int(layer.row_lengths()[1]) == 0 and not bool((layer.block_ids[1] >= 0).any())
+    assert three.store.load_summary() == pair.store.load_summary()
+    assert three.vacant_slots == [1]
+
+
 def test_static_step_with_a_host_syncing_rope_equals_the_eager_path():
     """A rope that reads positions on the host keeps the step from a capture, not from the runner:
     uncaptured, the static step of a dynamic-NTK Llama gives the eager path's tokens."""

@@ -102,3 +102,79 @@ def test_bad_moves_raise(llama):
         SparseServeCache(llama.config, SparseServeConfig(block_size=16, token_budget=48, dense_layers=(0,))).pop_rows(
             [0]
         )
+
+
+def addresses(cache: SparseServeCache) -> list[int]:
+    return [t.data_ptr() for layer in cache.layers for t in layer.graph_tensors().values()]
+
+
+@pytest.mark.core
+def test_a_row_taken_out_leaves_its_slot_vacant_and_the_other_rows_where_they_were(llama):
+    store = shared_store(llama)
+    caches = [prefilled(llama, store, n, seed=n) for n in (40, 70, 17)]
+    alone = [rows_of(c) for c in caches]
+    used = store.dram.num_used
+    batch = SparseServeCache(llama.config, CONFIG, store=store)
+    for slot, cache in enumerate(caches):
+        batch.place_rows(cache, [slot])
+        assert not cache.layers[0].is_initialized  # moved, not shared
+    assert batch.num_rows == 3 and batch.vacant_slots == [] and store.dram.num_used == used
+    before = addresses(batch)
+    middle = batch.take_rows([1])
+    assert batch.vacant_slots == [1] and batch.layers[0].row_lengths().tolist() == [40, 0, 17]
+    assert addresses(batch) == before, "the rows that stay keep their tensors"
+    assert middle.get_seq_length() == 70 and store.dram.num_used == used
+    assert torch.equal(rows_of(middle)[0][0][0], alone[1][0][0][0])
+    kept = rows_of(batch)
+    assert torch.equal(kept[1][2][0], alone[2][1][0][0]) and torch.equal(kept[0][0][1], alone[0][0][0][1])
+    batch.place_rows(prefilled(llama, store, 25, seed=25), [1])  # the vacant slot is filled in place
+    assert batch.layers[0].row_lengths().tolist() == [40, 25, 17] and addresses(batch) == before
+    middle.reset()
+    batch.take_rows([2]).reset()
+    assert batch.num_rows == 2  # no row past slot 1 holds anything: the cache shrinks to 2 rows
+    batch.take_rows([0]).reset()
+    batch.take_rows([1]).reset()
+    assert batch.num_rows == 0 and store.dram.num_used == 0 and int(store.dram.refcount.sum()) == 0
+
+
+@pytest.mark.core
+def test_placing_past_the_last_row_grows_the_cache_to_a_geometric_size_of_vacant_rows(llama):
+    store = shared_store(llama)
+    batch = SparseServeCache(llama.config, CONFIG, store=store)
+    batch.place_rows(prefilled(llama, store, 30, seed=1), [4])
+    assert batch.num_rows == 6 and batch.vacant_slots == [0, 1, 2, 3, 5]  # 1, 2, 3, 4, 6, 8, ... rows
+    assert batch.layers[0].row_lengths().tolist() == [0, 0, 0, 0, 30, 0]
+    capped = SparseServeCache(llama.config, CONFIG, store=store)
+    capped.place_rows(prefilled(llama, store, 30, seed=2), [4], max_rows=5)
+    assert capped.num_rows == 5 and capped.vacant_slots == [0, 1, 2, 3]
+
+
+@pytest.mark.core
+def test_bad_slot_moves_raise_and_change_nothing(llama):
+    store = shared_store(llama)
+    batch = SparseServeCache(llama.config, CONFIG, store=store)
+    for slot, n in enumerate((40, 70, 17)):
+        batch.place_rows(prefilled(llama, store, n, seed=n), [slot])
+    batch.take_rows([1]).reset()
+    extra = prefilled(llama, store, 20, seed=3)
+    lengths, used = batch.layers[0].row_lengths().tolist(), store.dram.num_used
+    with pytest.raises(ValueError, match=r"slots \[0\] hold rows"):
+        batch.place_rows(extra, [0])
+    with pytest.raises(ValueError, match="hold no row"):
+        batch.take_rows([1])
+    with pytest.raises(ValueError, match="hold no row"):
+        batch.take_rows([7])
+    with pytest.raises(ValueError, match="distinct"):
+        batch.take_rows([0, 0])
+    with pytest.raises(ValueError, match="1 distinct"):
+        batch.place_rows(extra, [1, 3])
+    with pytest.raises(TypeError, match="list"):
+        batch.take_rows(2)
+    with pytest.raises(ValueError, match="vacant slots"):
+        batch.append_rows(extra)
+    with pytest.raises(ValueError, match="vacant slots"):
+        batch.pop_rows([0])
+    with pytest.raises(ValueError, match="shared"):
+        batch.place_rows(prefilled(llama, shared_store(llama), 20, seed=4), [1])
+    assert batch.layers[0].row_lengths().tolist() == lengths and batch.vacant_slots == [1]
+    assert store.dram.num_used == used and extra.get_seq_length() == 20

@@ -28,6 +28,26 @@ def test_append_writes_each_row_at_its_length_and_counts_it(shape, dtype):
     assert torch.equal(tail[row, :, 0, want_lengths - 1], keys[:, :, 0]), "the token sits at the old length"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_leaves_rows_that_hold_nothing_as_they_are(dtype):
+    """Given the rows' block counts, a row with no block and an empty tail (an unused slot of a
+    batch cache) takes no token; a row with blocks and an empty tail (just rolled) takes it."""
+    batch, heads, size, dim = 6, 3, 8, 32
+    gen = torch.Generator().manual_seed(7)
+    tail = torch.randn(batch, heads, 2, size, dim, generator=gen).to(DEVICE, dtype)
+    lengths = torch.tensor([0, 0, 3, 0, 7, 1], device=DEVICE)
+    num_blocks = torch.tensor([0, 2, 0, 0, 5, 0], device=DEVICE)  # rows 0 and 3 hold nothing
+    keys = torch.randn(batch, heads, 1, dim, generator=gen).to(DEVICE, dtype)
+    values = torch.randn(batch, heads, 1, dim, generator=gen).to(DEVICE, dtype)
+    want_tail, want_lengths, before = tail.clone(), lengths.clone(), tail.clone()
+    reference.append_token(want_tail, want_lengths, keys, values, num_blocks)
+    triton_append.append_token(tail, lengths, keys, values, num_blocks)
+    assert torch.equal(tail, want_tail) and torch.equal(lengths, want_lengths)
+    assert lengths.tolist() == [0, 1, 4, 0, 8, 2]
+    assert torch.equal(tail[[0, 3]], before[[0, 3]]), "an empty row is not written"
+    assert torch.equal(tail[1, :, 0, 0], keys[1, :, 0]) and torch.equal(tail[4, :, 1, 7], values[4, :, 0])
+
+
 def test_append_of_an_empty_batch_is_a_no_op():
     tail, lengths = torch.zeros(0, 2, 2, 4, 16, device=DEVICE), torch.zeros(0, dtype=torch.long, device=DEVICE)
     triton_append.append_token(

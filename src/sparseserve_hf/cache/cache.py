@@ -16,6 +16,7 @@ from ..ops import resolve_backend
 from . import handoff
 from .block_cache import rows_that_fit
 from .forward_log import ForwardLog, ModelShape
+from .grow import geometric_size
 from .layer import SparseServeLayer
 from .plain import plain_tensors
 from .store import LOAD_SUMMARY_KEYS, TieredBlockStore
@@ -88,6 +89,7 @@ class SparseServeCache(Cache):
         super().__init__(layers=[self._make_layer(i, kind, sparse) for i, kind in enumerate(layer_types)])
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
+        self._vacant: set[int] = set()  # rows that hold nothing between rows that do (`take_rows`)
         if store is not None or not _may_be_sharded(self.shape.num_kv_heads):  # else the first keys tell
             self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
         self.generate_graphs = None  # the route of `model.generate`'s decode steps (`generate_graphs`)
@@ -279,6 +281,7 @@ class SparseServeCache(Cache):
         one bad layer cannot keep the other layers' blocks in use.
         """
         self._log.clear()
+        self._vacant = set()
         failure: BaseException | None = None
         for layer in self.layers:
             try:
@@ -333,14 +336,8 @@ class SparseServeCache(Cache):
         Both caches must share one store (see `store` above). Block references move with the
         rows, so no block is copied or freed. Every layer is checked before any row moves.
         """
-        if not isinstance(other, SparseServeCache):
-            raise TypeError(f"append_rows takes a SparseServeCache, got {type(other).__name__}")
-        if other.store is not self.store:
-            raise ValueError("append_rows needs two caches over one shared TieredBlockStore")
-        if other.shape != self.shape:
-            raise ValueError(
-                f"append_rows needs caches of one model shape: {'; '.join(self.shape.differences(other.shape))}"
-            )
+        self._check_movable("append_rows", other)
+        self._check_no_vacancies("append_rows")
         pairs = list(zip(self._sparse_layers(), other._sparse_layers()))
         for mine, theirs in pairs:
             mine.check_can_append(theirs)
@@ -355,11 +352,11 @@ class SparseServeCache(Cache):
         The remaining rows keep their order. Freeing a request is `cache.pop_rows([i]).reset()`.
         """
         layers = self._sparse_layers()
-        if self.store is None:
-            raise ValueError("pop_rows needs a cache built with a store (SparseServeCache(..., store=...))")
+        self._check_movable("pop_rows")
         if not isinstance(rows, (list, tuple)):
             raise TypeError(f"rows must be a list of row indices, got {type(rows).__name__}")
         rows = list(rows)
+        self._check_no_vacancies("pop_rows")
         for layer in layers:
             if layer.is_initialized and rows:
                 layer.check_rows(rows)
@@ -368,6 +365,99 @@ class SparseServeCache(Cache):
         for mine, theirs in zip(layers, moved._sparse_layers()):
             mine.pop_rows(rows, into=theirs)
         return moved
+
+    # ---- slots: rows that keep their place (the batching Generator's batch cache) ----------------
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the cache, vacant slots included (0 before the first forward)."""
+        layer = self._sparse_layers()[0]
+        return layer.tail.shape[0] if layer.is_initialized else 0
+
+    @property
+    def vacant_slots(self) -> list[int]:
+        """The rows that hold nothing between rows that do, left by `take_rows`; `place_rows` fills them."""
+        return sorted(self._vacant)
+
+    def place_rows(self, other: SparseServeCache, slots: list[int], max_rows: int | None = None) -> None:
+        """Move every row of `other` into `slots` of this cache (its row i into slots[i]); `other` is left empty.
+
+        Each slot is vacant or past the last row. The cache grows to `geometric_size` of the rows
+        it needs (1, 2, 3, 4, 6, 8, 12, ...: one captured decode step per size), at most
+        `max_rows` or the rows it needs: the new rows are vacant. A decode step runs over every
+        row; a vacant one stores, selects and loads nothing and counts in no statistic. The rows
+        already here stay in their slots, in the same tensors unless the cache grows (more rows,
+        a wider block table): a captured step over them stays valid. Block references move with
+        the rows. Everything is checked before any row moves.
+        """
+        self._check_movable("place_rows", other)
+        mine, theirs = self._sparse_layers(), other._sparse_layers()
+        if not theirs[0].is_initialized:
+            return
+        count, have = theirs[0].tail.shape[0], self.num_rows
+        _check_slots(slots, count)
+        taken = [slot for slot in slots if slot < have and slot not in self._vacant]
+        if taken:
+            raise ValueError(f"place_rows: slots {taken} hold rows; vacant slots are {self.vacant_slots}")
+        needed = max(have, max(slots) + 1)
+        rows = geometric_size(needed) if max_rows is None else max(needed, min(geometric_size(needed), max_rows))
+        for layer, row_layer in zip(mine, theirs):
+            layer.check_can_append(row_layer)
+        self._log.clear()
+        other._log.clear()
+        for layer, row_layer in zip(mine, theirs):
+            layer.place_rows(row_layer, list(slots), rows)
+        self._vacant = (self._vacant | set(range(have, rows))) - set(slots)
+
+    def take_rows(self, slots: list[int]) -> SparseServeCache:
+        """Move the rows in `slots` (in that order) into a new cache over the same store and return
+        it; those slots become vacant. The other rows stay in their slots, in the same tensors
+        unless the cache shrinks: it drops its last rows once a smaller `geometric_size` holds
+        every row that holds something. Freeing a request is `cache.take_rows([slot]).reset()`.
+        """
+        self._check_movable("take_rows")
+        layers = self._sparse_layers()
+        have = self.num_rows
+        _check_slots(slots)
+        empty = [slot for slot in slots if slot >= have or slot in self._vacant]
+        if empty:
+            raise ValueError(
+                f"take_rows: slots {empty} hold no row (the cache has {have} rows, vacant {self.vacant_slots})"
+            )
+        vacant = self._vacant | set(slots)
+        used = max((row for row in range(have) if row not in vacant), default=-1) + 1
+        rows = 0 if used == 0 else min(have, geometric_size(used))
+        self._log.clear()
+        moved = SparseServeCache(self.model_config, self.config, store=self.store)
+        for layer, row_layer in zip(layers, moved._sparse_layers()):
+            layer.take_rows(list(slots), into=row_layer, rows=rows)
+        self._vacant = {row for row in vacant if row < rows}
+        return moved
+
+    def _check_movable(self, verb: str, other: SparseServeCache | None = None) -> None:
+        """Raise unless rows can move between this cache and `other` (one without vacant slots), or
+        out of this cache when `other` is None."""
+        if other is None:
+            if self.store is None:
+                raise ValueError(f"{verb} needs a cache built with a store (SparseServeCache(..., store=...))")
+            return
+        if not isinstance(other, SparseServeCache):
+            raise TypeError(f"{verb} takes a SparseServeCache, got {type(other).__name__}")
+        if other.store is not self.store:
+            raise ValueError(f"{verb} needs two caches over one shared TieredBlockStore")
+        if other.shape != self.shape:
+            raise ValueError(
+                f"{verb} needs caches of one model shape: {'; '.join(self.shape.differences(other.shape))}"
+            )
+        if other._vacant:
+            raise ValueError(f"{verb}: the rows to move have vacant slots {other.vacant_slots}")
+
+    def _check_no_vacancies(self, verb: str) -> None:
+        """append_rows and pop_rows renumber rows: not over vacant slots (use place_rows / take_rows)."""
+        if self._vacant:
+            raise ValueError(
+                f"{verb} renumbers rows, but the cache has vacant slots {self.vacant_slots}: use place_rows / take_rows"
+            )
 
     # ---- graph-mode decode (graph.DecodeGraphRunner) ---------------------------------------------
 
@@ -572,6 +662,19 @@ def _model_shape(model_config: Any) -> ModelShape:
         return ModelShape.of(text, attention_layer_types(text))
     except AttributeError as exc:
         raise ValueError(f"the model config lacks a field the cache needs: {exc}") from exc
+
+
+def _check_slots(slots: object, count: int | None = None) -> None:
+    """Raise unless `slots` is a list of distinct non-negative int rows (`count` of them when given)."""
+    if not isinstance(slots, (list, tuple)):
+        raise TypeError(f"slots must be a list of row indices, got {type(slots).__name__}")
+    count = len(slots) if count is None else count
+    if (
+        len(slots) != count
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots)
+        or len(set(slots)) != len(slots)
+    ):
+        raise ValueError(f"slots {slots!r} are not {count} distinct non-negative int row indices")
 
 
 def _check_table_width(table_width: object) -> None:

@@ -21,3 +21,17 @@ def grown(tensor: torch.Tensor, size: int, fill: float = 0, dim: int = 0) -> tor
     out = tensor.new_full(shape, fill)
     out.narrow(dim, 0, have).copy_(tensor)
     return out
+
+
+def geometric_size(count: int, step: int = 1) -> int:
+    """The size that holds `count`: `step` x the first of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and
+    1.5 x 2^k) at least `count / step`; `step` for `count` <= `step`.
+
+    For sizes a CUDA graph is captured at (block-table widths, a batch cache's rows): the sizes seen
+    grow logarithmically with the need, at the price of under 1.5x the `step`-rounded need.
+    """
+    units = -(-count // step)
+    if units <= 1:
+        return step
+    half = 1 << ((units - 1).bit_length() - 1)  # the largest power of two below `units`
+    return step * (half * 3 // 2 if units <= half * 3 // 2 else 2 * half)

@@ -325,6 +325,87 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_positions = int(self.row_lengths().max())
         self.last_pick, self._undo = None, None
 
+    # ---- slots: rows that keep their place (the batching Generator's batch cache) -----------
+
+    @plain_tensors
+    def place_rows(self, other: SparseServeLayer, slots: list[int], rows: int) -> None:
+        """Move every row of `other` into `slots` (its row i into slots[i]), rows of this layer that
+        hold nothing, and keep `rows` rows (new ones hold nothing). `other` is left empty.
+
+        The rows already here stay in place, in the same tensors unless the layer grows (more
+        rows or a wider table): a decode step captured over them stays valid. Block references
+        move with the rows. Checked before anything moves.
+        """
+        if not other.is_initialized:
+            return
+        self.check_can_append(other)
+        if len(slots) != other.tail.shape[0] or min(slots) < 0 or max(slots) >= rows:
+            raise ValueError(f"layer {self.layer_idx}: slots {slots!r} for {other.tail.shape[0]} row(s) within {rows}")
+        width = max(other.block_ids.shape[2], self.block_ids.shape[2] if self.is_initialized else 0)
+        if not self.is_initialized:
+            self.store, self.device, self.dtype = other.store, other.device, other.dtype
+            self.tail, self.tail_len, self.num_blocks = other.tail[:0], other.tail_len[:0], other.num_blocks[:0]
+            self.block_ids = other.block_ids[:0]
+            self.query_profile = None if other.query_profile is None else other.query_profile[:0]
+            self.is_initialized = True
+        self.resize_rows(rows)
+        self.block_ids = grown(self.block_ids, width, fill=-1, dim=2)
+        at = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.tail[at] = other.tail
+        self.tail_len[at] = other.tail_len
+        self.num_blocks[at] = other.num_blocks
+        self.block_ids[at] = grown(other.block_ids, width, fill=-1, dim=2)
+        if self.query_profile is not None:
+            self.query_profile[at] = other.query_profile
+        self.num_positions = max(self.num_positions, other.num_positions)
+        self.last_pick, self._undo = None, None
+        other._clear()
+
+    @plain_tensors
+    def take_rows(self, slots: list[int], into: SparseServeLayer, rows: int) -> None:
+        """Move the rows at `slots` (in that order) into the empty layer `into`; those slots then
+        hold nothing, and this layer keeps `rows` rows (the caller drops only rows that hold nothing).
+
+        The rows that stay keep their place, in the same tensors unless the layer shrinks.
+        """
+        if into.is_initialized:
+            raise ValueError(f"layer {self.layer_idx}: take_rows needs an empty target layer")
+        if not self.is_initialized or not slots:
+            return
+        self.check_rows(slots)
+        at = torch.tensor(slots, dtype=torch.long, device=self.device)
+        into.store, into.device, into.dtype = self.store, self.device, self.dtype
+        into.tail, into.tail_len, into.block_ids = self.tail[at], self.tail_len[at], self.block_ids[at]
+        into.num_blocks = self.num_blocks[at]
+        into.query_profile = None if self.query_profile is None else self.query_profile[at]
+        into.is_initialized = True
+        into.num_positions = int(into.row_lengths().max())
+        # Emptied in place; the tail's old tokens stay unread behind a zero length.
+        self.tail_len.index_fill_(0, at, 0)
+        self.num_blocks.index_fill_(0, at, 0)
+        self.block_ids.index_fill_(0, at, -1)
+        if self.query_profile is not None:
+            self.query_profile.index_fill_(0, at, 0)
+        if rows == 0:
+            self._clear()
+            return
+        self.resize_rows(rows)
+        self.num_positions = int(self.row_lengths().max())
+        self.last_pick, self._undo = None, None
+
+    def resize_rows(self, rows: int) -> None:
+        """Make the layer exactly `rows` rows: new rows hold nothing, dropped ones must hold nothing."""
+        have = self.tail.shape[0]
+        if rows > have:
+            self.tail = grown(self.tail, rows, dim=0)
+            self.tail_len, self.num_blocks = grown(self.tail_len, rows), grown(self.num_blocks, rows)
+            self.block_ids = grown(self.block_ids, rows, fill=-1, dim=0)
+            self.query_profile = None if self.query_profile is None else grown(self.query_profile, rows)
+        elif rows < have:
+            self.tail, self.tail_len = self.tail[:rows].clone(), self.tail_len[:rows].clone()
+            self.num_blocks, self.block_ids = self.num_blocks[:rows].clone(), self.block_ids[:rows].clone()
+            self.query_profile = None if self.query_profile is None else self.query_profile[:rows].clone()
+
     def check_rows(self, rows: list[int]) -> None:
         """Raise unless `rows` are distinct int indices of this layer's rows and may move now (changes nothing)."""
         if self.staged is not None:
@@ -400,7 +481,8 @@ class SparseServeLayer(CacheLayerMixin):
             # Graph mode: the runner feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self._known_counts = None  # the kernel below changes tail_len without a version bump
-            self.store.ops.append_token(self.tail, self.tail_len, keys, values)  # every tail has room
+            # Every tail has room; a row that holds nothing is a vacant slot (`take_rows`) and stays empty.
+            self.store.ops.append_token(self.tail, self.tail_len, keys, values, self.num_blocks)
             return None
         if keys.shape[-2] == 1 and (valid is None or bool(valid.all())):  # a prompt never reads `valid` here
             self._append_token(keys, values)

@@ -16,8 +16,10 @@ without the forward's shared `cache_position` bookkeeping, and prefill already r
 
 Every request's KV lives in one `TieredBlockStore` (one DRAM pool, one HBM LRU block cache),
 so `hbm_cache_bytes` bounds the whole engine. A prefilling or sitting-out request keeps its
-own one-row `SparseServeCache` over that store; decoding rows are moved (not copied) into the
-batch cache and back (`append_rows` / `pop_rows`), and a finished row's blocks are freed.
+own one-row `SparseServeCache` over that store. A decoding request holds a slot of the batch
+cache from the step it joins until it ends or sits out (`place_rows` / `take_rows`): the other
+rows never move, so a batch whose requests change keeps its tensors and its captured step, and
+a vacant slot rides along in the step doing nothing. A finished row's blocks are freed.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Generator(RequestFrontend):
         self.store = TieredBlockStore(self.config, ops, self.sizes.head_dim, dtype, device, self.sizes.hbm_partitions)
         self.batch = SparseServeCache(model.config, self.config, store=self.store)  # checks one row fits
         self.prefixes = PrefixCache(self.store, self.config.block_size) if self.config.prefix_caching else None
-        self.batch_ids: list[int] = []  # request id of each batch-cache row
+        self.slots: list[int | None] = []  # request id in each batch-cache row (None: vacant), to the last held
         self.tracker = WorkingSetTracker(self.config.working_set_window, device)
         self.recorder = MetricsRecorder(metrics_file)
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -105,7 +107,7 @@ class Generator(RequestFrontend):
         self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
         # Every decode step is the runner's: replayed where it captures, else the same step eagerly.
         self._runner = DecodeGraphRunner(model, self.batch, capture=self._captures(model))
-        self._runner_rows: tuple[int, ...] | None = None  # the batch rows the runner last started on
+        self._runner_slots: tuple[int | None, ...] | None = None  # the batch's slots the runner last started on
 
     # ---- engine-level API ------------------------------------------------------------------
 
@@ -319,8 +321,8 @@ class Generator(RequestFrontend):
         """
         try:
             self._arrange_batch(request_ids)
-            rows = [self._requests[rid] for rid in self.batch_ids]
-            tokens, blocks = self._decode_step(rows)
+            rows = [self._requests[rid] for rid in self.slots if rid is not None]
+            tokens, blocks = self._decode_step()
         except BaseException as exc:  # the rows' layers may be half-advanced
             self._fail_batch(f"decode step failed: {_describe(exc)}", events, request_ids)
             if not isinstance(exc, Exception):
@@ -335,19 +337,26 @@ class Generator(RequestFrontend):
                 good.append((row, token))
         self._emit_tokens([row for row, _ in good], [token for _, token in good], events)
 
-    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[int]]:
+    def _decode_step(self) -> tuple[list[int], list[int]]:
         """The batch's forward, working sets and picks, read back together (the step's one host sync).
 
-        Returns each row's token (-1 where its logits were not finite) and working set in head-blocks.
+        Returns each held slot's token (-1 where its logits were not finite) and working set in
+        head-blocks, in slot order. Vacant slots ride along with token 0 at position 0.
         """
         device = self.stack.device
-        tokens = torch.tensor([[r.output[-1]] for r in rows], device=device)  # (B, 1)
-        positions = torch.tensor([[r.position] for r in rows], device=device)  # (B, 1)
-        logits = self._runner_step(tokens, positions)  # (B, V)
-        steps = torch.tensor([r.decode_steps + 1 for r in rows])  # this step included
-        working_sets = self.tracker.observe(self.batch, steps)  # (B,) on the device
-        chosen = sample_next(logits, [r.params for r in rows], [r.generator for r in rows])  # (B,)
-        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device))).tolist()
+        held = [(slot, self._requests[rid]) for slot, rid in enumerate(self.slots) if rid is not None]
+        tokens, positions, steps = ([0] * self.batch.num_rows for _ in range(3))
+        for slot, request in held:
+            tokens[slot], positions[slot] = request.output[-1], request.position
+            steps[slot] = request.decode_steps + 1  # this step included
+        logits = self._runner_step(
+            torch.tensor(tokens, device=device)[:, None], torch.tensor(positions, device=device)[:, None]
+        )
+        working_sets = self.tracker.observe(self.batch, torch.tensor(steps))  # (rows,) on the device
+        at = torch.tensor([slot for slot, _ in held], device=logits.device)
+        rows = [request for _, request in held]
+        chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
+        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device)[at])).tolist()
         return tokens, blocks
 
     def _captures(self, model: torch.nn.Module) -> bool:
@@ -361,14 +370,13 @@ class Generator(RequestFrontend):
     def _runner_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of the step through `DecodeGraphRunner` (a CUDA-graph replay where it captures).
 
-        The runner restarts (reads the rows' lengths back once) whenever the batch's rows change
-        (a request joined, left or sat out); it captures only a (rows, table width) it has not
-        seen, and otherwise copies the new rows into the graph's own tensors and replays.
+        The runner restarts (reads the rows' lengths back once) whenever a slot changes hands (a
+        request joined, left or sat out); it captures only a (rows, table width) it has not seen.
         """
-        rows = tuple(self.batch_ids)
-        if self._runner_rows != rows:
+        slots = tuple(self.slots)
+        if self._runner_slots != slots:
             self._runner.start(tokens, positions)
-            self._runner_rows = rows
+            self._runner_slots = slots
         self._runner.step(tokens)
         return self._runner.logits
 
@@ -462,22 +470,28 @@ class Generator(RequestFrontend):
     # ---- batch rows -----------------------------------------------------------------------------
 
     def _arrange_batch(self, request_ids: list[int]) -> None:
-        """Make the batch cache's rows exactly `request_ids` (order aside), moving rows, not copying."""
+        """Make the batch cache's held slots exactly `request_ids`: a request that sits out this
+        iteration leaves its slot (its row moves to its own cache), one that joins takes the
+        lowest vacant slot. The rows that stay do not move."""
         wanted = set(request_ids)
-        for row in reversed(range(len(self.batch_ids))):
-            request = self._requests[self.batch_ids[row]]
-            if request.request_id not in wanted:  # sits out this iteration: keeps its own cache
-                request.cache = self._pop_row(row)
+        for slot, request_id in enumerate(self.slots):
+            if request_id is not None and request_id not in wanted:  # sits out: keeps its own cache
+                self._requests[request_id].cache = self._leave_slot(slot)
         for request_id in request_ids:
-            if request_id not in self.batch_ids:
+            if request_id not in self.slots:
                 request = self._requests[request_id]
-                self.batch.append_rows(request.cache)
+                slot = self.slots.index(None) if None in self.slots else len(self.slots)
+                self.batch.place_rows(request.cache, [slot], max_rows=self.sizes.max_decode_rows)
                 request.cache = None
-                self.batch_ids.append(request_id)
+                self.slots += [None] * (slot + 1 - len(self.slots))
+                self.slots[slot] = request_id
 
-    def _pop_row(self, row: int) -> SparseServeCache:
-        cache = self.batch.pop_rows([row])
-        self.batch_ids.pop(row)  # only once the row has left: a failed pop keeps it in the batch
+    def _leave_slot(self, slot: int) -> SparseServeCache:
+        """Move the row in `slot` out of the batch into a one-row cache; the slot turns vacant."""
+        cache = self.batch.take_rows([slot])
+        self.slots[slot] = None  # only once the row has left: a failed move keeps it in the batch
+        while self.slots and self.slots[-1] is None:
+            self.slots.pop()
         return cache
 
     def _finish(self, request: Request, reason: str, error: str | None = None, token: int | None = None) -> StreamEvent:
@@ -501,8 +515,8 @@ class Generator(RequestFrontend):
     def _release(self, request: Request, remember: bool = False) -> None:
         """Free the request's blocks; `remember`: first index them for prefix reuse (its cache holds
         the KV of its prompt and of every output token but the last, which was never fed back)."""
-        if request.request_id in self.batch_ids:
-            request.cache = self._pop_row(self.batch_ids.index(request.request_id))
+        if request.request_id in self.slots:
+            request.cache = self._leave_slot(self.slots.index(request.request_id))
         if request.cache is not None:
             if self.prefixes is not None and remember and request.job is None:
                 self.prefixes.remember(list(request.prompt) + request.output[:-1], request.cache)
@@ -518,7 +532,8 @@ class Generator(RequestFrontend):
         moving when the step failed may be half in the batch). All their blocks are freed."""
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
-        failed, self.batch_ids, self._runner_rows = self.batch_ids, [], None
+        failed = [rid for rid in self.slots if rid is not None]
+        self.slots, self._runner_slots = [], None
         failed = failed + [rid for rid in request_ids if rid not in failed and rid in self._requests]
         for request_id in failed:
             events.append(self._finish(self._requests[request_id], "error", message))

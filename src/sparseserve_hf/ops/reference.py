@@ -610,15 +610,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def append_token(tail: torch.Tensor, tail_len: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+def append_token(
+    tail: torch.Tensor,
+    tail_len: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    num_blocks: torch.Tensor | None = None,
+) -> None:
     """Write one token per row at its tail position and count it, in place.
 
     tail (B, Hkv, 2, S, D) (keys at [:, :, 0], values at [:, :, 1]); tail_len (B,) long, every
-    entry < S; keys and values (B, Hkv, 1, D) in the tail's dtype. Fixed shapes and no host work,
-    so a CUDA graph can capture it."""
+    entry < S; keys and values (B, Hkv, 1, D) in the tail's dtype. `num_blocks` (B,): given, a row
+    that holds nothing (no full block, an empty tail) stays empty: an unused slot of a batch cache
+    (`SparseServeCache.take_rows`), which a step runs over without storing anything. Fixed shapes
+    and no host work, so a CUDA graph can capture it."""
     rows = torch.arange(keys.shape[0], device=tail.device)
-    tail[rows, :, :, tail_len] = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)
-    tail_len += 1
+    new = torch.stack((keys[:, :, 0], values[:, :, 0]), dim=2)  # (B, Hkv, 2, D)
+    if num_blocks is None:
+        tail[rows, :, :, tail_len] = new
+        tail_len += 1
+        return
+    held = ((num_blocks > 0) | (tail_len > 0)).long()  # (B,)
+    old = tail[rows, :, :, tail_len]
+    tail[rows, :, :, tail_len] = torch.where(held.view(-1, 1, 1, 1) > 0, new, old)
+    tail_len += held
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
