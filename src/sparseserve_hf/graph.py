@@ -208,9 +208,9 @@ class DecodeGraphRunner:
         # A row that holds nothing is a vacant slot (`SparseServeCache.take_rows`): the step stores nothing there.
         self._holds = [length > 0 or blocks > 0 for length, blocks in zip(self._tail_len, self._num_blocks)]
         self._last_position = max(host[2 * batch :])
-        # Graphs of an earlier start stay: a replay first copies these rows into the tensors its
-        # graph was captured with (`_seat`), so a batch whose rows changed captures nothing new
-        # unless its (rows, table width) is new.
+        # Graphs of an earlier start stay: over a batch cache whose slots changed hands the rows'
+        # tensors are the ones they captured; where they moved, a replay copies them back (`_seat`).
+        # Either way a (rows, table width) seen before captures nothing new.
 
     @plain_tensors  # no autograd; under inference_mode, tensors it creates stay usable outside it
     def step(self, tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -474,7 +474,7 @@ class Generator(RequestFrontend):
         iteration leaves its slot (its row moves to its own cache), one that joins takes the
         lowest vacant slot. The rows that stay do not move."""
         wanted = set(request_ids)
-        for slot, request_id in enumerate(self.slots):
+        for slot, request_id in list(enumerate(self.slots)):  # `_leave_slot` trims the list
             if request_id is not None and request_id not in wanted:  # sits out: keeps its own cache
                 self._requests[request_id].cache = self._leave_slot(slot)
         for request_id in request_ids:
