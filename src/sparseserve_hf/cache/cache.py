@@ -405,8 +405,9 @@ class SparseServeCache(Cache):
             layer.check_can_append(row_layer)
         self._log.clear()
         other._log.clear()
+        at = torch.tensor(slots, dtype=torch.long, device=theirs[0].device)  # one copy for every layer
         for layer, row_layer in zip(mine, theirs):
-            layer.place_rows(row_layer, list(slots), rows)
+            layer.place_rows(row_layer, at, rows)
         self._vacant = (self._vacant | set(range(have, rows))) - set(slots)
 
     def take_rows(self, slots: list[int]) -> SparseServeCache:
@@ -429,9 +430,14 @@ class SparseServeCache(Cache):
         rows = 0 if used == 0 else min(have, geometric_size(used))
         self._log.clear()
         moved = SparseServeCache(self.model_config, self.config, store=self.store)
+        at = torch.tensor(slots, dtype=torch.long, device=layers[0].device)  # one copy for every layer
         for layer, row_layer in zip(layers, moved._sparse_layers()):
-            layer.take_rows(list(slots), into=row_layer, rows=rows)
+            layer.take_rows(at, into=row_layer, rows=rows)
         self._vacant = {row for row in vacant if row < rows}
+        holding = [layer for layer in layers + moved._sparse_layers() if layer.is_initialized]
+        longest = torch.stack([layer.row_lengths().max() for layer in holding]).tolist()  # one read-back
+        for layer, length in zip(holding, longest):
+            layer.num_positions = length
         return moved
 
     def _check_movable(self, verb: str, other: SparseServeCache | None = None) -> None:

@@ -328,9 +328,10 @@ class SparseServeLayer(CacheLayerMixin):
     # ---- slots: rows that keep their place (the batching Generator's batch cache) -----------
 
     @plain_tensors
-    def place_rows(self, other: SparseServeLayer, slots: list[int], rows: int) -> None:
-        """Move every row of `other` into `slots` (its row i into slots[i]), rows of this layer that
-        hold nothing, and keep `rows` rows (new ones hold nothing). `other` is left empty.
+    def place_rows(self, other: SparseServeLayer, slots: torch.Tensor, rows: int) -> None:
+        """Move every row of `other` into `slots` (R,) (its row i into slots[i]; long, on this layer's
+        device), rows of this layer that hold nothing, and keep `rows` rows (new ones hold nothing).
+        `other` is left empty. The caller (`SparseServeCache.place_rows`) checked the slots.
 
         The rows already here stay in place, in the same tensors unless the layer grows (more
         rows or a wider table): a decode step captured over them stays valid. Block references
@@ -339,8 +340,6 @@ class SparseServeLayer(CacheLayerMixin):
         if not other.is_initialized:
             return
         self.check_can_append(other)
-        if len(slots) != other.tail.shape[0] or min(slots) < 0 or max(slots) >= rows:
-            raise ValueError(f"layer {self.layer_idx}: slots {slots!r} for {other.tail.shape[0]} row(s) within {rows}")
         width = max(other.block_ids.shape[2], self.block_ids.shape[2] if self.is_initialized else 0)
         if not self.is_initialized:
             self.store, self.device, self.dtype = other.store, other.device, other.dtype
@@ -350,47 +349,44 @@ class SparseServeLayer(CacheLayerMixin):
             self.is_initialized = True
         self.resize_rows(rows)
         self.block_ids = grown(self.block_ids, width, fill=-1, dim=2)
-        at = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.tail[at] = other.tail
-        self.tail_len[at] = other.tail_len
-        self.num_blocks[at] = other.num_blocks
-        self.block_ids[at] = grown(other.block_ids, width, fill=-1, dim=2)
+        self.tail[slots] = other.tail
+        self.tail_len[slots] = other.tail_len
+        self.num_blocks[slots] = other.num_blocks
+        self.block_ids[slots] = grown(other.block_ids, width, fill=-1, dim=2)
         if self.query_profile is not None:
-            self.query_profile[at] = other.query_profile
+            self.query_profile[slots] = other.query_profile
         self.num_positions = max(self.num_positions, other.num_positions)
         self.last_pick, self._undo = None, None
         other._clear()
 
     @plain_tensors
-    def take_rows(self, slots: list[int], into: SparseServeLayer, rows: int) -> None:
-        """Move the rows at `slots` (in that order) into the empty layer `into`; those slots then
-        hold nothing, and this layer keeps `rows` rows (the caller drops only rows that hold nothing).
+    def take_rows(self, slots: torch.Tensor, into: SparseServeLayer, rows: int) -> None:
+        """Move the rows at `slots` (R,) (in that order; long, on this layer's device) into the empty
+        layer `into`; those slots then hold nothing, and this layer keeps `rows` rows (the caller,
+        `SparseServeCache.take_rows`, checked the slots and drops only rows that hold nothing, and
+        sets both layers' `num_positions`).
 
         The rows that stay keep their place, in the same tensors unless the layer shrinks.
         """
         if into.is_initialized:
             raise ValueError(f"layer {self.layer_idx}: take_rows needs an empty target layer")
-        if not self.is_initialized or not slots:
+        if not self.is_initialized or slots.numel() == 0:
             return
-        self.check_rows(slots)
-        at = torch.tensor(slots, dtype=torch.long, device=self.device)
         into.store, into.device, into.dtype = self.store, self.device, self.dtype
-        into.tail, into.tail_len, into.block_ids = self.tail[at], self.tail_len[at], self.block_ids[at]
-        into.num_blocks = self.num_blocks[at]
-        into.query_profile = None if self.query_profile is None else self.query_profile[at]
+        into.tail, into.tail_len, into.block_ids = self.tail[slots], self.tail_len[slots], self.block_ids[slots]
+        into.num_blocks = self.num_blocks[slots]
+        into.query_profile = None if self.query_profile is None else self.query_profile[slots]
         into.is_initialized = True
-        into.num_positions = int(into.row_lengths().max())
         # Emptied in place; the tail's old tokens stay unread behind a zero length.
-        self.tail_len.index_fill_(0, at, 0)
-        self.num_blocks.index_fill_(0, at, 0)
-        self.block_ids.index_fill_(0, at, -1)
+        self.tail_len.index_fill_(0, slots, 0)
+        self.num_blocks.index_fill_(0, slots, 0)
+        self.block_ids.index_fill_(0, slots, -1)
         if self.query_profile is not None:
-            self.query_profile.index_fill_(0, at, 0)
+            self.query_profile.index_fill_(0, slots, 0)
         if rows == 0:
             self._clear()
             return
         self.resize_rows(rows)
-        self.num_positions = int(self.row_lengths().max())
         self.last_pick, self._undo = None, None
 
     def resize_rows(self, rows: int) -> None:
