@@ -37,6 +37,9 @@
 #   reorder     the lookup's eviction-order upkeep in a launch of its own beside the late misses' copy
 #               (block_cache.REORDER_BESIDE, on by default): its kernel and graph tests, the captured step per
 #               layer (8-layer cut) without and with it, twice each, then the real-locality step (and stock)
+#   slots       the batch cache's slots (rows that stay while requests come and go): the append kernel, the
+#               captured-step tests (a vacant slot riding along, the Generator's graphs against its uncaptured
+#               step), then the real-locality step without stock (fits an H100: graph over floor, bookkeeping)
 #   knobs       the captured step per layer (8-layer cut) under kernel launch knobs, one process each:
 #               the defaults (twice), the lookup on 8 warps, one split program per SM beside the lookup
 #   critical    the layer's critical path (8-layer cut, us per layer): the score kernel's stores after both
@@ -166,6 +169,12 @@ case $part in
     done
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_reorder.json" 2>&1 | tee "$out/decode_step_reorder.log" | tail -14 ;;
+  slots)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_small_ops.py tests/integration/test_decode_graph.py \
+      tests/integration/test_sync_free_decode.py tests/integration/test_generate_graphs.py 2>&1 \
+      | tee "$out/gpu_pytest_slots.log" | tail -5
+    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
+      --out "$out/decode_step_slots.json" 2>&1 | tee "$out/decode_step_slots.log" | tail -14 ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -214,5 +223,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
