@@ -343,17 +343,16 @@ class Generator(RequestFrontend):
         Returns each held slot's token (-1 where its logits were not finite) and working set in
         head-blocks, in slot order. Vacant slots ride along with token 0 at position 0.
         """
-        device = self.stack.device
         held = [(slot, self._requests[rid]) for slot, rid in enumerate(self.slots) if rid is not None]
         tokens, positions, steps = ([0] * self.batch.num_rows for _ in range(3))
         for slot, request in held:
             tokens[slot], positions[slot] = request.output[-1], request.position
             steps[slot] = request.decode_steps + 1  # this step included
-        logits = self._runner_step(
-            torch.tensor(tokens, device=device)[:, None], torch.tensor(positions, device=device)[:, None]
-        )
-        working_sets = self.tracker.observe(self.batch, torch.tensor(steps))  # (rows,) on the device
-        at = torch.tensor([slot for slot, _ in held], device=logits.device)
+        # Every input on the device before the step is launched: a copy after it would wait for it.
+        inputs = torch.tensor([tokens, positions, steps], device=self.stack.device)  # (3, rows)
+        at = torch.tensor([slot for slot, _ in held], device=self.stack.device)  # (B,) held slots
+        logits = self._runner_step(inputs[0, :, None], inputs[1, :, None])  # (rows, V)
+        working_sets = self.tracker.observe(self.batch, inputs[2])  # (rows,) on the device
         rows = [request for _, request in held]
         chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
         tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device)[at])).tolist()
