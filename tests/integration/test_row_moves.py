@@ -33,12 +33,16 @@ def rows_of(cache: SparseServeCache) -> list[list[tuple[torch.Tensor, torch.Tens
     return out
 
 
+def three_rows(model) -> tuple[TieredBlockStore, list[SparseServeCache], list, int]:
+    """Three one-row caches of 40, 70 and 17 tokens over one store, each row's tokens, the DRAM blocks in use."""
+    store = shared_store(model)
+    caches = [prefilled(model, store, n, seed=n) for n in (40, 70, 17)]
+    return store, caches, [rows_of(c) for c in caches], store.dram.num_used
+
+
 @pytest.mark.core
 def test_append_and_pop_move_rows_without_touching_the_store(llama):
-    store = shared_store(llama)
-    caches = [prefilled(llama, store, n, seed=n) for n in (40, 70, 17)]
-    alone = [rows_of(c) for c in caches]
-    used = store.dram.num_used
+    store, caches, alone, used = three_rows(llama)
     batch = SparseServeCache(llama.config, CONFIG, store=store)
     for cache in caches:
         batch.append_rows(cache)
@@ -110,10 +114,7 @@ def addresses(cache: SparseServeCache) -> list[int]:
 
 @pytest.mark.core
 def test_a_row_taken_out_leaves_its_slot_vacant_and_the_other_rows_where_they_were(llama):
-    store = shared_store(llama)
-    caches = [prefilled(llama, store, n, seed=n) for n in (40, 70, 17)]
-    alone = [rows_of(c) for c in caches]
-    used = store.dram.num_used
+    store, caches, alone, used = three_rows(llama)
     batch = SparseServeCache(llama.config, CONFIG, store=store)
     for slot, cache in enumerate(caches):
         batch.place_rows(cache, [slot])
