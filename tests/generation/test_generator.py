@@ -341,6 +341,22 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
     assert [outputs[rid] for rid in ids] == one_by_one(llama, small_config(**settings), prompts, params)
 
 
+def test_the_batch_cache_never_holds_more_rows_than_one_lookup_can_serve(llama):
+    """Row counts are 1, 2, 3, 4, 6, ...: where the HBM cache serves 5 rows, a fifth request makes
+    the batch 5 rows, not 6 (a lookup is sized by its rows, vacant or not)."""
+    probe = Generator(llama, None, small_config(max_batch=8))
+    config = small_config(max_batch=8, hbm_cache_bytes=5 * probe.sizes.one_row_hbm_cache_bytes)
+    gen = Generator(llama, None, config)
+    assert gen.sizes.max_decode_rows == 5
+    for n in (30, 40, 50, 60, 70):
+        gen.submit(prompt(n, seed=n), SamplingParams(max_new_tokens=6))
+    rows, reasons = set(), []
+    while gen.has_unfinished:
+        reasons += [e.output.finish_reason for e in gen.step() if e.output is not None]
+        rows.add(gen.batch.num_rows)
+    assert reasons == ["length"] * 5 and max(rows) == 5
+
+
 def test_graph_runner_refuses_a_bad_max_graphs(llama):
     from sparseserve_hf.graph import DecodeGraphRunner
 
