@@ -364,6 +364,7 @@ class SparseServeCache(Cache):
         moved = SparseServeCache(self.model_config, self.config, store=self.store)
         for mine, theirs in zip(layers, moved._sparse_layers()):
             mine.pop_rows(rows, into=theirs)
+        _positions_to_longest_rows(layers + moved._sparse_layers())
         return moved
 
     # ---- slots: rows that keep their place (the batching Generator's batch cache) ----------------
@@ -434,10 +435,7 @@ class SparseServeCache(Cache):
         for layer, row_layer in zip(layers, moved._sparse_layers()):
             layer.take_rows(at, into=row_layer, rows=rows)
         self._vacant = {row for row in vacant if row < rows}
-        holding = [layer for layer in layers + moved._sparse_layers() if layer.is_initialized]
-        longest = torch.stack([layer.row_lengths().max() for layer in holding]).tolist()  # one read-back
-        for layer, length in zip(holding, longest):
-            layer.num_positions = length
+        _positions_to_longest_rows(layers + moved._sparse_layers())
         return moved
 
     def _check_movable(self, verb: str, other: SparseServeCache | None = None) -> None:
@@ -668,6 +666,16 @@ def _model_shape(model_config: Any) -> ModelShape:
         return ModelShape.of(text, attention_layer_types(text))
     except AttributeError as exc:
         raise ValueError(f"the model config lacks a field the cache needs: {exc}") from exc
+
+
+def _positions_to_longest_rows(layers: list[SparseServeLayer]) -> None:
+    """After rows moved: each layer holding rows counts its longest row's tokens (rows that moved hold
+    no padding), read back once for all of them."""
+    holding = [layer for layer in layers if layer.is_initialized]
+    if holding:
+        longest = torch.stack([layer.row_lengths().max() for layer in holding]).tolist()
+        for layer, length in zip(holding, longest):
+            layer.num_positions = length
 
 
 def _check_slots(slots: object, count: int | None = None) -> None:

@@ -297,8 +297,8 @@ class SparseServeLayer(CacheLayerMixin):
     def pop_rows(self, rows: list[int], into: SparseServeLayer) -> None:
         """Move `rows` (in that order) into the empty layer `into`; the other rows stay, in order.
 
-        Block references move with the rows. Both layers' `num_positions` become their longest
-        row's stored length (rows moved here hold no padding).
+        Block references move with the rows. The caller (`SparseServeCache.pop_rows`) sets both
+        layers' `num_positions` to their longest row's stored length (rows moved hold no padding).
         """
         if into.is_initialized:
             raise ValueError(f"layer {self.layer_idx}: pop_rows needs an empty target layer")
@@ -316,13 +316,11 @@ class SparseServeLayer(CacheLayerMixin):
         into.tail, into.tail_len, into.block_ids, into.num_blocks = moved
         into.query_profile = profiles[0]
         into.is_initialized = True
-        into.num_positions = int(into.row_lengths().max())
         if kept.numel() == 0:
             self._clear()
             return
         self.tail, self.tail_len, self.block_ids, self.num_blocks = stay
         self.query_profile = profiles[1]
-        self.num_positions = int(self.row_lengths().max())
         self.last_pick, self._undo = None, None
 
     # ---- slots: rows that keep their place (the batching Generator's batch cache) -----------
