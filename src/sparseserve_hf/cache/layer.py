@@ -329,15 +329,15 @@ class SparseServeLayer(CacheLayerMixin):
     def place_rows(self, other: SparseServeLayer, slots: torch.Tensor, rows: int) -> None:
         """Move every row of `other` into `slots` (R,) (its row i into slots[i]; long, on this layer's
         device), rows of this layer that hold nothing, and keep `rows` rows (new ones hold nothing).
-        `other` is left empty. The caller (`SparseServeCache.place_rows`) checked the slots.
+        `other` is left empty. The caller (`SparseServeCache.place_rows`) checked the slots and
+        `check_can_append` for every layer before any row moved.
 
         The rows already here stay in place, in the same tensors unless the layer grows (more
         rows or a wider table): a decode step captured over them stays valid. Block references
-        move with the rows. Checked before anything moves.
+        move with the rows.
         """
         if not other.is_initialized:
             return
-        self.check_can_append(other)
         width = max(other.block_ids.shape[2], self.block_ids.shape[2] if self.is_initialized else 0)
         if not self.is_initialized:
             self.store, self.device, self.dtype = other.store, other.device, other.dtype

@@ -348,11 +348,13 @@ class Generator(RequestFrontend):
         for slot, request in held:
             tokens[slot], positions[slot] = request.output[-1], request.position
             steps[slot] = request.decode_steps + 1  # this step included
-        # Every input on the device before the step is launched: a copy after it would wait for it.
-        inputs = torch.tensor([tokens, positions, steps], device=self.stack.device)  # (3, rows)
-        at = torch.tensor([slot for slot, _ in held], device=self.stack.device)  # (B,) held slots
-        logits = self._runner_step(inputs[0, :, None], inputs[1, :, None])  # (rows, V)
-        working_sets = self.tracker.observe(self.batch, inputs[2])  # (rows,) on the device
+        # Every input in one copy to the device, before the step is launched (a copy after it would wait for it).
+        rows_count = len(tokens)
+        inputs = torch.tensor([*tokens, *positions, *steps, *(slot for slot, _ in held)], device=self.stack.device)
+        tokens_in, positions_in, steps_in = inputs[: 3 * rows_count].view(3, rows_count)  # (rows,) each
+        at = inputs[3 * rows_count :]  # (B,) the held slots
+        logits = self._runner_step(tokens_in[:, None], positions_in[:, None])  # (rows, V)
+        working_sets = self.tracker.observe(self.batch, steps_in)  # (rows,) on the device
         rows = [request for _, request in held]
         chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
         tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device)[at])).tolist()
