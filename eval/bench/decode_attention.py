@@ -19,8 +19,14 @@ Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `se
 both (the block-table lookup and misses are the decode step's business (`decode_step`)); `kernel_gb_per_s` bytes the kernel
 reads (K/V of the attended blocks and tails) per second; `union` rows time the "group_union" worst
 case (each KV head loads G x 63 distinct blocks) and select through the decode step's own path
-(`attention.pick_blocks`: per-head top-k and the GQA union). The hybrid `union` row is
-`SparseServeConfig()` end to end: `select_and_attend_speedup_default`.
+(`attention.pick_blocks`: per-head top-k and the GQA union). The two `default` rows are
+`SparseServeConfig()` end to end (hybrid metadata in the config's own dtype, 8-bit on Hopper; the
+group union): `locality="real"` loads what the real default model loaded (`selection_trace`:
+scoring and top-k run and are timed, then the recorded selections replace the picks, and every
+query head attends its KV head's whole load), `select_and_attend_speedup_default`;
+`locality="random"` the union's worst case (G x 63 distinct blocks per KV head, what random
+queries over random keys load), `select_and_attend_speedup_default_random`. A budget's cost is
+what each KV head loads: `blocks_per_kv_head` is its mean over the timed calls.
 Where flash-attn-4 runs (`backend="flash"`), `flash_ms` times its sparse decode on the same
 inputs, `flash_speedup` = dense_ms / flash_ms, and `flash_max_abs_diff` is its largest
 difference from the Triton kernel's output; the top level then adds `flash_speedup_vs_dense_sdpa`.
@@ -62,19 +68,31 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def decode_inputs(
-    batch: int, context: int, budget: int, group_union: bool, device: torch.device, vectors: int = 2
+    batch: int,
+    context: int,
+    budget: int,
+    group_union: bool,
+    device: torch.device,
+    vectors: int = 2,
+    metadata_dtype: torch.dtype = DTYPE,
+    slots_per_kv_head: int | None = None,
 ) -> dict[str, Any]:
-    """Query, a pool holding only the selected blocks, their slots, tails, and the metadata pool + table."""
+    """Query, a pool holding only the selected blocks, their slots, tails, and the metadata pool + table.
+    `slots_per_kv_head`: pool slots of each (row, KV head), None = the blocks it loads."""
+    from sparseserve_hf.ops import reference
+
     num_blocks = context // BLOCK - 1  # full blocks; the rest of the context is the tail
     loaded = min(budget // BLOCK - 1, num_blocks)
     if group_union:
         loaded = min(loaded * (Q_HEADS // KV_HEADS), num_blocks)
+    slots_per_kv_head = loaded if slots_per_kv_head is None else slots_per_kv_head
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    pool = torch.randn(batch * KV_HEADS * loaded, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)  # (P, 2, S, D)
-    slots = torch.randperm(pool.shape[0], device=device).view(batch, KV_HEADS, loaded)  # scattered slots
+    pool = torch.randn(batch * KV_HEADS * slots_per_kv_head, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)  # (P, 2, S, D)
+    slots = torch.randperm(pool.shape[0], device=device).view(batch, KV_HEADS, slots_per_kv_head)  # scattered slots
     tail = torch.randn(batch, KV_HEADS, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)
     tail_len = torch.randint(1, BLOCK + 1, (batch,), device=device)
     metadata = torch.randn(batch * KV_HEADS * num_blocks, vectors, HEAD_DIM, device=device, dtype=DTYPE)  # (C, M, D)
+    metadata = reference.to_metadata_dtype(metadata, metadata_dtype)
     table = torch.randperm(metadata.shape[0], device=device).view(batch, KV_HEADS, num_blocks)  # DRAM ids
     return dict(
         query=query, pool=pool, slots=slots, tail=tail, tail_len=tail_len, metadata=metadata, table=table,
@@ -96,22 +114,43 @@ def flash_decode_module(device: torch.device):
 
 
 def measure(
-    batch: int, context: int, args, device: torch.device, group_union: bool, flash=None, metadata: str = "quest"
+    batch: int,
+    context: int,
+    args,
+    device: torch.device,
+    group_union: bool,
+    flash=None,
+    metadata: str = "quest",
+    locality: str | None = None,
 ) -> dict[str, Any]:
+    """One row. `locality` None: `metadata` in the KV dtype; "random" / "real": `SparseServeConfig()`
+    (see the module docstring), `metadata` and `group_union` then come from it."""
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.attention import pick_blocks
     from sparseserve_hf.ops import get_ops, reference, triton_decode, triton_score
-    from sparseserve_hf.scoring import rank_depth
+    from sparseserve_hf.scoring import SCORERS
 
-    vectors = SparseServeConfig(metadata=metadata).metadata_vectors  # the kind's default layout
-    x = decode_inputs(batch, context, args.budget, group_union, device, vectors)
+    if locality is None:
+        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, metadata=metadata, metadata_dtype="kv")
+    else:
+        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget)
+        metadata, group_union = config.metadata, config.selection == "group_union"
+    metadata_dtype = reference.metadata_dtype(config.metadata_dtype, DTYPE, device)
+    union_width = Q_HEADS // KV_HEADS * config.selected_full_blocks  # the union's entries per KV head
+    slots_per_kv_head = union_width if locality == "real" else None  # the trace's loads: up to that many
+    x = decode_inputs(
+        batch, context, args.budget, group_union, device, config.metadata_vectors, metadata_dtype, slots_per_kv_head
+    )
     scale = HEAD_DIM**-0.5
     topk = min(args.budget // BLOCK - 1, x["table"].shape[2])
+    ops = get_ops("triton", device)
+    replay = real_locality(device) if locality == "real" else None
 
-    def attend() -> torch.Tensor:
+    def attend(slots: torch.Tensor | None = None) -> torch.Tensor:
         tail = x["tail"]
+        slots = x["slots"] if slots is None else slots
         return triton_decode.sparse_decode(
-            x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
+            x["query"], x["pool"], slots, None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
         )
 
     def attend_flash() -> torch.Tensor:
@@ -120,24 +159,36 @@ def measure(
             x["query"], x["pool"], x["slots"], None, tail[:, :, 0], tail[:, :, 1], x["tail_len"], scale
         )
 
-    config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, metadata=metadata)  # group union
-    ops = get_ops("triton", device)
+    def select() -> tuple[torch.Tensor, torch.Tensor]:
+        """(picked, valid) (B, H, U): H = Hkv for the union (the decode step's own path), else Hq."""
+        table = x["table"]
+        if group_union:  # scores, per-head top-k and the GQA union
+            scores = SCORERS[metadata].score(ops, x["query"], x["metadata"], table, config, scale)
+            picked, valid, _ = pick_blocks(ops, config, scores, x["num_blocks"], KV_HEADS, table.shape[2])
+            if replay is not None:  # the picks ran; the loads follow the trace, as in the decode step
+                picked, valid = replay(0, x["num_blocks"], picked.shape[-1])
+            return picked, valid
+        scores = triton_score.score_table(x["query"], x["metadata"], table, metadata, topk)  # (B, Hq, N)
+        return reference.select_blocks(scores, x["num_blocks"], topk, 1, 1)
 
-    def select() -> torch.Tensor:
-        if group_union:  # the decode step's own path: scores, per-head top-k and the GQA union
-            table = x["table"]
-            scores = ops.score_table(x["query"], x["metadata"], table, metadata, rank_depth(config))
-            return pick_blocks(ops, config, scores, x["num_blocks"], KV_HEADS, table.shape[2])[0]
-        scores = triton_score.score_table(x["query"], x["metadata"], x["table"], metadata, topk)  # (B, Hq, N)
-        picked, _ = reference.select_blocks(scores, x["num_blocks"], topk, 1, 1)
-        return picked
+    union_slots = x["slots"]  # (B, Hkv, union width): a slot of its own for each entry a KV head may load
 
     def select_attend() -> torch.Tensor:
-        select()
-        return attend()
+        _, valid = select()
+        if replay is None:
+            return attend()
+        return attend(torch.where(valid, union_slots, -1))
 
     row = {"context": context, "batch": batch, "union": group_union, "metadata": metadata}
+    row["metadata_dtype"] = str(metadata_dtype).removeprefix("torch.")
+    row["locality"] = locality
     row["blocks_per_kv_head"] = x["loaded"]
+    kernel_blocks = x["loaded"]  # what the kernel-alone columns attend (blocks per KV head)
+    if replay is not None:
+        row["blocks_per_kv_head"] = replayed_blocks(select, replay.indices.shape[1])
+        _, valid = select()  # the kernel alone attends one replayed step's loads
+        x["slots"] = torch.where(valid, x["slots"], -1)
+        kernel_blocks = float(valid.sum(-1).float().mean())
     row["sparse_ms"] = gpu_ms(attend, device, row, "sparse_ms")
     row["select_ms"] = gpu_ms(select, device, row, "select_ms")
     row["select_attend_ms"] = gpu_ms(select_attend, device, row, "select_attend_ms")
@@ -145,9 +196,9 @@ def measure(
     row["select_attend_eager_ms"] = time_ms(select_attend, device)
     if args.profile and (context, batch) == HEADLINE and not group_union:
         print_kernel_profile(select_attend)
-    read = batch * KV_HEADS * (x["loaded"] + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
+    read = batch * KV_HEADS * (kernel_blocks + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
     row["kernel_gb_per_s"] = read / row["sparse_ms"] / 1e6
-    if flash is not None:  # the first call JIT-compiles fa4's kernel (seconds): before the timing
+    if flash is not None and locality is None:  # the first call JIT-compiles fa4's kernel (seconds): before the timing
         row["flash_max_abs_diff"] = (attend_flash().float() - attend().float()).abs().max().item()
         row["flash_ms"] = gpu_ms(attend_flash, device, row, "flash_ms")
         row["flash_eager_ms"] = time_ms(attend_flash, device)
@@ -160,6 +211,19 @@ def measure(
         if "flash_ms" in row:
             row["flash_speedup"] = row["dense_ms"] / row["flash_ms"]
     return row
+
+
+def real_locality(device: torch.device):
+    """A one-layer `TraceReplay` of the committed trace: each call replays the next recorded step."""
+    from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
+
+    return TraceReplay(SelectionTrace.load(RECORDED_TRACE), 1, KV_HEADS, device)
+
+
+def replayed_blocks(select, calls: int) -> float:
+    """Mean blocks a KV head loads over `calls` calls of `select` (the trace's steps: one cycle)."""
+    counts = [select()[1].sum(-1).float().mean() for _ in range(calls)]
+    return float(torch.stack(counts).mean())
 
 
 def dense_ms(batch: int, context: int, args, device: torch.device) -> float | None:
@@ -216,17 +280,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
     rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
     rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
-    rows.append(measure(headline[1], headline[0], args, device, group_union=True, metadata="hybrid"))  # the default
+    for locality in ("real", "random"):  # SparseServeConfig() end to end
+        rows.append(measure(headline[1], headline[0], args, device, group_union=True, locality=locality))
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
-    columns = ["context", "batch", "union", "metadata", "blocks_per_kv_head", "dense_ms", "sparse_ms", "select_ms"]
+    columns = ["context", "batch", "union", "metadata", "metadata_dtype", "locality", "blocks_per_kv_head"]
+    columns += ["dense_ms", "sparse_ms", "select_ms"]
     columns += ["flash_ms", "flash_eager_ms", "flash_speedup", "flash_max_abs_diff"] if flash is not None else []
     columns += ["select_attend_ms", "speedup", "select_attend_speedup", "kernel_gb_per_s", "hbm_fraction"]
     print_table(rows, columns + ["sparse_eager_ms", "select_attend_eager_ms", "select_attend_eager_speedup"])
     at_headline = [r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]]
     top = next((r for r in at_headline if r["metadata"] == "quest"), {})
     hybrid = next((r for r in at_headline if r["metadata"] == "hybrid"), {})
-    default = next((r for r in rows if r["union"] and r["metadata"] == "hybrid"), {})
+    default = {r["locality"]: r for r in rows if r["locality"] is not None}
     result = {
         **run_record(device),
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "dtype": str(DTYPE)},
@@ -236,7 +302,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "select_and_attend_speedup": top.get("select_attend_speedup"),
         "select_and_attend_eager_speedup": top.get("select_attend_eager_speedup"),
         "select_and_attend_speedup_hybrid": hybrid.get("select_attend_speedup"),
-        "select_and_attend_speedup_default": default.get("select_attend_speedup"),
+        "select_and_attend_speedup_default": default["real"].get("select_attend_speedup"),
+        "select_and_attend_speedup_default_random": default["random"].get("select_attend_speedup"),
+        "default_blocks_per_kv_head": {k: r["blocks_per_kv_head"] for k, r in default.items()},
         "timing": "ms columns: median CUDA-graph replay (GPU time, as a captured decode step runs); "
         "*_eager_ms: median eager call with its host launches (triton do_bench)",
         "hbm_bandwidth_fraction": top.get("hbm_fraction"),
@@ -249,7 +317,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flash_line = f" flash_speedup_vs_dense_sdpa={result['flash_speedup_vs_dense_sdpa']}"
     print(
         f"speedup_vs_dense_sdpa={result['speedup_vs_dense_sdpa']} select_and_attend_speedup="
-        f"{result['select_and_attend_speedup']} hbm_bandwidth_fraction={result['hbm_bandwidth_fraction']}" + flash_line
+        f"{result['select_and_attend_speedup']} hbm_bandwidth_fraction={result['hbm_bandwidth_fraction']} "
+        f"select_and_attend_speedup_default={result['select_and_attend_speedup_default']} (random KV: "
+        f"{result['select_and_attend_speedup_default_random']})" + flash_line
     )
     write_json(args.out, result)
     return result

@@ -61,6 +61,11 @@ def test_decode_attention_dry_run_writes_its_ratios(tmp_path):
     for key in ("speedup_vs_dense_sdpa", "select_and_attend_speedup", "hbm_bandwidth_fraction", "copy_gb_per_s"):
         assert result[key] > 0, key
     assert any(row["union"] for row in result["rows"])
+    default = {row["locality"]: row for row in result["rows"] if row["locality"] is not None}
+    assert set(default) == {"real", "random"} and result["select_and_attend_speedup_default"] > 0
+    assert default["real"]["metadata"] == "hybrid" and default["real"]["metadata_dtype"] == "float8_e4m3fn"
+    # the union of G x 3 picks over 15 blocks is the whole table; the trace loads fewer, as a real model does
+    assert 0 < default["real"]["blocks_per_kv_head"] < default["random"]["blocks_per_kv_head"]
 
 
 def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
