@@ -87,7 +87,9 @@ def decode_inputs(
         loaded = min(loaded * (Q_HEADS // KV_HEADS), num_blocks)
     slots_per_kv_head = loaded if slots_per_kv_head is None else slots_per_kv_head
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    pool = torch.randn(batch * KV_HEADS * slots_per_kv_head, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)  # (P, 2, S, D)
+    pool = torch.randn(
+        batch * KV_HEADS * slots_per_kv_head, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE
+    )  # (P, 2, S, D)
     slots = torch.randperm(pool.shape[0], device=device).view(batch, KV_HEADS, slots_per_kv_head)  # scattered slots
     tail = torch.randn(batch, KV_HEADS, 2, BLOCK, HEAD_DIM, device=device, dtype=DTYPE)
     tail_len = torch.randint(1, BLOCK + 1, (batch,), device=device)
