@@ -278,7 +278,8 @@ def pick_blocks(
             config.window_blocks,
             num_kv_heads,
             SCORERS[config.metadata].score_floor(config),
-        )  # (B, Hkv, G*K)
+            config.load_blocks,
+        )  # (B, Hkv, U): U = G*K, or the config's load cap
         return picked, valid, None
     if config.selection == "kv_head":
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)

@@ -21,6 +21,7 @@ SAVE_PATHS = ("scatter", "flash_d2h")
 INT_FIELDS = (
     "block_size",
     "token_budget",
+    "load_budget",
     "sink_blocks",
     "window_blocks",
     "metadata_sub_blocks",
@@ -95,6 +96,13 @@ class SparseServeConfig:
             "group_union" is the default: at the same transfers it keeps the most needles on
             the real model (per KV head keeps fewer at the same nominal budget).
         group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
+        load_budget: "group_union" only: tokens each KV head loads per decode step at most,
+            counted as `token_budget` is (full blocks plus the tail block). Where the union of
+            its query heads' picks is larger, the KV head loads the union of each head's k best
+            blocks for the largest k whose union fits (every head's sink and window blocks
+            first): the per-head ranking is kept, its tail cut evenly. It bounds what one row can
+            ask of an HBM cache partition, so a cache serves rows by this load instead of the
+            union's worst case, G x `token_budget`. At least `token_budget`; None = no cap.
         hbm_cache_bytes: bytes of the device block cache, split evenly into one LRU partition
             per (sparse layer, KV head), each shared by all requests. None = unlimited: no
             selected block is ever evicted.
@@ -210,6 +218,7 @@ class SparseServeConfig:
     kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
+    load_budget: int | None = None
     hbm_cache_bytes: int | None = None
     dram_bytes: int | None = None
     backend: str = "auto"
@@ -266,6 +275,7 @@ class SparseServeConfig:
             )
         _check_choice("selection", self.selection, SELECTION_GRANULARITIES)
         _check_choice("group_aggregation", self.group_aggregation, GROUP_AGGREGATIONS)
+        self._check_load_budget()
         _check_choice("backend", self.backend, BACKENDS)
         for name in ("hbm_cache_bytes", "dram_bytes"):
             value = getattr(self, name)
@@ -291,6 +301,20 @@ class SparseServeConfig:
             raise ValueError(
                 f"prefix_caching=True shares blocks in the DRAM pool, which dense_layers {list(self.dense_layers)} never "
                 "write: use dense_layers=()"
+            )
+
+    def _check_load_budget(self) -> None:
+        if self.load_budget is None:
+            return
+        _check_positive_int("load_budget", self.load_budget)
+        if self.selection != "group_union":
+            raise ValueError(
+                f"load_budget caps the union a KV head loads for selection='group_union', got selection={self.selection!r}"
+            )
+        if self.load_budget < self.token_budget:
+            raise ValueError(
+                f"load_budget ({self.load_budget}) is below token_budget ({self.token_budget}): a KV head loads at "
+                "least one query head's whole selection"
             )
 
     def _check_transfer_fields(self) -> None:
@@ -339,6 +363,11 @@ class SparseServeConfig:
     def selected_full_blocks(self) -> int:
         """Full blocks selected per query head (or KV head): sink + window + top-k."""
         return self.budget_blocks - 1
+
+    @property
+    def load_blocks(self) -> int | None:
+        """Full blocks a KV head loads per decode step at most (`load_budget`); None = no cap."""
+        return None if self.load_budget is None else self.load_budget // self.block_size - 1
 
     @property
     def topk_blocks(self) -> int:

@@ -640,7 +640,8 @@ def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) ->
     if config.selection == "kv_head":
         return config.selected_full_blocks
     group = model_config.get_text_config().num_attention_heads // _model_shape(model_config).num_kv_heads
-    return group * config.selected_full_blocks
+    union = group * config.selected_full_blocks
+    return union if config.load_blocks is None else min(union, config.load_blocks)
 
 
 def _text_config(model_config: Any) -> PretrainedConfig:

@@ -104,7 +104,8 @@ def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int
     """Head-blocks a request will select per decode step, right after prefill (no history yet).
 
     Per sparse layer and KV head: sink + window + top-k blocks, times the group size when every
-    query head picks its own blocks (the KV head loads their union), capped at the row's blocks.
+    query head picks its own blocks (the KV head loads their union), capped at the row's blocks
+    and at the config's `load_blocks`.
     `tp_size`: tensor-parallel ranks; a rank holds (and counts) its share of the KV heads.
     """
     text = model_config.get_text_config()
@@ -112,6 +113,8 @@ def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int
     group = 1 if config.selection == "kv_head" else text.num_attention_heads // model_kv_heads
     num_kv_heads = model_kv_heads // tp_size
     per_head = config.sink_blocks + config.window_blocks + group * config.topk_blocks
+    if config.load_blocks is not None:
+        per_head = min(per_head, config.load_blocks)
     full_blocks = max(num_tokens - 1, 0) // config.block_size  # the tail keeps 1..block_size tokens
     num_sparse_layers = text.num_hidden_layers - len(config.dense_layers)
     return num_sparse_layers * num_kv_heads * min(per_head, full_blocks)

@@ -252,6 +252,7 @@ def select_group_union(
     window_blocks: int,
     num_kv_heads: int,
     score_floor: int | None = None,
+    max_loaded: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The default selection in one op: every query head picks its blocks (`select_blocks`), each KV
     head loads the union of its group's picks (`union_over_group`, no per-head mask).
@@ -262,12 +263,63 @@ def select_group_union(
         num_kv_heads: Hkv.
         score_floor: a promise that every score is -inf or an integer >= it (a rank interleave,
             `combine_by_rank`); it changes no result, a kernel may search fewer key bits with it.
+        max_loaded: most blocks a KV head loads (`SparseServeConfig.load_blocks`), >= K; None or
+            >= G*K: no cap. Where the union is larger, it is the union of each head's k best
+            blocks for the largest k whose union fits (`capped_group_union`).
     Returns:
-        union, union_valid: (B, Hkv, G*K) block indices, ascending, valid entries first (0 where invalid).
+        union, union_valid: (B, Hkv, U) block indices, ascending, valid entries first (0 where
+        invalid); U = G*K, or `max_loaded` where that is smaller.
     """
+    group = scores.shape[1] // num_kv_heads
+    if max_loaded is not None and max_loaded < group * num_selected:
+        return capped_group_union(scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, max_loaded)
     picked, valid = select_blocks(scores, num_blocks, num_selected, sink_blocks, window_blocks, ordered=False)
     union, union_valid, _ = union_over_group(picked, valid, num_kv_heads, scores.shape[-1], with_head_mask=False)
     return union, union_valid
+
+
+def capped_group_union(
+    scores: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_selected: int,
+    sink_blocks: int,
+    window_blocks: int,
+    num_kv_heads: int,
+    max_loaded: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_group_union` with at most `max_loaded` (< G*K) blocks per KV head, ties to the lower index.
+
+    Each query head ranks its row's blocks (sink and window first, then by score; a stable order,
+    so equal scores go to the lower block index); a block's group rank is its best rank over the
+    group's heads. The union of every head's k best blocks is then the blocks of group rank < k,
+    and the KV head loads it for the largest k <= K whose union holds at most `max_loaded` blocks.
+    Returns union, union_valid: (B, Hkv, max_loaded), as `select_group_union`'s.
+    """
+    batch, num_q_heads, capacity = scores.shape
+    group = num_q_heads // num_kv_heads
+    width = max(capacity, num_selected)
+    position = torch.arange(width, device=scores.device)
+    count = num_blocks.view(batch, 1, 1)
+    exists = position < count  # (B, 1, N')
+    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
+    key = torch.nan_to_num(scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
+    if width > capacity:
+        key = torch.nn.functional.pad(key, (0, width - capacity), value=float("-inf"))
+    key = key.masked_fill(forced, float("inf"))
+    order = key.sort(dim=-1, descending=True, stable=True).indices  # (B, Hq, N'): the rank-r block at r
+    rank = torch.empty_like(order).scatter_(-1, order, position.expand_as(order))  # (B, Hq, N') each block's rank
+    group_rank = rank.view(batch, num_kv_heads, group, width).amin(dim=2)  # (B, Hkv, N')
+    group_rank = torch.where(exists, group_rank, width)  # blocks past the row's count: never loaded
+    # union size at k = blocks of group rank < k, for k = 1..K
+    sizes = (group_rank[..., None] < torch.arange(1, num_selected + 1, device=scores.device)).sum(dim=2)  # (B, Hkv, K)
+    best_k = (sizes <= max_loaded).sum(dim=-1, keepdim=True)  # sizes grow with k: the fitting ones lead
+    chosen = group_rank < best_k  # (B, Hkv, N')
+    sort_key = torch.where(chosen, position, width + position)
+    if max_loaded > width:  # a table narrower than the cap: the union's width stays the cap
+        sort_key = torch.nn.functional.pad(sort_key, (0, max_loaded - width), value=2 * width)
+    sort_key, union = sort_key.topk(max_loaded, dim=-1, largest=False)
+    union_valid = sort_key < width
+    return torch.where(union_valid, union, 0), union_valid
 
 
 def sparse_decode(

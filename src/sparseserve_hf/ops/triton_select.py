@@ -81,6 +81,26 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
 
 
 @triton.jit
+def group_top_k(key, live, K: tl.constexpr, G: tl.constexpr, LOAD: tl.constexpr, BITS: tl.constexpr):
+    """(BG, W) bool: each query head's top K (`top_k_rows`) of the same W blocks, or, where their
+    union would hold more than LOAD blocks (LOAD < G*K), each head's top k for the largest k whose
+    union fits: a binary search from LOAD // G (whose union always fits) to K - 1
+    (`reference.capped_group_union`)."""
+    chosen = top_k_rows(key, live, K, BITS)
+    if LOAD < G * K:
+        if tl.sum(tl.max(chosen.to(tl.int32), axis=0), axis=0) > LOAD:
+            low = tl.zeros([], tl.int32) + LOAD // G
+            high = tl.zeros([], tl.int32) + (K - 1)
+            while low < high:
+                middle = (low + high + 1) // 2
+                size = tl.sum(tl.max(top_k_rows(key, live, middle, BITS).to(tl.int32), axis=0), axis=0)
+                low = tl.where(size <= LOAD, middle, low)
+                high = tl.where(size <= LOAD, high, middle - 1)
+            chosen = top_k_rows(key, live, low, BITS)
+    return chosen
+
+
+@triton.jit
 def selection_keys(
     x,
     n,
@@ -150,7 +170,8 @@ def _select_union_kernel(
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
 ):
-    """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U].
+    """Grid (B * Hkv,): writes union[b, h, :U] (ascending, 0 past the count) and valid[b, h, :U];
+    U < G*K caps the union (`group_top_k`).
 
     INTEGER_KEYS: scores are -inf or integers >= score_floor, keyed score - score_floor + 1 (0
     below the floor) in BITS bits, the forced key 2^BITS - 1 above them; else float keys.
@@ -162,7 +183,7 @@ def _select_union_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = top_k_rows(key, live, K, BITS)
+    chosen = group_top_k(key, live, K, G, U, BITS)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)
 
 
@@ -174,15 +195,17 @@ def select_group_union(
     window_blocks: int,
     num_kv_heads: int,
     score_floor: int | None = None,
+    max_loaded: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.select_group_union` in one launch (no host sync). scores (B, Hq, N) fp32.
 
     score_floor: the caller's promise that every score is -inf or an integer >= it (and < 0):
     the top-K search then runs over the few bits of that range instead of 33.
+    max_loaded: the cap on a KV head's union (None: G*K).
     """
     batch, num_q_heads, num_table = scores.shape
     group = num_q_heads // num_kv_heads
-    union, valid = union_outputs(scores, num_kv_heads, num_selected)
+    union, valid = union_outputs(scores, num_kv_heads, num_selected, max_loaded)
     if union.numel() == 0:
         return union, valid
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
@@ -200,10 +223,14 @@ def select_group_union(
     return union, valid
 
 
-def union_outputs(scores: torch.Tensor, num_kv_heads: int, num_selected: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (B, Hkv, G*K) union (long) and validity (bool) for (B, Hq, N) scores."""
+def union_outputs(
+    scores: torch.Tensor, num_kv_heads: int, num_selected: int, max_loaded: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (B, Hkv, U) union (long) and validity (bool) for (B, Hq, N) scores: U = G*K, or
+    `max_loaded` where that is smaller."""
     batch, num_q_heads = scores.shape[:2]
     width = num_q_heads // num_kv_heads * num_selected
+    width = width if max_loaded is None else min(width, max_loaded)
     union = torch.empty((batch, num_kv_heads, width), dtype=torch.long, device=scores.device)
     return union, torch.empty((batch, num_kv_heads, width), dtype=torch.bool, device=scores.device)
 

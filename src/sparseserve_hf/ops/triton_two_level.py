@@ -156,6 +156,20 @@ def _chunk_candidates_kernel(
 
 
 @triton.jit
+def _union_size(bitmap, n, chosen, m, num_table):
+    """Distinct blocks among the candidates n (BG, BC) where `chosen`: marked in the row's bitmap
+    (all clear before), counted, and cleared again. Entry j is another block in each head's list,
+    so the heads' marks meet in the bitmap, not along an axis."""
+    tl.store(bitmap + n, chosen.to(tl.int8), mask=chosen)
+    tl.debug_barrier()
+    size = tl.sum(tl.load(bitmap + m, mask=m < num_table, other=0).to(tl.int32), axis=0)
+    tl.debug_barrier()
+    tl.store(bitmap + n, tl.zeros_like(chosen).to(tl.int8), mask=chosen)
+    tl.debug_barrier()
+    return size
+
+
+@triton.jit
 def _union_of_candidates_kernel(
     scores_ptr,
     num_blocks_ptr,
@@ -194,11 +208,21 @@ def _union_of_candidates_kernel(
     live = n >= 0  # (BG, BC)
     x = tl.load(scores_ptr + b * stride_sb + (h * G + g)[:, None] * stride_sh + n, mask=live, other=0.0)
     key = selection_keys(x, n, count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = top_k_rows(key, live, K, BITS)
     bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
+    m = tl.arange(0, BITMAP_WIDTH)
+    chosen = top_k_rows(key, live, K, BITS)
+    if U < G * K:  # the cap: each head's top k for the largest k whose union fits (`triton_select.group_top_k`)
+        if _union_size(bitmap, n, chosen, m, num_table) > U:
+            low = tl.zeros([], tl.int32) + U // G
+            high = tl.zeros([], tl.int32) + (K - 1)
+            while low < high:
+                middle = (low + high + 1) // 2
+                size = _union_size(bitmap, n, top_k_rows(key, live, middle, BITS), m, num_table)
+                low = tl.where(size <= U, middle, low)
+                high = tl.where(size <= U, high, middle - 1)
+            chosen = top_k_rows(key, live, low, BITS)  # a head's best k lie among its chunks' best K
     tl.store(bitmap + n, tl.full([BLOCK_G, BLOCK_C], 1, tl.int8), mask=chosen)
     tl.debug_barrier()  # the marks of every thread, before any reads the bitmap
-    m = tl.arange(0, BITMAP_WIDTH)
     member = tl.load(bitmap + m, mask=m < num_table, other=0).to(tl.int32)
     write_union(union_ptr, valid_ptr, row_head, member, m, U, BLOCK_U)
 
@@ -267,10 +291,11 @@ def select_group_union(
     window_blocks: int,
     num_kv_heads: int,
     score_floor: int | None = None,
+    max_loaded: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op (`reference.select_group_union`): two levels where `takes_two_levels`, else
     `triton_select`'s one program per (row, KV head)."""
-    args = (scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, score_floor)
+    args = (scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, score_floor, max_loaded)
     if takes_two_levels(scores.shape[0] * num_kv_heads, scores.shape[-1], scores.device):
         return select_group_union_chunked(*args, chunk=CHUNK)
     return triton_select.select_group_union(*args)
@@ -284,6 +309,7 @@ def select_group_union_chunked(
     window_blocks: int,
     num_kv_heads: int,
     score_floor: int | None = None,
+    max_loaded: int | None = None,
     *,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +318,7 @@ def select_group_union_chunked(
     _check_chunk(chunk)
     batch, num_q_heads, num_table = scores.shape
     group = num_q_heads // num_kv_heads
-    union, valid = union_outputs(scores, num_kv_heads, num_selected)
+    union, valid = union_outputs(scores, num_kv_heads, num_selected, max_loaded)
     if union.numel() == 0:
         return union, valid
     width = union.shape[-1]
