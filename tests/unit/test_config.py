@@ -42,6 +42,9 @@ from sparseserve_hf import SparseServeConfig
         (dict(prefill_mode="segmented"), "prefill_mode"),
         (dict(max_inject_tokens=0), "max_inject_tokens"),
         (dict(max_inject_tokens=-64), "max_inject_tokens"),
+        (dict(load_budget=0), "load_budget"),
+        (dict(load_budget=1024), "load_budget"),  # below token_budget: less than one head's pick
+        (dict(load_budget=4096, selection="kv_head"), "load_budget"),  # one pick per KV head: no union to cap
     ],
 )
 def test_bad_values_raise_naming_the_field(overrides, field):
@@ -61,6 +64,8 @@ def test_defaults_and_derived_sizes():
         True,
     )
     assert (config.prefill_mode, config.max_inject_tokens) == ("layer_segmented", None)
+    assert config.load_budget is None and config.load_blocks is None
+    assert SparseServeConfig(load_budget=4096).load_blocks == 127  # full blocks; the tail block on top
 
 
 @pytest.mark.core

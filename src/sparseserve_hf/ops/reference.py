@@ -272,7 +272,9 @@ def select_group_union(
     """
     group = scores.shape[1] // num_kv_heads
     if max_loaded is not None and max_loaded < group * num_selected:
-        return capped_group_union(scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, max_loaded)
+        return capped_group_union(
+            scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, max_loaded
+        )
     picked, valid = select_blocks(scores, num_blocks, num_selected, sink_blocks, window_blocks, ordered=False)
     union, union_valid, _ = union_over_group(picked, valid, num_kv_heads, scores.shape[-1], with_head_mask=False)
     return union, union_valid
@@ -302,7 +304,9 @@ def capped_group_union(
     count = num_blocks.view(batch, 1, 1)
     exists = position < count  # (B, 1, N')
     forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
-    key = torch.nan_to_num(scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf"))
+    key = torch.nan_to_num(
+        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
+    )
     if width > capacity:
         key = torch.nn.functional.pad(key, (0, width - capacity), value=float("-inf"))
     key = key.masked_fill(forced, float("inf"))

@@ -211,7 +211,8 @@ def _union_of_candidates_kernel(
     bitmap = bitmap_ptr + row_head * BITMAP_WIDTH
     m = tl.arange(0, BITMAP_WIDTH)
     chosen = top_k_rows(key, live, K, BITS)
-    if U < G * K:  # the cap: each head's top k for the largest k whose union fits (`triton_select.group_top_k`)
+    # The cap (a compile-time test): each head's top k for the largest k whose union fits (`triton_select.group_top_k`).
+    if U < G * K:  # noqa: SIM102
         if _union_size(bitmap, n, chosen, m, num_table) > U:
             low = tl.zeros([], tl.int32) + U // G
             high = tl.zeros([], tl.int32) + (K - 1)

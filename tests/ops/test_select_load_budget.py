@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_select import scores_for
@@ -16,10 +18,11 @@ def capped_union_by_hand(scores, count, num_selected, sink, window, heads, cap) 
     the largest k <= K whose union holds at most `cap` blocks."""
     rankings = []
     for head in heads:
+
         def key(n, head=head):
             forced = n < sink or n >= count - window
             value = scores[head, n].item()
-            value = -3.4e38 if value != value else value  # NaN ranks lowest
+            value = -3.4e38 if math.isnan(value) else value  # NaN ranks lowest
             return (0 if forced else 1, -value, n)
 
         rankings.append(sorted(range(count), key=key))
