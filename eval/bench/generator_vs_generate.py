@@ -4,6 +4,7 @@
     python -m eval.bench.generator_vs_generate --points capacity --localities real_locality --out ...
     python -m eval.bench.generator_vs_generate --points prefill --out ...
     python -m eval.bench.generator_vs_generate --points prefill256k --localities real_locality --out ...
+    python -m eval.bench.generator_vs_generate --points closed_loop --variant load2x:load_budget=4096 ...
     python -m eval.bench.generator_vs_generate --dry-run                      # tiny shapes on CPU
 
 Llama-3-8B shape, random bf16 weights, seeded random-token prompts, the same requests for every
@@ -29,6 +30,7 @@ selection trace drives the loads, `TraceReplay`) and with random KV, blocks `rea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -52,6 +54,7 @@ from eval.bench.common import (
 )
 from eval.bench.decode_step_setup import build_model
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
+from eval.common import parse_variant
 from eval.serving.ours import engine_totals_since
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.generation.sizing import EngineSizes
@@ -84,8 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", default=None, help="markdown path: profile of one more idle-Generator prefill (prefill point)"
     )
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE[:FIELD=VALUE]",
+        help="ours again with these SparseServeConfig fields, beside the default (repeatable; "
+        "closed_loop and capacity): block LOCALITY@NAME, e.g. load2x:load_budget=4096",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = [parse_variant(text) for text in args.variants]  # ValueError names a bad field
+    return args
 
 
 # ---- stock --------------------------------------------------------------------------------------------
@@ -226,10 +240,18 @@ def closed_loop(args, device, dtype, shape, requests: int, context: int, new_tok
     free_memory(device)
     model = build_model(shape, "sparseserve", device, dtype, context + new_tokens + 64)
     config = ours_config(model, requests, context, args)
-    for block in _localities(args):
-        point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
-        point[block]["over_stock"] = _over_stock(point[block], point["stock"])
+    _measure_ours(point, args, model, config, prompts, new_tokens)
     return point
+
+
+def _measure_ours(point: dict[str, Any], args, model, config: SparseServeConfig, prompts, new_tokens: int) -> None:
+    """Ours at each locality (block LOCALITY), then each `--variant` (block LOCALITY@NAME), against the point's stock."""
+    runs = [("", config)] + [(f"@{name}", dataclasses.replace(config, **fields)) for name, fields in args.variants]
+    for suffix, run_config in runs:
+        for locality in _localities(args):
+            block = locality + suffix
+            point[block] = measure_generator(model, run_config, prompts, new_tokens, _trace(args, locality))
+            point[block]["over_stock"] = _over_stock(point[block], point["stock"])
 
 
 def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
@@ -255,9 +277,7 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
     room = cap - weights - metadata - int(args.headroom_gib * GIB)
     config = ours_config(model, requests, context, args, hbm_cache_bytes=max(room, 1 << 20))
     point |= {"weight_bytes": weights, "metadata_bytes": metadata, "hbm_cache_bytes": config.hbm_cache_bytes}
-    for block in _localities(args):
-        point[block] = measure_generator(model, config, prompts, new_tokens, _trace(args, block))
-        point[block]["over_stock"] = _over_stock(point[block], point["stock"])
+    _measure_ours(point, args, model, config, prompts, new_tokens)
     return point
 
 

@@ -134,7 +134,7 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
         kinds = row["iterations_by_kind"]
         assert kinds["decode"]["count"] + kinds["mixed"]["count"] >= 5  # 6 tokens: 1 from prefill, 5 decoded
     run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "capacity,prefill256k", "--localities",
-               "random_kv", "--out", str(out))  # fmt: skip
+               "random_kv", "--variant", "capped:block_size=16:token_budget=64:load_budget=64", "--out", str(out))  # fmt: skip
     merged = json.loads(out.read_text())
     assert set(merged["points"]) == {"closed_loop", "prefill", "capacity", "prefill256k"}
     assert merged["stock_s"] == first["stock_s"] and merged["prefill256k_stock_s"] > 0
@@ -144,6 +144,9 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     tried = merged["points"]["capacity"]["stock_batches_tried"]
     assert tried[-1]["runs"] and all(t["expandable_segments"] is False for t in tried if DEVICE.type != "cuda")
     assert merged["points"]["capacity"]["random_kv"]["over_stock"] > 0
+    capped = merged["points"]["capacity"]["random_kv@capped"]  # the variant, beside the default, same stock
+    assert capped["config"]["load_budget"] == 64 and capped["generated_tokens"] == 3 * 6 and capped["over_stock"] > 0
+    assert merged["points"]["capacity"]["random_kv"]["config"]["load_budget"] is None
     assert all(point["git_commit"] == merged["git_commit"] for point in merged["points"].values())
 
 
