@@ -150,6 +150,18 @@ def test_generator_vs_generate_dry_run_writes_each_points_target_keys_and_merges
     assert all(point["git_commit"] == merged["git_commit"] for point in merged["points"].values())
 
 
+def test_generator_vs_generate_dry_run_without_stock_compares_ours_with_a_variant(tmp_path):
+    out = tmp_path / "gvg.json"
+    run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "closed_loop", "--skip-stock",
+               "--localities", "real_locality", "--variant", "capped:block_size=16:token_budget=64:load_budget=64",
+               "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    loop = result["points"]["closed_loop"]
+    assert loop["stock"] is None and result["stock_s"] is None and result["generator_over_stock"] is None
+    for block in ("real_locality", "real_locality@capped"):
+        assert loop[block]["generated_tokens"] == 3 * 6 and loop[block]["over_stock"] is None
+
+
 def test_generator_vs_generate_dry_run_profiles_one_more_prefill(tmp_path):
     out, profile = tmp_path / "gvg.json", tmp_path / "prefill_profile.md"
     run_module("eval.bench.generator_vs_generate", "--dry-run", "--points", "prefill", "--localities", "random_kv",

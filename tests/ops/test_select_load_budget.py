@@ -62,7 +62,7 @@ def test_a_cap_at_or_above_the_whole_union_changes_nothing():
         assert torch.equal(capped[0], whole[0]) and torch.equal(capped[1], whole[1])
 
 
-@pytest.mark.parametrize("cap", [8, 13, 31])
+@pytest.mark.parametrize("cap", [8, 13, 28, 31])  # 28 and 31: the search range is one k (7)
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("counts", [[64, 37, 0], [9, 64, 40]])
 def test_the_kernels_give_the_reference_capped_union(cap, integer, counts):

@@ -80,18 +80,29 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     return tl.where(exact, key >= threshold[:, None], tied) & live
 
 
+def cap_search_steps(num_selected: int, group: int, width: int) -> int:
+    """Steps of the binary search for a capped union's k (`group_top_k`): k lies in
+    [width // G, K - 1] once K's union is too large; 0 where the union is not capped."""
+    if width >= group * num_selected:
+        return 0
+    return (num_selected - 1 - width // group).bit_length()
+
+
 @triton.jit
-def group_top_k(key, live, K: tl.constexpr, G: tl.constexpr, LOAD: tl.constexpr, BITS: tl.constexpr):
+def group_top_k(
+    key, live, K: tl.constexpr, G: tl.constexpr, LOAD: tl.constexpr, STEPS: tl.constexpr, BITS: tl.constexpr
+):
     """(BG, W) bool: each query head's top K (`top_k_rows`) of the same W blocks, or, where their
     union would hold more than LOAD blocks (LOAD < G*K), each head's top k for the largest k whose
-    union fits: a binary search from LOAD // G (whose union always fits) to K - 1
-    (`reference.capped_group_union`)."""
+    union fits: a binary search of STEPS (`cap_search_steps`) from LOAD // G (whose union always
+    fits) to K - 1 (`reference.capped_group_union`). A fixed step count, not a loop on the
+    bounds: Triton's compiler failed on that loop where both bounds are constants."""
     chosen = top_k_rows(key, live, K, BITS)
     if LOAD < G * K:  # noqa: SIM102  a compile-time test: uncapped kernels hold no search at all
         if tl.sum(tl.max(chosen.to(tl.int32), axis=0), axis=0) > LOAD:
             low = tl.zeros([], tl.int32) + LOAD // G
             high = tl.zeros([], tl.int32) + (K - 1)
-            while low < high:
+            for _ in tl.static_range(STEPS):  # a step once low == high changes nothing
                 middle = (low + high + 1) // 2
                 size = tl.sum(tl.max(top_k_rows(key, live, middle, BITS).to(tl.int32), axis=0), axis=0)
                 low = tl.where(size <= LOAD, middle, low)
@@ -167,6 +178,7 @@ def _select_union_kernel(
     BLOCK_N: tl.constexpr,
     U: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    STEPS: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
 ):
@@ -183,7 +195,7 @@ def _select_union_kernel(
     g = tl.arange(0, BLOCK_G)
     x, count, live = group_scores(scores_ptr, num_blocks_ptr, b, h, g, n, num_table, stride_sb, stride_sh, G)
     key = selection_keys(x, n[None, :], count, live, score_floor, SINK, WINDOW, INTEGER_KEYS, BITS)
-    chosen = group_top_k(key, live, K, G, U, BITS)
+    chosen = group_top_k(key, live, K, G, U, STEPS, BITS)
     write_union(union_ptr, valid_ptr, row_head, tl.max(chosen.to(tl.int32), axis=0), n, U, BLOCK_U)
 
 
@@ -217,8 +229,8 @@ def select_group_union(
         scores.stride(0), scores.stride(1), num_table, num_kv_heads, float(score_floor or 0),
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
-        BLOCK_U=triton.next_power_of_2(width), INTEGER_KEYS=integer_keys, BITS=bits,
-        num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
+        BLOCK_U=triton.next_power_of_2(width), STEPS=cap_search_steps(num_selected, group, width),
+        INTEGER_KEYS=integer_keys, BITS=bits, num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
     )  # fmt: skip
     return union, valid
 

@@ -29,6 +29,7 @@ from .device_info import sm_count
 from .triton_rank import interleave
 from .triton_select import (
     ORDER_KEY_BITS,
+    cap_search_steps,
     group_scores,
     key_bits,
     order_key,
@@ -192,6 +193,7 @@ def _union_of_candidates_kernel(
     BITMAP_WIDTH: tl.constexpr,
     U: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    STEPS: tl.constexpr,
     INTEGER_KEYS: tl.constexpr,
     BITS: tl.constexpr,
 ):
@@ -216,7 +218,7 @@ def _union_of_candidates_kernel(
         if _union_size(bitmap, n, chosen, m, num_table) > U:
             low = tl.zeros([], tl.int32) + U // G
             high = tl.zeros([], tl.int32) + (K - 1)
-            while low < high:
+            for _ in tl.static_range(STEPS):
                 middle = (low + high + 1) // 2
                 size = _union_size(bitmap, n, top_k_rows(key, live, middle, BITS), m, num_table)
                 low = tl.where(size <= U, middle, low)
@@ -343,6 +345,6 @@ def select_group_union_chunked(
     _union_of_candidates_kernel[(rows,)](
         scores, num_blocks, cand, bitmap, union, valid.view(torch.int8), scores.stride(0), scores.stride(1),
         num_kv_heads, num_table, num_candidates, float(score_floor or 0), BLOCK_C=triton.next_power_of_2(num_candidates),
-        U=width, BLOCK_U=triton.next_power_of_2(width), **shared, num_warps=4 if num_candidates <= 1024 else 8,
+        U=width, BLOCK_U=triton.next_power_of_2(width), STEPS=cap_search_steps(num_selected, group, width), **shared, num_warps=4 if num_candidates <= 1024 else 8,
     )  # fmt: skip
     return union, valid
