@@ -238,7 +238,7 @@ def metadata_pool_bytes(config: SparseServeConfig, model) -> int:
 
 
 def closed_loop(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
-    prompts = _prompts(shape, requests, context, device)
+    prompts = random_prompts(shape, requests, context, device)
     point: dict[str, Any] = {"stock": None}
     if not args.skip_stock:
         stock_model = build_model(shape, "sdpa", device, dtype, context + new_tokens + 64)
@@ -268,7 +268,7 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
         )
-    prompts = _prompts(shape, requests, context, device)
+    prompts = random_prompts(shape, requests, context, device)
     stock_model = build_model(shape, "sdpa", device, dtype, context + new_tokens + 64)
     batch, tried = largest_stock_batch(stock_model, prompts)
     point: dict[str, Any] = {"cap_bytes": cap, "stock_batches_tried": tried}
@@ -290,7 +290,7 @@ def capacity(args, device, dtype, shape, requests: int, context: int, new_tokens
 
 def prefill(args, device, dtype, shape, requests: int, context: int, new_tokens: int) -> dict[str, Any]:
     """TTFT of one prompt: stock's `generate(max_new_tokens=1)` against an idle, warmed Generator's."""
-    prompts = _prompts(shape, 1, context, device)
+    prompts = random_prompts(shape, 1, context, device)
     stock_model = build_model(shape, "sdpa", device, dtype, context + 64)
     timed_generate(stock_model, prompts, 1)  # the warm-up call
     reset_peak(prompts.device)
@@ -385,7 +385,8 @@ def _localities(args) -> list[str]:
     return blocks
 
 
-def _prompts(shape: str, requests: int, context: int, device: torch.device) -> torch.Tensor:
+def random_prompts(shape: str, requests: int, context: int, device: torch.device) -> torch.Tensor:
+    """(requests, context) seeded random token ids of the shape's vocabulary (the same in every run)."""
     vocab = 256 if shape == "tiny" else 128256
     return torch.randint(1, vocab, (requests, context), generator=torch.Generator().manual_seed(1)).to(device)
 

@@ -32,6 +32,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         "eval.bench.step_knobs",
         "eval.bench.channel_kernel",
         "eval.bench.attention_knobs",
+        "eval.bench.generator_phases",
     ],
 )
 def test_help(module):
@@ -160,6 +161,16 @@ def test_generator_vs_generate_dry_run_without_stock_compares_ours_with_a_varian
     assert loop["stock"] is None and result["stock_s"] is None and result["generator_over_stock"] is None
     for block in ("real_locality", "real_locality@capped"):
         assert loop[block]["generated_tokens"] == 3 * 6 and loop[block]["over_stock"] is None
+
+
+def test_generator_phases_dry_run_accounts_for_each_iteration(tmp_path):
+    out = tmp_path / "phases.json"
+    run_module("eval.bench.generator_phases", "--dry-run", "--steps", "3", "--out", str(out))
+    result = json.loads(out.read_text())
+    phases = result["phases_ms"]
+    assert phases["step"] > 0 and phases["working_sets"] > 0 and phases["sample"] > 0 and phases["emit"] > 0
+    assert abs(sum(phases.values()) - result["instrumented_ms_per_step"]) < 1e-6  # "other" is the rest
+    assert result["plain_ms_per_step"] > 0 and result["decode_rows_per_step"] == 3  # every request decoding
 
 
 def test_generator_vs_generate_dry_run_profiles_one_more_prefill(tmp_path):
