@@ -31,7 +31,16 @@ from typing import Any
 import torch
 
 import sparseserve_hf.generation.generator as generator_module
-from eval.bench.common import add_config_overrides, bench_setup, config_overrides, run_record, sync, write_json
+from eval.bench.common import (
+    add_config_overrides,
+    bench_setup,
+    config_overrides,
+    profiled_region,
+    run_record,
+    sync,
+    write_json,
+    write_profile,
+)
 from eval.bench.decode_step_setup import build_model
 from eval.bench.generator_vs_generate import POINTS, random_prompts
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
@@ -56,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", default=str(RECORDED_TRACE), help="selection trace (real locality); '' = random KV")
     add_config_overrides(parser, "load_budget=4096")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument(
+        "--profile", default=None, help="markdown path: a torch profile of 5 more plain iterations (host and device)"
+    )
+    parser.add_argument("--chrome-trace", default=None, help="with --profile: that profile's Chrome trace (JSON)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -168,6 +181,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.steps):
         iteration()
     undo()
+    if args.profile:
+        with profiled_region(True) as profiler:
+            for _ in range(5):
+                with torch.profiler.record_function("generator_iteration"):
+                    gen.step()
+            sync(device)
+        write_profile(profiler, args.profile, f"5 plain Generator iterations, {requests} requests decoding")
+        if args.chrome_trace:
+            profiler.export_chrome_trace(args.chrome_trace)
     means = timer.means()
     totals = gen.metrics()["totals"]
     result = {
