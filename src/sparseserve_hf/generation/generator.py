@@ -166,9 +166,10 @@ class Generator(RequestFrontend):
         self._stepping = True
         try:
             if plan.decode:
-                self._decode(plan.decode, events)
+                self._decode(plan.decode, events)  # tracks the HBM peak while its step runs
             prefilled = self._run_prefills(plan, events)
-            self._track_hbm_peak()
+            if prefilled or not plan.decode:
+                self._track_hbm_peak()
         finally:
             self._stepping = False
         seconds = self.recorder.now() - started
@@ -357,6 +358,7 @@ class Generator(RequestFrontend):
         working_sets = self.tracker.observe(self.batch, steps_in)  # (rows,) on the device
         rows = [request for _, request in held]
         chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
+        self._track_hbm_peak()  # its host work while the device still runs the step
         tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device)[at])).tolist()
         return tokens, blocks
 
