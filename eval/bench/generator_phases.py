@@ -13,8 +13,8 @@ has its first token, `--steps` iterations are timed twice:
   decode step itself (from its launch to its end, inside `step`). Phases: `candidates` and
   `schedule` (admission), `arrange` (the batch's slots), `step` (`Generator._runner_step`: the
   runner's host work and the CUDA-graph replay), `working_sets` (`WorkingSetTracker.observe`),
-  `sample` (`sample_next`), `readback` (the rest of `_decode_step`: the one host sync and the
-  host lists), `emit` (tokens into requests and events), `hbm_peak` and `other` (the rest).
+  `sample` (`sample_next`), `readback` (the rest of `_launch_decode` and the read-back: the one
+  host sync and the host lists), `emit` (tokens into requests and events), `hbm_peak` and `other` (the rest).
 The syncs serialize what would overlap, so the phases add up to more than a plain iteration;
 `plain_ms_per_step` minus `replay_gpu_ms` is what the host adds to each step.
 """
@@ -51,7 +51,7 @@ MODULE_FUNCTIONS = {"schedule": "schedule", "sample": "sample_next"}  # phase ->
 METHODS = {
     "candidates": "_candidates",
     "arrange": "_arrange_batch",
-    "decode_step": "_decode_step",
+    "decode_step": "_launch_decode",
     "step": "_runner_step",
     "emit": "_emit_tokens",
     "hbm_peak": "_track_hbm_peak",

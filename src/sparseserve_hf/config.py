@@ -163,6 +163,12 @@ class SparseServeConfig:
             model eager. Captured per (layer, rows, table width) at the first step of each and
             again when the layer's rows change. No effect elsewhere. A capture that fails switches
             it off for the store, with a warning.
+        decode_ahead: the `Generator` launches the next decode step before reading the current
+            one's tokens back, where the next iteration would decode the same rows and nothing
+            else (no prompt waiting or prefilling, no row sitting out or ending by length; one
+            process, no prefix cache): the host's work between steps and the launch of a captured
+            step then overlap the device's work. A row that a stop token ends decodes one token
+            more, dropped. Tokens are the same either way.
         generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) runs
             each decode step of `model.generate` as the `Generator`'s step
             (`generate_graphs.GenerateGraphs`): one CUDA graph of the whole model on CUDA with the
@@ -234,6 +240,7 @@ class SparseServeConfig:
     cuda_graphs: bool | None = None
     layer_graphs: bool = True
     generate_graphs: bool = True
+    decode_ahead: bool = True
     prefix_caching: bool = False
     fused_rope: bool = True
     fused_norms: bool = True
@@ -339,6 +346,7 @@ class SparseServeConfig:
             _check_bool("cuda_graphs", self.cuda_graphs)
         _check_bool("layer_graphs", self.layer_graphs)
         _check_bool("generate_graphs", self.generate_graphs)
+        _check_bool("decode_ahead", self.decode_ahead)
         _check_bool("fused_rope", self.fused_rope)
         _check_bool("fused_norms", self.fused_norms)
         _check_bool("fused_activation", self.fused_activation)

@@ -15,9 +15,14 @@ SLOTS = 2 * 96  # 2 sparse layers
 
 def run_trace(model, admission: bool, seed: int) -> tuple[Generator, int]:
     """10 requests of 150-300 tokens arriving at random steps; returns the engine and the most
-    head-blocks one iteration's decode step touched."""
+    head-blocks one iteration's decode step touched (one decode step per `step()`: no decode ahead)."""
     config = SparseServeConfig(
-        block_size=16, token_budget=64, hbm_cache_bytes=SLOTS * BLOCK_BYTES, max_batch=6, admission=admission
+        block_size=16,
+        token_budget=64,
+        hbm_cache_bytes=SLOTS * BLOCK_BYTES,
+        max_batch=6,
+        admission=admission,
+        decode_ahead=False,
     )
     gen = Generator(model, None, config)
     rng = random.Random(seed)

@@ -36,6 +36,7 @@ from ..config import SparseServeConfig
 from ..graph import DecodeGraphRunner, can_capture
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
+from .in_flight import InFlightStep
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
 from .lockstep import agree_on_candidates, shared_seed, tensor_parallel_size
 from .metrics import MetricsRecorder
@@ -108,6 +109,8 @@ class Generator(RequestFrontend):
         # Every decode step is the runner's: replayed where it captures, else the same step eagerly.
         self._runner = DecodeGraphRunner(model, self.batch, capture=self._captures(model))
         self._runner_slots: tuple[int | None, ...] | None = None  # the batch's slots the runner last started on
+        self._ahead: InFlightStep | None = None  # a decode step launched before the last one was read (`decode_ahead`)
+        self._ahead_error: BaseException | None = None  # why launching it failed, reported after the last one
 
     # ---- engine-level API ------------------------------------------------------------------
 
@@ -160,13 +163,24 @@ class Generator(RequestFrontend):
         """
         events, self._pending = self._pending, []
         started = self.recorder.now()
+        if self._ahead is not None and not any(self._requests.get(r.request_id) is r for _, r in self._ahead.held):
+            self._ahead.wait()  # every row of the step launched ahead has ended since: nothing to read
+            self._ahead = None
+        if self._ahead is not None:  # this iteration's decode step was launched by the last one
+            self._stepping = True
+            try:
+                rows = self._decode_ahead(events)
+            finally:
+                self._stepping = False
+            self.recorder.iteration(*rows, 0, self.recorder.now() - started, 0)
+            return events
         candidates = agree_on_candidates(self._candidates(), self.tp_size, self.stack.device)
         plan = schedule(candidates, self._limits())
         sat_out = sum(c.kind == DECODE for c in candidates) - len(plan.decode)
         self._stepping = True
         try:
             if plan.decode:
-                self._decode(plan.decode, events)  # tracks the HBM peak while its step runs
+                self._decode(plan.decode, events, ahead=not (plan.prefill or plan.start or sat_out))
             prefilled = self._run_prefills(plan, events)
             if prefilled or not plan.decode:
                 self._track_hbm_peak()
@@ -312,38 +326,67 @@ class Generator(RequestFrontend):
             dram_free_blocks=dram_free,
         )
 
-    def _decode(self, request_ids: list[int], events: list[StreamEvent]) -> None:
+    def _decode(self, request_ids: list[int], events: list[StreamEvent], ahead: bool = False) -> None:
         """One token for every request in `request_ids`, in one batched forward.
 
         No row's host state changes until the step is complete. A failure anywhere from arranging
         the rows to reading the step back ends the whole batch with "error": the layers may
         already hold the step's K/V, so a row that went on would feed its last token again at the
         same position. A row whose logits are not finite ends alone: the others' step is exact.
+        `ahead`: nothing else runs this iteration, so the next decode step may be launched before
+        this one is read back (`_launch_ahead`).
         """
         try:
             self._arrange_batch(request_ids)
-            rows = [self._requests[rid] for rid in self.slots if rid is not None]
-            tokens, blocks = self._decode_step()
+            step = self._launch_decode(self._host_inputs())
+            if ahead:
+                self._launch_ahead(step)
+            tokens, blocks = step.read()
         except BaseException as exc:  # the rows' layers may be half-advanced
             self._fail_batch(f"decode step failed: {_describe(exc)}", events, request_ids)
             if not isinstance(exc, Exception):
                 raise  # an interrupt (KeyboardInterrupt...): its batch is ended cleanly first
             return
+        self._apply_decode(step, tokens, blocks, events)
+
+    def _decode_ahead(self, events: list[StreamEvent]) -> tuple[int, int]:
+        """Read back the decode step the last iteration launched ahead (launching the next one first
+        where it may); returns its rows and admitted bytes. Rows that ended since it was launched (a
+        token of the last step ended them, or a cancel) are left out."""
+        step, self._ahead = self._ahead, None
+        try:
+            self._launch_ahead(step)
+            tokens, blocks = step.read()
+        except BaseException as exc:
+            self._fail_batch(f"decode step failed: {_describe(exc)}", events, [r.request_id for _, r in step.held])
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._apply_decode(step, tokens, blocks, events)
+        return len(step.held), step.admitted_bytes
+
+    def _apply_decode(
+        self, step: InFlightStep, tokens: list[int], blocks: list[int], events: list[StreamEvent]
+    ) -> None:
+        """Record a read-back step's tokens and working sets for its rows still running, then report
+        a failure to launch the step after it (its rows may be half-advanced: the batch ends)."""
         good: list[tuple[Request, int]] = []
-        for row, token, size in zip(rows, tokens, blocks):
+        for (_, row), token, size in zip(step.held, tokens, blocks):
+            if self._requests.get(row.request_id) is not row:
+                continue  # ended while the step ran
             row.decode_steps, row.working_set_blocks = row.decode_steps + 1, size
             if token < 0:
                 events.append(self._finish(row, "error", "decode step gave non-finite logits (NaN or inf)"))
             else:
                 good.append((row, token))
         self._emit_tokens([row for row, _ in good], [token for _, token in good], events)
+        if self._ahead_error is not None:
+            exc, self._ahead_error = self._ahead_error, None
+            self._fail_batch(f"decode step failed: {_describe(exc)}", events, [r.request_id for _, r in step.held])
 
-    def _decode_step(self) -> tuple[list[int], list[int]]:
-        """The batch's forward, working sets and picks, read back together (the step's one host sync).
-
-        Returns each held slot's token (-1 where its logits were not finite) and working set in
-        head-blocks, in slot order. Vacant slots ride along with token 0 at position 0.
-        """
+    def _host_inputs(self) -> tuple[list[tuple[int, Request]], tuple[torch.Tensor, ...]]:
+        """The held rows and their step inputs (tokens, positions, decode steps (rows,), held slots
+        (B,)), sent to the device in one copy. Vacant slots ride along with token 0 at position 0."""
         held = [(slot, self._requests[rid]) for slot, rid in enumerate(self.slots) if rid is not None]
         tokens, positions, steps = ([0] * self.batch.num_rows for _ in range(3))
         for slot, request in held:
@@ -353,14 +396,56 @@ class Generator(RequestFrontend):
         rows_count = len(tokens)
         inputs = torch.tensor([*tokens, *positions, *steps, *(slot for slot, _ in held)], device=self.stack.device)
         tokens_in, positions_in, steps_in = inputs[: 3 * rows_count].view(3, rows_count)  # (rows,) each
-        at = inputs[3 * rows_count :]  # (B,) the held slots
+        return held, (tokens_in, positions_in, steps_in, inputs[3 * rows_count :])
+
+    def _launch_decode(self, held_inputs: tuple[list[tuple[int, Request]], tuple[torch.Tensor, ...]]) -> InFlightStep:
+        """Launch the batch's forward, working sets and sampling for `held_inputs` (`_host_inputs`);
+        the result is read back by `InFlightStep.read` (the step's one host sync)."""
+        held, inputs = held_inputs
+        tokens_in, positions_in, steps_in, at = inputs
         logits = self._runner_step(tokens_in[:, None], positions_in[:, None])  # (rows, V)
         working_sets = self.tracker.observe(self.batch, steps_in)  # (rows,) on the device
         rows = [request for _, request in held]
         chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
         self._track_hbm_peak()  # its host work while the device still runs the step
-        tokens, blocks = torch.stack((chosen, working_sets.to(chosen.device)[at])).tolist()
-        return tokens, blocks
+        return InFlightStep.launched(held, chosen, working_sets.to(chosen.device)[at], inputs)
+
+    def _launch_ahead(self, step: InFlightStep) -> None:
+        """Launch the decode step after `step` before `step` is read back, where the next iteration
+        would decode the same rows anyway (`_runs_ahead`). A failure to launch it is reported after
+        `step`'s tokens, as the failure of the batch."""
+        plan = self._plan_ahead(step)
+        if plan is None:
+            return
+        try:
+            self._ahead = self._launch_decode((step.held, step.next_inputs))
+        except Exception as exc:  # noqa: BLE001  reported once `step`'s own tokens are recorded
+            self._ahead, self._ahead_error = None, exc
+            return
+        self._ahead.admitted_bytes = plan.used_bytes
+
+    def _plan_ahead(self, step: InFlightStep) -> Plan | None:
+        """The next iteration's plan where it decodes `step`'s rows and nothing else, else None: the
+        switch is on, one process, no prefix cache, every request of the engine is one of the step's
+        rows, its slots are unchanged, no event waits, no row can end by length with `step`'s token
+        (one ended by a stop token decodes one token more, dropped), and admission, on the working
+        sets read back so far (one step old), keeps every row."""
+        config = self.config
+        if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None or self._pending:
+            return None
+        if len(self._requests) != len(step.held) or tuple(self.slots) != self._runner_slots:
+            return None
+        positions = self.stack.positions
+        if not all(
+            self._requests.get(r.request_id) is r
+            and r.state == RUNNING
+            and len(r.output) + 1 < r.params.max_new_tokens
+            and positions.has(r.position + 2)
+            for _, r in step.held
+        ):
+            return None
+        plan = schedule(self._candidates(), self._limits())
+        return plan if sorted(plan.decode) == sorted(r.request_id for _, r in step.held) else None
 
     def _captures(self, model: torch.nn.Module) -> bool:
         """Whether the decode runner captures CUDA graphs: `cuda_graphs` on a CUDA model (on CPU True
@@ -517,7 +602,10 @@ class Generator(RequestFrontend):
 
     def _release(self, request: Request, remember: bool = False) -> None:
         """Free the request's blocks; `remember`: first index them for prefix reuse (its cache holds
-        the KV of its prompt and of every output token but the last, which was never fed back)."""
+        the KV of its prompt and of every output token but the last, which was never fed back).
+        A decode step launched ahead may still read them: it ends first."""
+        if self._ahead is not None:
+            self._ahead.wait()
         if request.request_id in self.slots:
             request.cache = self._leave_slot(self.slots.index(request.request_id))
         if request.cache is not None:
@@ -532,7 +620,11 @@ class Generator(RequestFrontend):
     def _fail_batch(self, message: str, events: list[StreamEvent], request_ids: list[int]) -> None:
         """End a failed decode step's requests with "error": every row of the batch cache, whose
         layers may be half-advanced, and every request picked for the step (one whose rows were
-        moving when the step failed may be half in the batch). All their blocks are freed."""
+        moving when the step failed may be half in the batch). All their blocks are freed, a step
+        launched ahead over them ends first and is dropped."""
+        if self._ahead is not None:
+            self._ahead.wait()
+            self._ahead = None
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
         failed = [rid for rid in self.slots if rid is not None]

@@ -1,0 +1,144 @@
+"""`decode_ahead`: the next decode step launched before the current one is read back gives the same
+tokens, and a stop token, NaN logits, a cancel or a failed launch in flight keep the fault contract."""
+
+from __future__ import annotations
+
+import pytest
+from fault_support import Fault, arm, assert_drained, check_against_fault_free, drain, ended_once
+from gen_support import prompt
+
+from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+CONFIG = SparseServeConfig(block_size=16, token_budget=48)  # decode_ahead on (the default)
+PROMPTS = (20, 45, 33, 60)
+
+
+def params_for(stop_token: int | None = None) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=14),
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_k=50, seed=7),
+        SamplingParams(max_new_tokens=20, stop_token_ids=() if stop_token is None else (stop_token,)),
+        SamplingParams(max_new_tokens=17),
+    ]
+
+
+def run(model, config: SparseServeConfig, params: list[SamplingParams], setup=None) -> tuple[Generator, list, list]:
+    """Submit the prompts, step until every request decodes, call `setup(gen, ids)`, drain; returns
+    the engine, the request ids and every event."""
+    gen = Generator(model, None, config)
+    ids = [gen.submit(prompt(n, seed=n), p) for n, p in zip(PROMPTS, params)]
+    events = gen.step() + gen.step() + gen.step()
+    if setup is not None:
+        events += setup(gen, ids)
+    return gen, ids, events + drain(gen)
+
+
+def without_ahead(model, params: list[SamplingParams]) -> list:
+    config = SparseServeConfig(**(CONFIG.to_dict() | {"decode_ahead": False}))
+    return Generator(model, None, config).generate([prompt(n, seed=n) for n in PROMPTS], params)
+
+
+def stepped(model, config: SparseServeConfig, params: list[SamplingParams]) -> tuple[Generator, list, list, list]:
+    """The requests stepped to the end: the engine, the ids, every event, and after each `step()`
+    whether a decode step was left in flight and every request's working set (`metrics()`)."""
+    gen = Generator(model, None, config)
+    ids = [gen.submit(prompt(n, seed=n), p) for n, p in zip(PROMPTS, params)]
+    events, in_flight, sets = [], [], []
+    while gen.has_unfinished:
+        events += gen.step()
+        in_flight.append(gen._ahead is not None)
+        sets.append({rid: r["working_set_blocks"] for rid, r in gen.metrics()["requests"].items()})
+    return gen, ids, events, (in_flight, sets)
+
+
+@pytest.mark.core
+def test_steps_launched_ahead_give_the_tokens_of_steps_launched_in_turn(llama):
+    """Greedy, seeded sampling, different lengths and a stop token mid-way (that row decodes one
+    token more, dropped): every output and every iteration's working sets equal the run without
+    decode ahead (each iteration reads one step back either way), and steps really were in flight
+    between iterations."""
+    stop = without_ahead(llama, params_for())[2].token_ids[5]  # the third request ends at its sixth token instead
+    params = params_for(stop)
+    in_turn = SparseServeConfig(**(CONFIG.to_dict() | {"decode_ahead": False}))
+    _, ref_ids, ref_events, (ref_in_flight, ref_sets) = stepped(llama, in_turn, params)
+    gen, ids, events, (in_flight, sets) = stepped(llama, CONFIG, params)
+    reference, outputs = ended_once(ref_events, ref_ids), ended_once(events, ids)
+    assert reference[ref_ids[2]].finish_reason == "stop" and len(reference[ref_ids[2]].token_ids) <= 6
+    assert [(o.token_ids, o.finish_reason) for o in map(outputs.get, ids)] == [
+        (o.token_ids, o.finish_reason) for o in map(reference.get, ref_ids)
+    ]
+    assert sets == ref_sets  # the steps' decode counts reached the working-set tracker in turn
+    assert sum(in_flight) >= 5 and not any(ref_in_flight)  # most decode iterations left the next step running
+    assert_drained(gen)
+
+
+@pytest.mark.parametrize("rows", [[1], None], ids=["one-row", "all-rows"])
+def test_nan_logits_in_a_step_launched_ahead_end_the_bad_rows_only(llama, monkeypatch, rows):
+    params = params_for()
+    reference = dict(enumerate(without_ahead(llama, params)))
+
+    def poison_next_head(gen, ids):
+        assert gen._ahead is not None  # the next step is in flight: the fault lands on the one after
+        fault = Fault(at=1, kind="nan", rows=rows)
+        with monkeypatch.context() as mp:
+            arm(mp, gen, "head", fault)
+            events = gen.step()
+        assert fault.fired
+        return events
+
+    gen, ids, events = run(llama, CONFIG, params, poison_next_head)
+    outputs = ended_once(events, ids)
+    failed = check_against_fault_free(outputs, {rid: reference[i] for i, rid in enumerate(ids)})
+    assert failed == (1 if rows else 4)
+    assert all("non-finite" in o.error for o in outputs.values() if o.finish_reason == "error")
+    assert_drained(gen)
+
+
+def test_a_cancel_while_a_step_is_in_flight_ends_that_request_only(llama):
+    params = params_for()
+    reference = dict(enumerate(without_ahead(llama, params)))
+
+    def cancel_first(gen, ids):
+        assert gen._ahead is not None
+        assert gen.cancel(ids[0])
+        return gen.step()
+
+    gen, ids, events = run(llama, CONFIG, params, cancel_first)
+    outputs = ended_once(events, ids)
+    assert outputs[ids[0]].finish_reason == "cancelled"
+    assert outputs[ids[0]].token_ids == reference[0].token_ids[: len(outputs[ids[0]].token_ids)]
+    for i, rid in enumerate(ids[1:], start=1):
+        assert (outputs[rid].token_ids, outputs[rid].finish_reason) == (
+            reference[i].token_ids,
+            reference[i].finish_reason,
+        )
+    assert_drained(gen)
+
+
+@pytest.mark.parametrize("kind", ["raise", "raise_after"])
+def test_a_failed_launch_ahead_ends_the_batch_after_the_tokens_before_it(llama, monkeypatch, kind):
+    """A decoder layer raising while the next step is launched ahead: the step read back in the same
+    iteration still delivers its tokens, then the batch ends with "error" (its layers may be half
+    advanced); the engine serves a fresh request and nothing leaks."""
+    params = params_for()
+    reference = dict(enumerate(without_ahead(llama, params)))
+
+    def fail_next_launch(gen, ids):
+        fault = Fault(at=1, kind=kind)
+        with monkeypatch.context() as mp:
+            arm(mp, gen, "layer", fault, layer=1)
+            events = gen.step()
+        assert fault.fired
+        return events
+
+    gen, ids, events = run(llama, CONFIG, params, fail_next_launch)
+    outputs = ended_once(events, ids)
+    assert check_against_fault_free(outputs, {rid: reference[i] for i, rid in enumerate(ids)}) == 4
+    assert all(len(o.token_ids) >= 4 for o in outputs.values())  # three iterations, then the read-back step
+    fresh = prompt(25, seed=99)
+    greedy = SamplingParams(max_new_tokens=8)
+    assert (
+        gen.generate([fresh], greedy)[0].token_ids
+        == Generator(llama, None, CONFIG).generate([fresh], greedy)[0].token_ids
+    )
+    assert_drained(gen)
