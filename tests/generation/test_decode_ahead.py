@@ -9,7 +9,7 @@ from gen_support import prompt
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
-CONFIG = SparseServeConfig(block_size=16, token_budget=48)  # decode_ahead on (the default)
+CONFIG = SparseServeConfig(block_size=16, token_budget=48, decode_ahead=True)
 PROMPTS = (20, 45, 33, 60)
 
 
@@ -52,16 +52,22 @@ def stepped(model, config: SparseServeConfig, params: list[SamplingParams]) -> t
 
 
 @pytest.mark.core
-def test_steps_launched_ahead_give_the_tokens_of_steps_launched_in_turn(llama):
+@pytest.mark.parametrize("rows_per_step", [None, 2], ids=["all-rows", "two-rows-others-wait"])
+def test_steps_launched_ahead_give_the_tokens_of_steps_launched_in_turn(llama, rows_per_step):
     """Greedy, seeded sampling, different lengths and a stop token mid-way (that row decodes one
-    token more, dropped): every output and every iteration's working sets equal the run without
-    decode ahead (each iteration reads one step back either way), and steps really were in flight
-    between iterations."""
+    token more, dropped), every request decoding or (an HBM cache of two rows) two at a time while
+    the others wait: every output and every iteration's working sets equal the run without decode
+    ahead (each iteration reads one step back either way), and steps really were in flight between
+    iterations."""
+    config = CONFIG
+    if rows_per_step is not None:
+        rows_bytes = rows_per_step * Generator(llama, None, CONFIG).sizes.one_row_hbm_cache_bytes
+        config = SparseServeConfig(**(CONFIG.to_dict() | {"hbm_cache_bytes": rows_bytes}))
     stop = without_ahead(llama, params_for())[2].token_ids[5]  # the third request ends at its sixth token instead
     params = params_for(stop)
-    in_turn = SparseServeConfig(**(CONFIG.to_dict() | {"decode_ahead": False}))
+    in_turn = SparseServeConfig(**(config.to_dict() | {"decode_ahead": False}))
     _, ref_ids, ref_events, (ref_in_flight, ref_sets) = stepped(llama, in_turn, params)
-    gen, ids, events, (in_flight, sets) = stepped(llama, CONFIG, params)
+    gen, ids, events, (in_flight, sets) = stepped(llama, config, params)
     reference, outputs = ended_once(ref_events, ref_ids), ended_once(events, ids)
     assert reference[ref_ids[2]].finish_reason == "stop" and len(reference[ref_ids[2]].token_ids) <= 6
     assert [(o.token_ids, o.finish_reason) for o in map(outputs.get, ids)] == [

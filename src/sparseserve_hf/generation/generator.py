@@ -169,10 +169,10 @@ class Generator(RequestFrontend):
         if self._ahead is not None:  # this iteration's decode step was launched by the last one
             self._stepping = True
             try:
-                rows = self._decode_ahead(events)
+                rows, used, sat_out = self._decode_ahead(events)
             finally:
                 self._stepping = False
-            self.recorder.iteration(*rows, 0, self.recorder.now() - started, 0)
+            self.recorder.iteration(rows, used, sat_out, self.recorder.now() - started, 0)
             return events
         candidates = agree_on_candidates(self._candidates(), self.tp_size, self.stack.device)
         plan = schedule(candidates, self._limits())
@@ -349,10 +349,10 @@ class Generator(RequestFrontend):
             return
         self._apply_decode(step, tokens, blocks, events)
 
-    def _decode_ahead(self, events: list[StreamEvent]) -> tuple[int, int]:
+    def _decode_ahead(self, events: list[StreamEvent]) -> tuple[int, int, int]:
         """Read back the decode step the last iteration launched ahead (launching the next one first
-        where it may); returns its rows and admitted bytes. Rows that ended since it was launched (a
-        token of the last step ended them, or a cancel) are left out."""
+        where it may); returns its rows, admitted bytes and rows left out. Rows that ended since it
+        was launched (a token of the last step ended them, or a cancel) are left out."""
         step, self._ahead = self._ahead, None
         try:
             self._launch_ahead(step)
@@ -363,7 +363,7 @@ class Generator(RequestFrontend):
                 raise
         else:
             self._apply_decode(step, tokens, blocks, events)
-        return len(step.held), step.admitted_bytes
+        return len(step.held), step.admitted_bytes, step.sat_out
 
     def _apply_decode(
         self, step: InFlightStep, tokens: list[int], blocks: list[int], events: list[StreamEvent]
@@ -414,26 +414,28 @@ class Generator(RequestFrontend):
         """Launch the decode step after `step` before `step` is read back, where the next iteration
         would decode the same rows anyway (`_runs_ahead`). A failure to launch it is reported after
         `step`'s tokens, as the failure of the batch."""
-        plan = self._plan_ahead(step)
-        if plan is None:
+        planned = self._plan_ahead(step)
+        if planned is None:
             return
+        plan, sat_out = planned
         try:
             self._ahead = self._launch_decode((step.held, step.next_inputs))
         except Exception as exc:  # noqa: BLE001  reported once `step`'s own tokens are recorded
             self._ahead, self._ahead_error = None, exc
             return
-        self._ahead.admitted_bytes = plan.used_bytes
+        self._ahead.admitted_bytes, self._ahead.sat_out = plan.used_bytes, sat_out
 
-    def _plan_ahead(self, step: InFlightStep) -> Plan | None:
-        """The next iteration's plan where it decodes `step`'s rows and nothing else, else None: the
-        switch is on, one process, no prefix cache, every request of the engine is one of the step's
-        rows, its slots are unchanged, no event waits, no row can end by length with `step`'s token
-        (one ended by a stop token decodes one token more, dropped), and admission, on the working
-        sets read back so far (one step old), keeps every row."""
+    def _plan_ahead(self, step: InFlightStep) -> tuple[Plan, int] | None:
+        """The next iteration's plan and its rows left out where it decodes `step`'s rows and nothing else, else None: the
+        switch is on, one process, no prefix cache, the batch's slots are unchanged, no event waits,
+        no row can end by length with `step`'s token (one ended by a stop token decodes one token
+        more, dropped), and the scheduler, on the working sets read back so far (one step old),
+        decodes exactly these rows and starts or continues no prefill (requests it leaves out wait
+        on, as they would)."""
         config = self.config
         if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None or self._pending:
             return None
-        if len(self._requests) != len(step.held) or tuple(self.slots) != self._runner_slots:
+        if tuple(self.slots) != self._runner_slots:
             return None
         positions = self.stack.positions
         if not all(
@@ -444,8 +446,11 @@ class Generator(RequestFrontend):
             for _, r in step.held
         ):
             return None
-        plan = schedule(self._candidates(), self._limits())
-        return plan if sorted(plan.decode) == sorted(r.request_id for _, r in step.held) else None
+        candidates = self._candidates()
+        plan = schedule(candidates, self._limits())
+        if plan.prefill or plan.start or sorted(plan.decode) != sorted(r.request_id for _, r in step.held):
+            return None
+        return plan, sum(c.kind == DECODE for c in candidates) - len(plan.decode)
 
     def _captures(self, model: torch.nn.Module) -> bool:
         """Whether the decode runner captures CUDA graphs: `cuda_graphs` on a CUDA model (on CPU True

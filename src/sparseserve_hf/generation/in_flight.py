@@ -32,14 +32,16 @@ class InFlightStep:
         next_inputs: the following step's (tokens, positions, steps) (rows,) and held slots (B,),
             on the device: the sampled tokens (a non-finite row's -1 read as 0: never fed to the
             embedding), every held row one position and one decode step on.
-        admitted_bytes: for a step launched ahead, the working-set bytes admission took for it.
+        admitted_bytes, sat_out: for a step launched ahead, the working-set bytes admission took for
+            it and the decoding requests it left out (the iteration's record).
     """
 
     held: list[tuple[int, Request]]
     result: torch.Tensor
     done: torch.cuda.Event | None
     next_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    admitted_bytes: int = 0  # the working sets admission counted for a step launched ahead
+    admitted_bytes: int = 0
+    sat_out: int = 0
 
     @classmethod
     def launched(
