@@ -180,7 +180,7 @@ class Generator(RequestFrontend):
         self._stepping = True
         try:
             if plan.decode:
-                self._decode(plan.decode, events, ahead=not (plan.prefill or plan.start or sat_out))
+                self._decode(plan.decode, events, ahead=not (plan.prefill or plan.start))
             prefilled = self._run_prefills(plan, events)
             if prefilled or not plan.decode:
                 self._track_hbm_peak()
@@ -333,7 +333,7 @@ class Generator(RequestFrontend):
         the rows to reading the step back ends the whole batch with "error": the layers may
         already hold the step's K/V, so a row that went on would feed its last token again at the
         same position. A row whose logits are not finite ends alone: the others' step is exact.
-        `ahead`: nothing else runs this iteration, so the next decode step may be launched before
+        `ahead`: no prefill runs this iteration, so the next decode step may be launched before
         this one is read back (`_launch_ahead`).
         """
         try:
@@ -412,7 +412,7 @@ class Generator(RequestFrontend):
 
     def _launch_ahead(self, step: InFlightStep) -> None:
         """Launch the decode step after `step` before `step` is read back, where the next iteration
-        would decode the same rows anyway (`_runs_ahead`). A failure to launch it is reported after
+        would decode the same rows anyway (`_plan_ahead`). A failure to launch it is reported after
         `step`'s tokens, as the failure of the batch."""
         planned = self._plan_ahead(step)
         if planned is None:
@@ -426,12 +426,12 @@ class Generator(RequestFrontend):
         self._ahead.admitted_bytes, self._ahead.sat_out = plan.used_bytes, sat_out
 
     def _plan_ahead(self, step: InFlightStep) -> tuple[Plan, int] | None:
-        """The next iteration's plan and its rows left out where it decodes `step`'s rows and nothing else, else None: the
-        switch is on, one process, no prefix cache, the batch's slots are unchanged, no event waits,
-        no row can end by length with `step`'s token (one ended by a stop token decodes one token
-        more, dropped), and the scheduler, on the working sets read back so far (one step old),
-        decodes exactly these rows and starts or continues no prefill (requests it leaves out wait
-        on, as they would)."""
+        """The next iteration's plan and the decoding requests it leaves out, where it decodes `step`'s
+        rows and nothing else; else None. That is: the switch is on, one process, no prefix cache,
+        the batch's slots are unchanged, no event waits, no row can end by length with `step`'s
+        token (one ended by a stop token decodes one token more, dropped), and the scheduler, on the
+        working sets read back so far (one step old), decodes exactly these rows and starts or
+        continues no prefill (requests it leaves out wait on, as they would)."""
         config = self.config
         if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None or self._pending:
             return None
