@@ -183,20 +183,9 @@ def select_blocks(
             (valid entries first) when `ordered`.
         valid: (B, H, K) bool; False where the row has fewer than K blocks.
     """
-    batch, _, capacity = scores.shape
-    width = max(capacity, num_selected)
-    position = torch.arange(width, device=scores.device)  # (N',)
-    count = num_blocks.view(batch, 1, 1)
-    exists = position < count  # (B, 1, N')
-    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
-    # Three passes over the (B, H, N') scores (this runs every decode step over every block):
-    # NaN ranks lowest among scored blocks, non-existent blocks rank last, forced blocks first.
-    rank = torch.nan_to_num(
-        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
-    )
-    if width > capacity:
-        rank = torch.nn.functional.pad(rank, (0, width - capacity), value=float("-inf"))
-    rank.masked_fill_(~exists, float("-inf")).masked_fill_(forced, float("inf"))
+    width = max(scores.shape[-1], num_selected)
+    rank, _ = ranking_keys(scores, num_blocks, width, sink_blocks, window_blocks)
+    count = num_blocks.view(-1, 1, 1)
     top = rank.topk(num_selected, dim=-1, sorted=False).indices  # (B, H, K), in no particular order
     # Invalid entries (past the row's count) sort last; valid ones ascend, so attention visits
     # blocks in position order.
@@ -205,6 +194,27 @@ def select_blocks(
         index = index.sort(dim=-1).values
     valid = index < width
     return torch.where(valid, index, 0), valid
+
+
+def ranking_keys(
+    scores: torch.Tensor, num_blocks: torch.Tensor, width: int, sink_blocks: int, window_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, width) fp32 keys that rank each row's blocks as the selection does (higher first):
+    sink and window blocks +inf, blocks at or past the row's count -inf, NaN the lowest finite
+    float (below every real score); and which blocks exist, (B, 1, width). `width` >= N pads the
+    scores (B, H, N) with blocks that do not exist."""
+    capacity = scores.shape[-1]
+    position = torch.arange(width, device=scores.device)  # (N',)
+    count = num_blocks.view(-1, 1, 1)
+    exists = position < count  # (B, 1, N')
+    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
+    # Three passes over the (B, H, N') scores (this runs every decode step over every block).
+    key = torch.nan_to_num(
+        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
+    )
+    if width > capacity:
+        key = torch.nn.functional.pad(key, (0, width - capacity), value=float("-inf"))
+    return key.masked_fill_(~exists, float("-inf")).masked_fill_(forced, float("inf")), exists
 
 
 def union_over_group(
@@ -301,15 +311,7 @@ def capped_group_union(
     group = num_q_heads // num_kv_heads
     width = max(capacity, num_selected)
     position = torch.arange(width, device=scores.device)
-    count = num_blocks.view(batch, 1, 1)
-    exists = position < count  # (B, 1, N')
-    forced = exists & ((position < sink_blocks) | (position >= count - window_blocks))
-    key = torch.nan_to_num(
-        scores.float(), nan=torch.finfo(torch.float32).min, posinf=float("inf"), neginf=float("-inf")
-    )
-    if width > capacity:
-        key = torch.nn.functional.pad(key, (0, width - capacity), value=float("-inf"))
-    key = key.masked_fill(forced, float("inf"))
+    key, exists = ranking_keys(scores, num_blocks, width, sink_blocks, window_blocks)
     order = key.sort(dim=-1, descending=True, stable=True).indices  # (B, Hq, N'): the rank-r block at r
     rank = torch.empty_like(order).scatter_(-1, order, position.expand_as(order))  # (B, Hq, N') each block's rank
     group_rank = rank.view(batch, num_kv_heads, group, width).amin(dim=2)  # (B, Hkv, N')
