@@ -339,7 +339,7 @@ class Generator(RequestFrontend):
         try:
             self._arrange_batch(request_ids)
             step = self._launch_decode(self._host_inputs())
-            if ahead:
+            if ahead and self.config.decode_ahead:
                 self._launch_ahead(step)
             tokens, blocks = step.read()
         except BaseException as exc:  # the rows' layers may be half-advanced

@@ -75,6 +75,7 @@ class InFlightStep:
 
     def read(self) -> tuple[list[int], list[int]]:
         """Each held row's token and working set (the step's one wait on the device)."""
-        self.wait()
+        if self.done is not None:
+            self.done.synchronize()
         tokens, blocks = self.result.tolist()
         return tokens, blocks
