@@ -148,3 +148,42 @@ def test_a_failed_launch_ahead_ends_the_batch_after_the_tokens_before_it(llama, 
         == Generator(llama, None, CONFIG).generate([fresh], greedy)[0].token_ids
     )
     assert_drained(gen)
+
+
+def test_a_failed_launch_ahead_is_forgotten_once_its_batch_has_failed(llama, monkeypatch):
+    """Launching ahead fails and then reading the current step fails too: the batch ends once, and
+    the launch's error does not end a later, healthy batch."""
+    from sparseserve_hf.generation import in_flight
+
+    params = params_for()
+
+    def fail_launch_then_read(gen, ids):
+        assert gen._ahead is not None  # this iteration reads a step in flight: its one launch is ahead
+        launches, reads = Fault(at=1), Fault(at=1)
+        with monkeypatch.context() as mp:
+            mp.setattr(gen, "_launch_decode", launches.wrap(gen._launch_decode))
+            mp.setattr(in_flight.InFlightStep, "read", reads.wrap(in_flight.InFlightStep.read))
+            events = gen.step()
+        assert launches.fired and reads.fired
+        return events
+
+    gen, ids, events = run(llama, CONFIG, params, fail_launch_then_read)
+    assert all(o.finish_reason == "error" for o in ended_once(events, ids).values())
+    fresh = [prompt(25, seed=99), prompt(40, seed=98)]
+    greedy = SamplingParams(max_new_tokens=8)
+    outs = gen.generate(fresh, greedy)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in Generator(llama, None, CONFIG).generate(fresh, greedy)]
+    assert_drained(gen)
+
+
+def test_an_iteration_counts_only_the_rows_it_decoded(llama):
+    """A row that a stop token ended decodes one token more in the step launched ahead: the engine's
+    decode-row count is the run's without decode ahead."""
+    stop = without_ahead(llama, params_for())[2].token_ids[5]
+    params = params_for(stop)
+    in_turn = SparseServeConfig(**(CONFIG.to_dict() | {"decode_ahead": False}))
+    ref, _, _, _ = stepped(llama, in_turn, params)
+    gen, _, _, (in_flight, _) = stepped(llama, CONFIG, params)
+    assert any(in_flight)
+    assert gen.metrics()["totals"]["decode_rows"] == ref.metrics()["totals"]["decode_rows"]

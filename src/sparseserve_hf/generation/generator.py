@@ -351,9 +351,10 @@ class Generator(RequestFrontend):
 
     def _decode_ahead(self, events: list[StreamEvent]) -> tuple[int, int, int]:
         """Read back the decode step the last iteration launched ahead (launching the next one first
-        where it may); returns its rows, admitted bytes and rows left out. Rows that ended since it
-        was launched (a token of the last step ended them, or a cancel) are left out."""
+        where it may); returns its rows still running, admitted bytes and rows left out. Rows that
+        ended since it was launched (a token of the last step ended them, or a cancel) are skipped."""
         step, self._ahead = self._ahead, None
+        live = sum(self._requests.get(r.request_id) is r for _, r in step.held)
         try:
             self._launch_ahead(step)
             tokens, blocks = step.read()
@@ -363,7 +364,7 @@ class Generator(RequestFrontend):
                 raise
         else:
             self._apply_decode(step, tokens, blocks, events)
-        return len(step.held), step.admitted_bytes, step.sat_out
+        return live, step.admitted_bytes, step.sat_out
 
     def _apply_decode(
         self, step: InFlightStep, tokens: list[int], blocks: list[int], events: list[StreamEvent]
@@ -428,12 +429,12 @@ class Generator(RequestFrontend):
     def _plan_ahead(self, step: InFlightStep) -> tuple[Plan, int] | None:
         """The next iteration's plan and the decoding requests it leaves out, where it decodes `step`'s
         rows and nothing else; else None. That is: the switch is on, one process, no prefix cache,
-        the batch's slots are unchanged, no event waits, no row can end by length with `step`'s
+        the batch's slots are unchanged, no row can end by length with `step`'s
         token (one ended by a stop token decodes one token more, dropped), and the scheduler, on the
         working sets read back so far (one step old), decodes exactly these rows and starts or
         continues no prefill (requests it leaves out wait on, as they would)."""
         config = self.config
-        if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None or self._pending:
+        if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None:
             return None
         if tuple(self.slots) != self._runner_slots:
             return None
@@ -608,8 +609,8 @@ class Generator(RequestFrontend):
     def _release(self, request: Request, remember: bool = False) -> None:
         """Free the request's blocks; `remember`: first index them for prefix reuse (its cache holds
         the KV of its prompt and of every output token but the last, which was never fed back).
-        A decode step launched ahead may still read them: it ends first."""
-        if self._ahead is not None:
+        A decode step launched ahead over the request's row may still read them: it ends first."""
+        if self._ahead is not None and any(row is request for _, row in self._ahead.held):
             self._ahead.wait()
         if request.request_id in self.slots:
             request.cache = self._leave_slot(self.slots.index(request.request_id))
@@ -630,6 +631,7 @@ class Generator(RequestFrontend):
         if self._ahead is not None:
             self._ahead.wait()
             self._ahead = None
+        self._ahead_error = None  # a failed launch ahead over this batch: this failure ends it
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
         failed = [rid for rid in self.slots if rid is not None]
