@@ -165,11 +165,12 @@ class SparseServeConfig:
             it off for the store, with a warning.
         decode_ahead: the `Generator` launches the next decode step before reading the current
             one's tokens back, where the next iteration would decode the same rows and nothing
-            else (the scheduler keeps the same rows and starts or continues no prefill, no row
-            ends by length; one process, no prefix cache): the host's work between steps and the
-            launch of a captured step then overlap the device's work. A row that a stop token
-            ends decodes one token more, dropped. Tokens are the same either way. Off until it
-            is measured on a GPU.
+            else (the scheduler, on working sets one step old, keeps the same rows and starts or
+            continues no prefill; no row ends by length; one process, no prefix cache): the
+            host's work between steps and the launch of a captured step then overlap the
+            device's work. A row that a stop token ends decodes one token more, dropped; a
+            request submitted meanwhile waits one iteration more. Tokens are the same either
+            way. Off until it is measured on a GPU.
         generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) runs
             each decode step of `model.generate` as the `Generator`'s step
             (`generate_graphs.GenerateGraphs`): one CUDA graph of the whole model on CUDA with the
