@@ -42,16 +42,17 @@ from eval.bench.common import (
     write_profile,
 )
 from eval.bench.decode_step_setup import build_model
-from eval.bench.generator_vs_generate import POINTS, random_prompts
+from eval.bench.generator_vs_generate import POINTS, ours_config, random_prompts
 from eval.bench.selection_trace import RECORDED_TRACE, SelectionTrace, TraceReplay
-from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf import Generator, SamplingParams
+from sparseserve_hf.generation.in_flight import InFlightStep
 
 DRY_SIZES = (3, 160)
 MODULE_FUNCTIONS = {"schedule": "schedule", "sample": "sample_next"}  # phase -> function of generator_module
 METHODS = {
     "candidates": "_candidates",
     "arrange": "_arrange_batch",
-    "decode_step": "_launch_decode",
+    "launch": "_launch_decode",
     "step": "_runner_step",
     "emit": "_emit_tokens",
     "hbm_peak": "_track_hbm_peak",
@@ -117,6 +118,8 @@ def instrument(gen: Generator, timer: PhaseTimer) -> Callable[[], None]:
     saved = {name: getattr(generator_module, name) for name in MODULE_FUNCTIONS.values()}
     for phase, name in MODULE_FUNCTIONS.items():
         setattr(generator_module, name, timer.wrap(phase, saved[name]))
+    read = InFlightStep.read
+    InFlightStep.read = timer.wrap("read", read)
 
     def undo() -> None:
         for method in METHODS.values():
@@ -124,6 +127,7 @@ def instrument(gen: Generator, timer: PhaseTimer) -> Callable[[], None]:
         gen.tracker.observe = observe
         for name, fn in saved.items():
             setattr(generator_module, name, fn)
+        InFlightStep.read = read
 
     return undo
 
@@ -139,11 +143,12 @@ def timed_steps(gen: Generator, steps: int, device: torch.device) -> float:
 
 
 def phase_table(means: dict[str, float], iteration_ms: float) -> dict[str, float]:
-    """The phases as the module docstring names them, `readback` and `other` as what is left."""
-    inside = sum(means.get(name, 0.0) for name in ("step", "working_sets", "sample"))
+    """The phases as the module docstring names them, `readback` and `other` as what is left (the
+    HBM peak is tracked inside the launch: counted once, as `hbm_peak`)."""
+    inside = sum(means.get(name, 0.0) for name in ("step", "working_sets", "sample", "hbm_peak"))
     phases = {name: means.get(name, 0.0) for name in ("candidates", "schedule", "arrange", "step")}
     phases |= {"working_sets": means.get("working_sets", 0.0), "sample": means.get("sample", 0.0)}
-    phases["readback"] = means.get("decode_step", 0.0) - inside
+    phases["readback"] = means.get("launch", 0.0) - inside + means.get("read", 0.0)
     phases |= {"emit": means.get("emit", 0.0), "hbm_peak": means.get("hbm_peak", 0.0)}
     phases["other"] = iteration_ms - sum(phases.values())  # the rest of step()
     return phases
@@ -155,15 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requests, context = DRY_SIZES if args.dry_run else POINTS["closed_loop"][:2]
     model = build_model(shape, "sparseserve", device, dtype, context + 4 * args.steps + 2048)
     text = model.config
-    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
-    config = SparseServeConfig(
-        cuda_graphs=True,
-        hbm_cache_bytes=max(int(per_token * requests * context * args.hbm_cache_fraction), 1 << 20),
-        dram_bytes=per_token * requests * (context + 2048) + (1 << 26),
-        max_batch=requests,
-        **({"block_size": 16, "token_budget": 64} if args.dry_run else {}),
-        **config_overrides(args.overrides),
-    )
+    config = dataclasses.replace(ours_config(model, requests, context, args), **config_overrides(args.overrides))
     gen = Generator(model, None, config)
     if args.trace:
         replay = TraceReplay(SelectionTrace.load(args.trace), text.num_hidden_layers, text.num_key_value_heads, device)

@@ -420,7 +420,7 @@ class Generator(RequestFrontend):
             return
         plan, sat_out = planned
         try:
-            self._ahead = self._launch_decode((step.held, step.next_inputs))
+            self._ahead = self._launch_decode((step.held, step.next_inputs()))
         except Exception as exc:  # noqa: BLE001  reported once `step`'s own tokens are recorded
             self._ahead, self._ahead_error = None, exc
             return

@@ -29,9 +29,8 @@ class InFlightStep:
             working set in head-blocks of each held row; pinned host memory on CUDA, filled once
             `done` has passed.
         done: recorded after the copy into `result` (None on CPU, where the step already ran).
-        next_inputs: the following step's (tokens, positions, steps) (rows,) and held slots (B,),
-            on the device: the sampled tokens (a non-finite row's -1 read as 0: never fed to the
-            embedding), every held row one position and one decode step on.
+        chosen, inputs: its sampled tokens (B,) and its inputs, from which `next_inputs` builds the
+            following step's (only when one is launched ahead).
         admitted_bytes, sat_out: for a step launched ahead, the working-set bytes admission took for
             it and the decoding requests it left out (the iteration's record).
     """
@@ -39,7 +38,8 @@ class InFlightStep:
     held: list[tuple[int, Request]]
     result: torch.Tensor
     done: torch.cuda.Event | None
-    next_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    chosen: torch.Tensor
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     admitted_bytes: int = 0
     sat_out: int = 0
 
@@ -52,9 +52,8 @@ class InFlightStep:
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> InFlightStep:
         """The step whose sampling gave `chosen` (B,) and `working_sets` (B,) of the held rows, fed by
-        `inputs` (tokens, positions, steps (rows,), held slots (B,)): queue the copy of its results and
-        the next step's inputs (no host sync)."""
-        tokens, positions, steps, at = inputs
+        `inputs` (tokens, positions, steps (rows,), held slots (B,)): queue the copy of its results
+        (no host sync)."""
         result = torch.stack((chosen, working_sets.to(chosen.device)))  # (2, B)
         done = None
         if result.device.type == "cuda":
@@ -62,11 +61,18 @@ class InFlightStep:
             host.copy_(result, non_blocking=True)
             result, done = host, torch.cuda.Event()
             done.record()
+        return cls(held, result, done, chosen, inputs)
+
+    def next_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The following step's (tokens, positions, steps) (rows,) and held slots (B,), on the device:
+        the sampled tokens (a non-finite row's -1 read as 0: never fed to the embedding), every
+        held row one position and one decode step on. Launches only (no host sync)."""
+        tokens, positions, steps, at = self.inputs
         next_tokens, next_positions, next_steps = tokens.clone(), positions.clone(), steps.clone()
-        next_tokens[at] = chosen.clamp(min=0)
+        next_tokens[at] = self.chosen.clamp(min=0)
         next_positions[at] += 1
         next_steps[at] += 1
-        return cls(held, result, done, (next_tokens, next_positions, next_steps, at))
+        return next_tokens, next_positions, next_steps, at
 
     def wait(self) -> None:
         """Block until the step and the copy of its results are done."""
