@@ -77,9 +77,9 @@ mkdir -p "$out"
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 case $part in
   tests)
-    python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/unit/test_lru.py tests/unit/test_pools.py tests/integration/test_cuda.py \
-      tests/integration/test_sync_free_decode.py tests/integration/test_decode_graph.py tests/integration/test_generate_graphs.py \
-      tests/integration/test_graph_runner.py tests/integration/test_layer_graphs.py tests/integration/test_ablation_switches.py \
+    python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/ops/test_lru.py tests/cache/test_pools.py tests/test_cuda.py \
+      tests/test_sync_free_decode.py tests/test_decode_graph.py tests/test_generate_graphs.py \
+      tests/test_graph_runner.py tests/test_layer_graphs.py tests/cache/test_ablation_switches.py \
       2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   benchtests)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_bench_scripts.py 2>&1 | tee "$out/gpu_pytest_bench.log" | tail -15 ;;
@@ -131,23 +131,23 @@ case $part in
         --out "$out/decode_step_slots${name}.json" 2>&1 | tail -6
     done ;;
   fp8kv)
-    python -m pytest -q -p no:cacheprovider tests/ops/test_decode.py tests/integration/test_cuda.py \
-      tests/integration/test_fp8_kv.py 2>&1 | tee "$out/gpu_pytest_fp8kv.log" | tail -5
+    python -m pytest -q -p no:cacheprovider tests/ops/test_decode.py tests/test_cuda.py \
+      tests/cache/test_fp8_kv.py 2>&1 | tee "$out/gpu_pytest_fp8kv.log" | tail -5
     python -m eval.bench.decode_step --graph --locality real --skip-static --set kv_dtype=float8_e4m3fn \
       --out "$out/decode_step_fp8_kv.json" 2>&1 | tee "$out/decode_step_fp8_kv.log" | tail -12
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
       --out "$out/decode_step_bf16_kv.json" 2>&1 | tee "$out/decode_step_bf16_kv.log" | tail -12 ;;
   beside)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode.py tests/ops/test_resolve.py tests/ops/test_norm.py \
-      tests/integration/test_decode_graph.py tests/integration/test_sync_free_decode.py tests/integration/test_cuda.py \
-      tests/integration/test_layer_graphs.py tests/integration/test_ablation_switches.py 2>&1 | tee "$out/gpu_pytest_beside.log" | tail -8
+      tests/test_decode_graph.py tests/test_sync_free_decode.py tests/test_cuda.py \
+      tests/test_layer_graphs.py tests/cache/test_ablation_switches.py 2>&1 | tee "$out/gpu_pytest_beside.log" | tail -8
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
       --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
   channels)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
-      tests/unit/test_channel_scores.py tests/unit/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
+      tests/ops/test_channel_scores.py tests/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
     python -m eval.bench.channel_kernel --out "$out/channel_kernel.json" 2>&1 | tee "$out/channel_kernel.log" | tail -12
     fastest=$(knob_args "$out/channel_kernel.json" fastest_knobs)
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
@@ -162,16 +162,16 @@ case $part in
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_attention.jsonl" 2>&1 | tail -1
     done ;;
   reorder)
-    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_resolve.py tests/integration/test_decode_graph.py \
-      tests/integration/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_reorder.log" | tail -5
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_resolve.py tests/test_decode_graph.py \
+      tests/test_sync_free_decode.py 2>&1 | tee "$out/gpu_pytest_reorder.log" | tail -5
     for knob in "--knob cache.block_cache.REORDER_BESIDE=False" "" "--knob cache.block_cache.REORDER_BESIDE=False" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_reorder.jsonl" 2>&1 | tail -1
     done
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_reorder.json" 2>&1 | tee "$out/decode_step_reorder.log" | tail -14 ;;
   slots)
-    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_small_ops.py tests/integration/test_decode_graph.py \
-      tests/integration/test_sync_free_decode.py tests/integration/test_generate_graphs.py 2>&1 \
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_small_ops.py tests/test_decode_graph.py \
+      tests/test_sync_free_decode.py tests/test_generate_graphs.py 2>&1 \
       | tee "$out/gpu_pytest_slots.log" | tail -5
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
       --out "$out/decode_step_slots.json" 2>&1 | tee "$out/decode_step_slots.log" | tail -14 ;;
@@ -211,8 +211,8 @@ case $part in
     python -m eval.bench.generator_vs_generate --points prefill256k --localities real_locality \
       --out "$out/generator_256k.json" 2>&1 | tee "$out/generator_256k.log" | tail -12 ;;
   addnorm)
-    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_norm.py tests/integration/test_decode_graph.py \
-      tests/integration/test_graph_runner.py 2>&1 | tee "$out/gpu_pytest_addnorm.log" | tail -5
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_norm.py tests/test_decode_graph.py \
+      tests/test_graph_runner.py 2>&1 | tee "$out/gpu_pytest_addnorm.log" | tail -5
     for knob in "" "--knob fused_ops.ADD_INTO_NORMS=False" "" "--knob fused_ops.ADD_INTO_NORMS=False"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_addnorm.jsonl" 2>&1 | tail -1
     done ;;

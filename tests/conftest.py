@@ -1,7 +1,11 @@
-"""Suite-wide test behaviour: marker handling, seeding and CPU threads.
+"""Suite-wide test behaviour and the shared fixtures: marker handling, seeding, CPU threads, tiny models.
 
-Markers are declared in pyproject.toml ([tool.pytest.ini_options]). Fixtures live in the
-conftest.py files of the sub-suites (unit/, ops/, integration/).
+The folders mirror the package: tests of a subpackage's modules sit in the folder of that name
+(`cache/`, `ops/`, `generation/`, `serve/`, `data/`), tests of the top-level modules (the decode
+step, the config, the scorers) here, beside the helpers every folder imports (`tiny_models`,
+`kernel_support`, `fake_graphs`, `sync_guard`, `toy_tokenizer`); `eval/`, `examples/` and
+`notebooks/` test the folders of those names. Kinds of test are markers, declared in pyproject.toml
+([tool.pytest.ini_options]): `gpu`, `slow`, `core`. `ops/conftest.py` adds the kernel fixtures.
 """
 
 import os
@@ -34,3 +38,19 @@ def seed():
     """Seed torch before every test so random inputs are reproducible."""
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Tiny fp32 Llama, 4 query / 2 KV heads, 2 layers, loaded with attn_implementation="sparseserve"."""
+    from tiny_models import tiny_model  # imports transformers: only after TRITON_INTERPRET is set above
+
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_sdpa():
+    """The same weights under stock SDPA attention."""
+    from tiny_models import tiny_model
+
+    return tiny_model("llama", "sdpa")

@@ -4,20 +4,20 @@ A stand-in for the CUDA side (`fake_graphs.FakePieceCapture`) does to state what
 a replay do: a capture runs no kernel, a replay no Python. The eager path with pieces must decode
 exactly what it decodes without them, through block fills, table growth, pool growth and rows
 that move, and a whole-step caller (`DecodeGraphRunner`) must never replay a piece.
-tests/integration/test_cuda.py runs real pieces on CUDA (`model.generate`).
+tests/test_cuda.py runs real pieces on CUDA (`model.generate`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_static_decode import LENGTHS, batch_cache, eager_step, static_config
 
 from fake_graphs import FakePieceCapture
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
 from sparseserve_hf.layer_graphs import LayerGraphs, garbage_collection_paused
+from test_static_decode import LENGTHS, batch_cache, eager_step, static_config
 from tiny_models import random_ids
 
 STEPS = 40  # every row's tail fills twice or more

@@ -4,7 +4,7 @@ On CPU the route runs the static step eagerly (`capture=False`), or replays it t
 for CUDA graphs (`fake_graphs.FakeGraphs`: a capture runs no kernel, a replay no Python). Either way
 `generate` must return exactly what it returns over an unrouted cache (the ordinary eager path),
 with left padding, tails that fill at different steps, an HBM cache that evicts, pools that grow,
-beam search, and forwards the route must leave to the model. tests/integration/test_cuda.py runs
+beam search, and forwards the route must leave to the model. tests/test_cuda.py runs
 the route with real CUDA graphs.
 """
 
@@ -18,13 +18,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_static_decode import static_config
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from fake_graphs import FakeGraphs
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generate_graphs import route_generate
+from test_static_decode import static_config
 from tiny_models import PAD, random_ids, tiny_model
 
 NEW = 40  # every row's tail fills twice or more

@@ -4,7 +4,7 @@ On CPU the runner runs the very step a CUDA graph captures, eagerly (`capture=Fa
 check what capture relies on: the same tokens as the ordinary eager decode path, no host sync
 inside the captured part on any step (block fills included), every tensor the graph holds staying
 at its address, and, with a stand-in for the CUDA graph, when the runner recaptures and what it
-advances by hand after a replay. tests/integration/test_decode_graph.py runs real graphs on CUDA.
+advances by hand after a replay. tests/test_decode_graph.py runs real graphs on CUDA.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from unittest import mock
 
 import pytest
 import torch
-from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
-from test_sync_free_decode import fixed_shape_gather
 from transformers.models.llama import modeling_llama
 
 from fake_graphs import FakeGraphs
@@ -30,6 +28,8 @@ from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import DecodeGraphRunner, graph_obstacle, table_width
 from sparseserve_hf.ops import reference
 from sync_guard import forbid_host_syncs
+from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
+from test_sync_free_decode import fixed_shape_gather
 from tiny_models import HEAD_DIM, random_ids, tiny_model
 
 STEPS = 40  # each row's tail fills twice or more (rows start 16, 6 and 16 tokens into their tail)

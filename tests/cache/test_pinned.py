@@ -1,5 +1,5 @@
 """pinned_empty on CPU, with a stand-in for cudaHostRegister: exact sizes, and a lock that lives
-exactly as long as some view of the memory (tests/integration/test_cuda.py pins for real)."""
+exactly as long as some view of the memory (tests/test_cuda.py pins for real)."""
 
 from __future__ import annotations
 

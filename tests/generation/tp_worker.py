@@ -4,8 +4,8 @@ SparseServeCache, or (`--generator`) a Generator over prompts of several lengths
 sampled without a seed. Written as JSON to OUT (rank 0 only, under TP; every rank checks that it
 produced the same tokens as every other).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/tp_worker.py FOLDER OUT --tp
-    python tests/distributed/tp_worker.py FOLDER OUT [--generator]
+    python -m torch.distributed.run --nproc-per-node 2 tests/generation/tp_worker.py FOLDER OUT --tp
+    python tests/generation/tp_worker.py FOLDER OUT [--generator]
 """
 
 from __future__ import annotations

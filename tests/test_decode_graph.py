@@ -3,19 +3,19 @@
 Three rows of different lengths (their tail blocks fill at different steps), tiny Llama, block
 16, an HBM cache small enough to evict, Triton backend. The graph runner is compared with the
 same static step run eagerly (`capture=False`) and with the ordinary eager decode path.
-CPU counterparts of these checks: tests/integration/test_graph_runner.py.
+CPU counterparts of these checks: tests/test_graph_runner.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_graph_runner import EagerReference
-from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 
 from sparseserve_hf.cache import block_cache
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.graph import DecodeGraphRunner
+from test_graph_runner import EagerReference
+from test_static_decode import BLOCK, batch_cache, eager_step, static_config
 from tiny_models import random_ids, tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -38,7 +38,7 @@ DEFAULT_BUDGET = SparseServeConfig().token_budget
 REPORTED_BUDGETS = (512, 1024)
 COVERING_BUDGET = 8192  # >= the prompt: every block selected, so sparse decode must reproduce dense
 MAX_NEW_TOKENS = 16
-REPORT_PATH = Path(__file__).resolve().parents[2] / "outputs" / "real_model_needles.json"
+REPORT_PATH = Path(__file__).resolve().parents[1] / "outputs" / "real_model_needles.json"
 
 
 @pytest.fixture(scope="module")
