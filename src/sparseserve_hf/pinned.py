@@ -17,6 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .numa import bind_to_node
+
 PAGE_BYTES = 4096
 
 
@@ -47,9 +49,12 @@ class CudaRegistrar:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, registrar: Registrar | None = None) -> torch.Tensor:
+def pinned_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, registrar: Registrar | None = None, numa_node: int | None = None
+) -> torch.Tensor:
     """A zero-filled, page-locked host tensor of `shape` and `dtype`, holding exactly its bytes
-    (rounded up to a page). `registrar`: None = the CUDA runtime.
+    (rounded up to a page). `registrar`: None = the CUDA runtime. `numa_node`: the NUMA node its
+    pages should come from (`numa.device_node` of the GPU that reads them), None = the host's choice.
 
     The pages are faulted in by zero-filling them on PyTorch's intra-op threads before the range is
     locked, so that the locking call does not fault them one by one on one thread. The memory
@@ -63,6 +68,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, registrar: Registra
     start = -raw.ctypes.data % PAGE_BYTES
     owner = raw[start : start + locked]  # a view: `raw` stays alive through it
     address = owner.ctypes.data
+    if numa_node is not None:  # before the first touch, which places the pages
+        bind_to_node(address, locked, numa_node)
     torch.from_numpy(owner).zero_()  # every page faulted in, in parallel
     registrar.register(address, locked)
     weakref.finalize(owner, registrar.unregister, address)

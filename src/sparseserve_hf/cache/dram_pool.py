@@ -35,6 +35,8 @@ class DramPool:
         pin: allocate page-locked memory (needed for fast and asynchronous H2D/D2H).
         device: where the blocks live: "cpu" (host DRAM), or the model's device when nothing is
             offloaded. Bookkeeping (free list, reference counts) always stays on the host.
+        numa_node: the NUMA node a pinned pool's pages come from (`numa.device_node` of the GPU
+            that reads them; None = the host's choice).
     """
 
     @plain_tensors
@@ -45,6 +47,7 @@ class DramPool:
         capacity_bytes: int | None,
         pin: bool,
         device: torch.device | str = "cpu",
+        numa_node: int | None = None,
     ) -> None:
         self.block_shape = block_shape
         self.dtype = dtype
@@ -52,6 +55,7 @@ class DramPool:
         if pin and self.device.type != "cpu":
             raise ValueError(f"pin=True pins host memory; a pool on {self.device} cannot be pinned")
         self.pin = pin
+        self.numa_node = numa_node if pin else None
         self.block_bytes = block_shape[0] * block_shape[1] * block_shape[2] * dtype.itemsize
         self.fixed = capacity_bytes is not None
         self.capacity_bytes = capacity_bytes
@@ -161,7 +165,7 @@ class DramPool:
         shape = (capacity, *self.block_shape)
         if self.pin:  # exactly its size: PyTorch's pinned allocator would round it up to a power of two
             try:
-                return pinned_empty(shape, self.dtype)
+                return pinned_empty(shape, self.dtype, numa_node=self.numa_node)
             except (RuntimeError, AttributeError, TypeError) as exc:  # a runtime that cannot register host memory
                 _warn_pinning_fallback(f"{type(exc).__name__}: {exc}")
                 return torch.empty(shape, dtype=self.dtype, pin_memory=True)

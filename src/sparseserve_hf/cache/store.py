@@ -9,6 +9,7 @@ import torch
 
 from ..config import SparseServeConfig
 from ..layer_graphs import LayerGraphs
+from ..numa import device_node
 from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
 from ..scoring import SCORERS
@@ -126,7 +127,10 @@ class TieredBlockStore:
         if not config.offload:
             dram = DramPool(block_shape, self.kv_dtype, config.dram_bytes, pin=False, device=device)
             return dram, ResidentBlocks(dram)
-        dram = DramPool(block_shape, self.kv_dtype, config.dram_bytes, pin=device.type == "cuda")
+        pin = device.type == "cuda"  # on the GPU's NUMA node, where the host has several
+        dram = DramPool(
+            block_shape, self.kv_dtype, config.dram_bytes, pin, numa_node=device_node(device) if pin else None
+        )
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes
         hbm = HbmBlockCache(
             num_slots,
