@@ -1,8 +1,10 @@
-"""SparseServeConfig validation: every bad value names its field."""
+"""SparseServeConfig validation: every bad value names its field; every field is documented."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +135,14 @@ def test_kv_dtype_takes_float8_and_refuses_the_flash_backend():
         SparseServeConfig(kv_dtype="int8")
     with pytest.raises(NotImplementedError, match="kv_dtype"):
         SparseServeConfig(kv_dtype="float8_e4m3fn", backend="flash")
+
+
+@pytest.mark.core
+def test_every_field_has_a_row_in_the_readme_and_in_the_configuration_reference_with_its_default():
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "README.md", root / "docs" / "configuration.md"):
+        rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page.read_text(encoding="utf-8"), re.MULTILINE))
+        for field in dataclasses.fields(SparseServeConfig):
+            assert field.name in rows, f"{page.name} has no row for SparseServeConfig.{field.name}"
+            written = rows[field.name].strip().strip("`")  # e.g. 32, None, "hybrid", ()
+            assert written == repr(field.default).replace("'", '"'), (page.name, field.name, written, field.default)
