@@ -135,6 +135,27 @@ def test_generator_with_cuda_graphs_gives_the_eager_generators_tokens():
     assert runner.num_captures == len(runner._captured) > 1
 
 
+def test_decode_ahead_over_replayed_steps_gives_the_tokens_of_steps_read_in_turn():
+    """`decode_ahead` on CUDA: the next replay is launched before this step's tokens are read back
+    (the pinned copy behind an event), and the tokens equal the same engine reading each step back
+    before the next launch. Steps were really in flight between iterations."""
+    from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+
+    model = model_on_cuda(torch.float32)
+    values = dict(block_size=16, token_budget=64, dram_bytes=4000 * 2048, backend="triton", cuda_graphs=True)
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (37, 80, 130, 16)]
+    params = [SamplingParams(max_new_tokens=n) for n in (40, 25, 33, 48)]
+    in_turn = Generator(model, None, SparseServeConfig(**values)).generate(prompts, params)
+    ahead = Generator(model, None, SparseServeConfig(**values, decode_ahead=True))
+    ids = [ahead.submit(p, q) for p, q in zip(prompts, params)]
+    outputs, in_flight = {}, 0
+    while ahead.has_unfinished:
+        outputs |= {e.request_id: e.output for e in ahead.step() if e.output is not None}
+        in_flight += ahead._ahead is not None
+    assert [outputs[i].token_ids for i in ids] == [o.token_ids for o in in_turn]
+    assert in_flight >= 10 and ahead._runner.num_captures >= 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_replay_the_eager_static_step_and_equal_the_models_norms(dtype):
     """`fused_norms`: the graph and the same static step run eagerly both fuse the norms, and the
