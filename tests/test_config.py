@@ -44,6 +44,11 @@ from sparseserve_hf import SparseServeConfig
         (dict(prefill_mode="segmented"), "prefill_mode"),
         (dict(max_inject_tokens=0), "max_inject_tokens"),
         (dict(max_inject_tokens=-64), "max_inject_tokens"),
+        (dict(target_tbt_ms=0), "target_tbt_ms"),
+        (dict(target_tbt_ms=float("nan")), "target_tbt_ms"),
+        (dict(target_tbt_ms=float("inf")), "target_tbt_ms"),
+        (dict(target_tbt_ms="50"), "target_tbt_ms"),
+        (dict(target_tbt_ms=True), "target_tbt_ms"),
         (dict(load_budget=0), "load_budget"),
         (dict(load_budget=1024), "load_budget"),  # below token_budget: less than one head's pick
         (dict(load_budget=4096, selection="kv_head"), "load_budget"),  # one pick per KV head: no union to cap

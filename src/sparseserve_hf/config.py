@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -131,6 +132,12 @@ class SparseServeConfig:
             every mode so that switching `prefill_mode` alone is a fair ablation:
             "layer_segmented" splits a layer whose prompt exceeds it into chunks, "chunked"
             uses chunks of max_inject_tokens // num_layers tokens. None = no cap.
+        target_tbt_ms: `Generator`: the time between a decoding row's tokens that prefill work
+            beside decoding rows is sized to (milliseconds). Each iteration with decoding rows
+            runs the token-layers of prefill that fit the target beside its decode step, from
+            times measured as it serves (`generation.pacing.PrefillPacer`); at least one unit of
+            prefill still runs, so prompts progress, and `max_inject_tokens` bounds the unit.
+            None = prefill work is not paced (only `max_inject_tokens` / `max_batch_tokens`).
         offload: True keeps every full block in (pinned) host DRAM and only an LRU cache of
             selected blocks on the device. False is the "sparse attention without offload"
             ablation: the block pool itself lives in device memory (sized by `dram_bytes`),
@@ -236,6 +243,7 @@ class SparseServeConfig:
     admission: bool = True
     prefill_mode: str = "layer_segmented"
     max_inject_tokens: int | None = None
+    target_tbt_ms: float | None = None
     offload: bool = True
     transfer: str = "kernel"
     save_path: str = "scatter"
@@ -303,6 +311,12 @@ class SparseServeConfig:
         _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
         if self.max_inject_tokens is not None:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)
+        if self.target_tbt_ms is not None and (
+            not isinstance(self.target_tbt_ms, numbers.Real)
+            or isinstance(self.target_tbt_ms, bool)
+            or not 0 < self.target_tbt_ms < math.inf
+        ):
+            raise ValueError(f"target_tbt_ms must be a positive number of milliseconds, got {self.target_tbt_ms!r}")
         self._check_transfer_fields()
         self._check_graph_fields()
         _check_bool("prefix_caching", self.prefix_caching)

@@ -41,6 +41,7 @@ from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
 from .lockstep import agree_on_candidates, shared_seed, tensor_parallel_size
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
+from .pacing import PrefillPacer
 from .params import SamplingParams
 from .prefill import DecoderStack, SegmentedPrefill
 from .prefix import PrefixCache
@@ -106,6 +107,8 @@ class Generator(RequestFrontend):
         self._pending: list[StreamEvent] = []  # events produced between steps (cancel) or set aside
         self._next_id = 0
         self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
+        target = self.config.target_tbt_ms
+        self.pacer = None if target is None else PrefillPacer(target / 1e3)  # prefill work beside decoding rows
         # Every decode step is the runner's: replayed where it captures, else the same step eagerly.
         self._runner = DecodeGraphRunner(model, self.batch, capture=self._captures(model))
         self._runner_slots: tuple[int | None, ...] | None = None  # the batch's slots the runner last started on
@@ -181,6 +184,8 @@ class Generator(RequestFrontend):
         try:
             if plan.decode:
                 self._decode(plan.decode, events, ahead=not (plan.prefill or plan.start))
+                if self.pacer is not None:
+                    self.pacer.decode_seconds(self.recorder.now() - started)
             prefilled = self._run_prefills(plan, events)
             if prefilled or not plan.decode:
                 self._track_hbm_peak()
@@ -477,10 +482,12 @@ class Generator(RequestFrontend):
     def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> int:
         """Start the newly admitted prefills, then advance all picked ones within the budget;
         returns the token-layers of prefill run."""
+        if not (plan.start or plan.prefill):
+            return 0
         for request_id in plan.start:
             self._start_prefill(self._requests[request_id], events)
-        budget = self.sizes.prefill_budget(len(plan.decode), self.stack.num_layers)
-        ran = 0
+        budget = self._prefill_budget(len(plan.decode))
+        started, ran = self.recorder.now(), 0
         for request_id in plan.prefill + plan.start:
             request = self._requests.get(request_id)
             if request is None or request.state != PREFILLING:
@@ -489,7 +496,20 @@ class Generator(RequestFrontend):
                 break
             used = self._advance_prefill(request, budget, events)
             budget, ran = None if budget is None else budget - used, ran + used
+        if self.pacer is not None and ran:
+            if self.stack.device.type == "cuda":  # the work's end on the device, not its launch
+                torch.cuda.synchronize(self.stack.device)
+            self.pacer.prefill_seconds(self.recorder.now() - started, ran)
         return ran
+
+    def _prefill_budget(self, decode_rows: int) -> int | None:
+        """Token-layers of prefill this iteration: the engine's caps (`EngineSizes.prefill_budget`) and,
+        with `target_tbt_ms`, what fits the target beside `decode_rows` decoding rows. None = no cap."""
+        budgets = [self.sizes.prefill_budget(decode_rows, self.stack.num_layers)]
+        if self.pacer is not None:
+            budgets.append(self.pacer.budget(decode_rows))
+        budgets = [budget for budget in budgets if budget is not None]
+        return min(budgets) if budgets else None
 
     def _advance_prefill(self, request: Request, budget: int | None, events: list[StreamEvent]) -> int:
         """Run `request`'s prefill within `budget` token-layers and, once the prompt is in, pick its

@@ -28,6 +28,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--working-set-window", "working_set_window", int),
     ("--prefill-mode", "prefill_mode", str),
     ("--max-inject-tokens", "max_inject_tokens", int),
+    ("--target-tbt-ms", "target_tbt_ms", float),
     ("--backend", "backend", str),
 )
 

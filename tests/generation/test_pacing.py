@@ -1,0 +1,116 @@
+"""`target_tbt_ms`: prefill work beside decoding rows sized so that their time between tokens meets a target.
+
+The pacer's arithmetic is checked on its own; through a `Generator` on a tiny model, a clock that
+advances by a fixed cost per decode step and per token-layer of prefill (the model still runs)
+makes the engine's timings, and so its budgets, exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from gen_support import prompt
+
+from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf.generation.pacing import NEWEST_WEIGHT, PrefillPacer
+from tiny_models import tiny_model
+
+DECODE_S, TOKEN_LAYER_S = 0.005, 0.0001  # the simulated costs: a decode step, one token-layer of prefill
+LAYERS, PROMPT = 8, 50  # a unit of layer-segmented prefill: one layer over the 50-token prompt
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("target", [0, -1.0, math.nan, math.inf, True, "0.05", None])
+def test_a_pacer_needs_a_positive_finite_target(target):
+    with pytest.raises(ValueError, match="target_s"):
+        PrefillPacer(target)
+
+
+@pytest.mark.core
+def test_the_budget_is_what_fits_beside_the_decode_part_from_running_means():
+    pacer = PrefillPacer(0.020)
+    assert pacer.budget(decode_rows=0) is None  # nobody waits for this iteration's tokens
+    assert pacer.budget(decode_rows=4) == 1  # nothing timed yet: one unit, to learn its cost
+    pacer.decode_seconds(0.005)
+    assert pacer.budget(decode_rows=4) == 1  # the decode part alone says nothing of prefill
+    pacer.prefill_seconds(0.010, token_layers=100)  # 1e-4 s per token-layer
+    assert pacer.budget(decode_rows=4) == 150  # (0.020 - 0.005) / 1e-4
+    pacer.prefill_seconds(0.0, token_layers=0)  # no work: nothing learnt
+    assert pacer.budget(decode_rows=1) == 150
+    pacer.decode_seconds(0.009)  # the decode part grew: its running mean moves a quarter of the way
+    assert pacer.decode_s == pytest.approx((1 - NEWEST_WEIGHT) * 0.005 + NEWEST_WEIGHT * 0.009)
+    assert pacer.budget(decode_rows=4) == int((0.020 - pacer.decode_s) / 1e-4)
+    pacer.decode_seconds(1.0)  # decode alone past the target: still one unit, so prompts progress
+    assert pacer.budget(decode_rows=4) == 1
+
+
+class SimulatedClock:
+    """Seconds that advance only by the simulated costs of the engine's real work."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.seconds = 0.0
+        gen.recorder.now = lambda: self.seconds
+        runner_step, run_unit = gen._runner_step, gen.prefill._run
+        self.prefill_per_iteration: list[tuple[int, int]] = []  # (decoding rows, token-layers) of each iteration
+
+        def decode(tokens, positions):
+            self.seconds += DECODE_S
+            return runner_step(tokens, positions)
+
+        def prefill(job, unit):
+            self.seconds += unit.cost * TOKEN_LAYER_S
+            return run_unit(job, unit)
+
+        run_prefills = gen._run_prefills
+
+        def iteration_prefill(plan, events):
+            ran = run_prefills(plan, events)
+            self.prefill_per_iteration.append((len(plan.decode), ran))
+            return ran
+
+        gen._runner_step, gen.prefill._run, gen._run_prefills = decode, prefill, iteration_prefill
+
+
+def serve(target_tbt_ms: float | None) -> tuple[Generator, SimulatedClock, list, list[float]]:
+    """One request decoding while three more arrive and prefill; returns the engine, the clock, the
+    outputs in submission order and the first request's times between tokens (simulated seconds)."""
+    model = tiny_model("llama", num_layers=LAYERS)
+    gen = Generator(model, None, SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms))
+    clock = SimulatedClock(gen)
+    first = gen.submit(prompt(PROMPT, seed=1), SamplingParams(max_new_tokens=40))
+    outputs = {}
+    while not gen._requests[first].output:
+        gen.step()
+    later = [gen.submit(prompt(PROMPT, seed=seed), SamplingParams(max_new_tokens=6)) for seed in (2, 3, 4)]
+    while gen.has_unfinished:
+        outputs |= {e.request_id: e.output for e in gen.step() if e.output is not None}
+    times = gen.recorder.requests[first].token_times
+    return gen, clock, [outputs[i] for i in (first, *later)], [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_prefill_beside_a_decoding_row_is_paced_to_the_target_and_the_tokens_do_not_change():
+    """Unpaced, three prompts' whole prefills (8 layers x 50 tokens: 40 ms each) land between two of
+    the decoding row's tokens. Paced at 20 ms, each iteration with a decoding row runs the prefill that
+    fits beside its 5 ms decode step, 150 token-layers (three layers; the first request's own
+    prefill taught the cost): the row's time between tokens stays within the target, with the same
+    tokens."""
+    _, unpaced_clock, unpaced, unpaced_gaps = serve(None)
+    gen, clock, paced, gaps = serve(20.0)
+    assert [o.token_ids for o in paced] == [o.token_ids for o in unpaced]
+    assert max(unpaced_gaps) == pytest.approx(DECODE_S + 3 * LAYERS * PROMPT * TOKEN_LAYER_S)  # all three: 125 ms
+    mixed = [ran for rows, ran in clock.prefill_per_iteration if rows and ran]
+    assert set(mixed) <= {3 * PROMPT, 2 * PROMPT, PROMPT} and mixed.count(3 * PROMPT) >= 5  # what fits, in units
+    assert max(gaps) <= 0.020 + 1e-9 and len(gaps) == 39
+    assert gen.pacer.token_layer_s == pytest.approx(TOKEN_LAYER_S) and gen.pacer.decode_s == pytest.approx(DECODE_S)
+    unpaced_mixed = [ran for rows, ran in unpaced_clock.prefill_per_iteration if rows and ran]
+    assert max(unpaced_mixed) == 3 * LAYERS * PROMPT  # every prompt whole, in one iteration
+
+
+def test_iterations_without_a_decoding_row_are_not_paced():
+    model = tiny_model("llama", num_layers=LAYERS)
+    gen = Generator(model, None, SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=1.0))
+    clock = SimulatedClock(gen)
+    gen.generate([prompt(PROMPT, seed=5)], SamplingParams(max_new_tokens=3))
+    assert clock.prefill_per_iteration[0] == (0, LAYERS * PROMPT)  # the whole prompt: nobody was waiting
