@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.common import current_commit
+from eval.bench.common import add_config_overrides, config_overrides, current_commit
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
 from eval.serving.metrics import summarize
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: loads follow the recorded selection trace (real) or the random model's own picks",
     )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
+    add_config_overrides(run, "target_tbt_ms=150 (ours' rungs only: a variant of the rung)")
     probe = sub.choices["probe-stock"]
     probe.add_argument("--rows", type=int, default=3, help="the batch: the trace's first N prompts")
     probe.add_argument("--cache", choices=CACHES, default="dynamic", help="generate's cache")
@@ -125,23 +126,27 @@ def run_point(args) -> None:
     if allocator is not None:  # read when CUDA starts, which `build` does
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", allocator)
     selections = RECORDED_TRACE if args.locality == "real" and args.system in LADDER else None
-    runner = build(args.system, args.shape, trace, cap, args.max_batch, int(args.dram_gib * 2**30), selections)
+    overrides = config_overrides(args.overrides)
+    dram_bytes = int(args.dram_gib * 2**30)
+    runner = build(args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides)
     for rate in args.rate:
         run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)
         result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
                   "locality": "real" if selections is not None else "random", "requests_from": args.skip,
                   "deadline_s": args.deadline_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                  "overrides": overrides,
                   "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
-        _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip), result)
+        _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip, overrides), result)
         print(json.dumps({"system": args.system, "rate": rate} | summary, indent=2))
         if "aborted" in run.engine:  # the engine broke (out of memory): no later rate would be meaningful
             break
 
 
-def run_file_name(system: str, rate: float, locality: str, requests_from: int) -> str:
-    """run_SYSTEM_RATE[_random][_fromN].json: one file per point, locality and part."""
-    stem = f"run_{system}_{rate:g}" + ("_random" if locality == "random" and system in LADDER else "")
+def run_file_name(system: str, rate: float, locality: str, requests_from: int, overrides: dict | None = None) -> str:
+    """run_SYSTEM[_set-FIELD-VALUE...]_RATE[_random][_fromN].json: one file per point, variant, locality and part."""
+    variant = "".join(f"_set-{field}-{value}" for field, value in sorted((overrides or {}).items()))
+    stem = f"run_{system}{variant}_{rate:g}" + ("_random" if locality == "random" and system in LADDER else "")
     return stem + (f"_from{requests_from}" if requests_from else "") + ".json"
 
 

@@ -38,9 +38,12 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float 
 
 def run_label(run: dict[str, Any]) -> str:
     """The run's system, with `@random_kv` for ours' rungs run on the random model's own selections
-    (the targets judge ours at real locality: the recorded selection trace drives its loads)."""
+    (the targets judge ours at real locality: the recorded selection trace drives its loads) and
+    `[field=value,...]` for a rung run with config overrides (a variant, compared beside the rungs)."""
     random_kv = run.get("locality") == "random" and run["system"] in LADDER
-    return run["system"] + ("@random_kv" if random_kv else "")
+    overrides = run.get("overrides") or {}
+    variant = "[" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + "]" if overrides else ""
+    return run["system"] + variant + ("@random_kv" if random_kv else "")
 
 
 def join_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:

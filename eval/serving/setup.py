@@ -95,15 +95,19 @@ def build(
     max_batch: int,
     dram_bytes: int,
     selection_trace: Path | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Runner:
     """`system` warmed up on its model under `cap`: a function (rate, deadline_s) -> RunResult.
 
     One build serves several rates in turn (the model, and the Generator's pinned pool, are made once).
     `selection_trace`: for ours' rungs, the recorded selections whose blocks the engine loads (a real
     model's locality on random weights, `TraceReplay`); None: the random model's own selections.
+    `overrides`: SparseServeConfig fields set over an ours rung's (a variant of it); stock takes none.
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+    if overrides and system not in LADDER:
+        raise ValueError(f"config overrides {sorted(overrides)} apply to ours' rungs, not to {system}")
     cap.apply()
     model = _model(shape, trace, "sdpa" if system in STOCK else "sparseserve")
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
@@ -115,28 +119,29 @@ def build(
         return functools.partial(stock.run_static_generate, model, trace, budget=budget, cache=cache, rows_cap=rows)
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
-    config = ours_config(system, model, budget, dram_bytes)
+    config = ours_config(system, model, budget, dram_bytes, overrides)
     gen = ours.warmed_generator(model, trace, config, selection_trace)
     return functools.partial(ours.run_generator, gen, trace)
 
 
-def ours_config(system: str, model: torch.nn.Module, budget: Budget, dram_bytes: int) -> SparseServeConfig:
-    """A ladder rung's config, its device bytes (block cache or pool, plus metadata) within the KV budget.
+def ours_config(
+    system: str, model: torch.nn.Module, budget: Budget, dram_bytes: int, overrides: dict[str, Any] | None = None
+) -> SparseServeConfig:
+    """A ladder rung's config (with `overrides` set over it), its device bytes (block cache or pool,
+    plus metadata) within the KV budget.
 
     The metadata of every block the pool can hold lives on the device beside the blocks (hybrid:
     6 vectors per 16 KiB head-block, 9%), so it is counted in the budget: with offload the HBM block
     cache gets what the DRAM pool's metadata leaves; without, the device pool and its metadata share it.
     """
-    rung = dict(LADDER[system])
+    base = dict(token_budget=TOKEN_BUDGET, max_batch=budget.max_batch, max_inject_tokens=INJECT_TOKEN_LAYERS)
+    rung = base | LADDER[system] | (overrides or {})
     graphs = rung.pop("cuda_graphs", False)  # valid only once the pools are sized, below
-    config = SparseServeConfig(
-        token_budget=TOKEN_BUDGET, max_batch=budget.max_batch,
-        max_inject_tokens=INJECT_TOKEN_LAYERS, **rung,
-    )  # fmt: skip
+    config = SparseServeConfig(**rung)
     sizes = EngineSizes(model.config, config, model.dtype)
     block_bytes = sizes.block_bytes
     metadata_bytes = config.metadata_vectors * sizes.head_dim * model.dtype.itemsize  # per block
-    if not rung["offload"]:
+    if not config.offload:
         pool_blocks = budget.kv_bytes // (block_bytes + metadata_bytes)
         return replace(config, hbm_cache_bytes=None, dram_bytes=pool_blocks * block_bytes, cuda_graphs=graphs)
     cache_bytes = budget.kv_bytes - dram_bytes // block_bytes * metadata_bytes

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from eval.serving.__main__ import main
+from eval.serving.report import run_label
 from eval.serving.trace import Trace, build_trace
 
 SMALL = ["--shape", "tiny", "--hbm-cap-gib", "0.25", "--headroom-gib", "0.05", "--dram-gib", "0.05"]
@@ -111,6 +112,20 @@ def test_several_rates_in_one_process_write_one_json_each(runs, tmp_path):
         result = json.loads((tmp_path / f"run_ours_{rate}.json").read_text())
         assert result["summary"]["completed"] == 3 and result["engine"]["iterations"] > 0
         assert result["allocator"] == "expandable_segments:True"
+
+
+def test_a_rung_runs_as_a_variant_with_config_overrides_and_stock_takes_none(runs, tmp_path):
+    folder, _ = runs
+    common = ["--trace", str(folder / "trace.pt"), *SMALL, "--out", str(tmp_path)]
+    main(["run", "--system", "ours", "--rate", "20", "--set", "target_tbt_ms=150", "--set", "max_batch=2", *common])
+    result = json.loads((tmp_path / "run_ours_set-max_batch-2_set-target_tbt_ms-150_20.json").read_text())
+    assert result["overrides"] == {"target_tbt_ms": 150.0, "max_batch": 2} and result["summary"]["completed"] == 3
+    assert result["engine"]["config"]["target_tbt_ms"] == 150.0 and result["engine"]["config"]["max_batch"] == 2
+    assert run_label(result) == "ours[max_batch=2,target_tbt_ms=150]"
+    with pytest.raises(ValueError, match="ours' rungs"):
+        main(["run", "--system", "stock_generate", "--rate", "20", "--set", "target_tbt_ms=150", *common])
+    with pytest.raises(ValueError, match="target_tbt_ms"):
+        main(["run", "--system", "ours", "--rate", "20", "--set", "target_tbt_ms=0", *common])
 
 
 def test_the_sweep_script_runs_every_job_and_reports_each(runs, tmp_path):
