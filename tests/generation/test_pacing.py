@@ -35,6 +35,7 @@ def test_the_budget_is_what_fits_beside_the_decode_part_from_running_means():
     assert pacer.budget(decode_rows=4) == 1  # nothing timed yet: one unit, to learn its cost
     pacer.decode_seconds(0.005)
     assert pacer.budget(decode_rows=4) == 1  # the decode part alone says nothing of prefill
+    assert pacer.totals() == {"pacing_target_ms": 20.0, "pacing_decode_ms": 5.0, "pacing_token_layer_us": None}
     pacer.prefill_seconds(0.010, token_layers=100)  # 1e-4 s per token-layer
     assert pacer.budget(decode_rows=4) == 150  # (0.020 - 0.005) / 1e-4
     pacer.prefill_seconds(0.0, token_layers=0)  # no work: nothing learnt
@@ -103,7 +104,9 @@ def test_prefill_beside_a_decoding_row_is_paced_to_the_target_and_the_tokens_do_
     mixed = [ran for rows, ran in clock.prefill_per_iteration if rows and ran]
     assert set(mixed) <= {3 * PROMPT, 2 * PROMPT, PROMPT} and mixed.count(3 * PROMPT) >= 5  # what fits, in units
     assert max(gaps) <= 0.020 + 1e-9 and len(gaps) == 39
-    assert gen.pacer.token_layer_s == pytest.approx(TOKEN_LAYER_S) and gen.pacer.decode_s == pytest.approx(DECODE_S)
+    totals = gen.metrics()["totals"]  # what the pacer learnt: the simulated costs
+    assert totals["pacing_target_ms"] == 20.0 and totals["pacing_decode_ms"] == pytest.approx(DECODE_S * 1e3)
+    assert totals["pacing_token_layer_us"] == pytest.approx(TOKEN_LAYER_S * 1e6)
     unpaced_mixed = [ran for rows, ran in unpaced_clock.prefill_per_iteration if rows and ran]
     assert max(unpaced_mixed) == 3 * LAYERS * PROMPT  # every prompt whole, in one iteration
 

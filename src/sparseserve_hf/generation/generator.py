@@ -298,6 +298,7 @@ class Generator(RequestFrontend):
             }
             | self.store.load_summary()
             | (self.prefixes.totals() if self.prefixes is not None else {})
+            | (self.pacer.totals() if self.pacer is not None else {})
         )
         if torch.cuda.is_available() and self.stack.device.type == "cuda":
             totals["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.stack.device)

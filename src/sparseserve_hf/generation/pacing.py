@@ -53,6 +53,15 @@ class PrefillPacer:
         room = self.target_s - (self.decode_s or 0.0)
         return max(1, int(room / self.token_layer_s)) if self.token_layer_s > 0 else None
 
+    def totals(self) -> dict[str, float | None]:
+        """What the pacer works from, for `Generator.metrics()`: the target, the decode part's and one
+        token-layer's running means (None until measured)."""
+        return {
+            "pacing_target_ms": self.target_s * 1e3,
+            "pacing_decode_ms": None if self.decode_s is None else self.decode_s * 1e3,
+            "pacing_token_layer_us": None if self.token_layer_s is None else self.token_layer_s * 1e6,
+        }
+
     def decode_seconds(self, seconds: float) -> None:
         """Record one iteration's decode part: from its start to its decode step's read-back."""
         self.decode_s = _running_mean(self.decode_s, seconds)
