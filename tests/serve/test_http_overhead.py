@@ -32,6 +32,15 @@ def test_serve_flags_give_the_serve_command_ours_config_at_the_8b_shape(tmp_path
     assert 0 < config.hbm_cache_bytes < 17 * GIB  # the cap less ~15 GiB of weights, the headroom and metadata
 
 
+def test_the_serve_command_paces_prefill_to_a_target_time_between_tokens():
+    config = SparseServeConfig(target_tbt_ms=80.0, max_inject_tokens=4096)
+    flags = serve_flags(config)
+    assert flags[flags.index("--target-tbt-ms") + 1] == "80.0"
+    assert cli.engine_config(cli.parse_args(["serve", *flags])) == config
+    with pytest.raises(ValueError, match="target_tbt_ms"):
+        cli.engine_config(cli.parse_args(["serve", "--target-tbt-ms", "0"]))
+
+
 def test_serve_flags_refuse_a_field_the_serve_command_cannot_set():
     with pytest.raises(ValueError, match="offload"):
         serve_flags(SparseServeConfig(offload=False))
