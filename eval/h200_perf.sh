@@ -56,9 +56,6 @@
 #               step per layer (8-layer cut, B=16 x 32K) with and without them, twice each
 #   dropin256k  the drop-in at B=1 x 256K, real locality (peak HBM and ms/step against stock's)
 #   longdoc     8 questions over one 32K document through one Generator, with and without prefix caching
-#   ahead       decode_ahead (the next step launched before this one is read back): its GPU test and the graph
-#               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
-#               it, alternating, once at the default load and once with load_budget=4096 (all 16 rows decode)
 #               (TTFT of the later questions over the first's, DRAM held, tokens equal)
 #   metadata    the scoring / selection kernel tests, then the real-locality step twice: the default
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
@@ -67,6 +64,10 @@
 #   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
 #               scorer and ladder tests, their kernel alone under its launch knobs, then the real-locality step with
 #               stock and the default config, and the same step with channel scores (the kernel's fastest knobs)
+#   ahead       decode_ahead (the next step launched before this one is read back): its GPU test and the graph
+#               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
+#               it, alternating, twice each
+#   aheadload   the same timings with load_budget=4096 (all 16 rows decode), without the tests
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -80,7 +81,7 @@ mkdir -p "$out"
 [[ -f .gpu_commit ]] && export SPARSESERVE_COMMIT=$(<.gpu_commit)
 case $part in
   tests)
-    python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/ops/test_lru.py tests/cache/test_pools.py tests/test_cuda.py \
+    python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/cache/test_pools.py tests/test_cuda.py \
       tests/test_sync_free_decode.py tests/test_decode_graph.py tests/test_generate_graphs.py \
       tests/test_graph_runner.py tests/test_layer_graphs.py tests/cache/test_ablation_switches.py \
       2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
@@ -222,19 +223,20 @@ case $part in
   dropin256k)
     python -m eval.bench.dropin --points 256k --localities real_locality --out "$out/dropin_256k.json" 2>&1 \
       | tee "$out/dropin_256k.log" | tail -30 ;;
-  ahead)
-    python -m pytest -q -rf -p no:cacheprovider tests/test_decode_graph.py tests/generation/test_decode_ahead.py \
-      2>&1 | tee "$out/gpu_pytest_ahead.log" | tail -5
-    for load in "" "--set load_budget=4096"; do
-      for run in 1 2 3 4; do
-        ahead=$([[ $((run % 2)) == 0 ]] && echo True || echo False)
-        python -m eval.bench.generator_phases --steps 40 $load --set decode_ahead=$ahead \
-          --out "$out/generator_phases_ahead${load:+_load}_$run.json" 2>&1 | tail -3
-      done
+  ahead|aheadload)
+    load=$([[ $part == aheadload ]] && echo "--set load_budget=4096" || true)
+    if [[ $part == ahead ]]; then
+      python -m pytest -q -rf -p no:cacheprovider tests/test_decode_graph.py tests/generation/test_decode_ahead.py \
+        2>&1 | tee "$out/gpu_pytest_ahead.log" | tail -5
+    fi
+    for run in 1 2 3 4; do
+      ahead=$([[ $((run % 2)) == 0 ]] && echo True || echo False)
+      python -m eval.bench.generator_phases --steps 40 $load --set decode_ahead=$ahead \
+        --out "$out/generator_phases_${part}_$run.json" 2>&1 | tail -3
     done ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, ahead, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, ahead, aheadload, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
