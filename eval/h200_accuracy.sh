@@ -12,10 +12,10 @@
 #   cp LONGBENCH_DIR/multi_news.jsonl .   # the LongBench v1 JSONL of the task
 # Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
 #   8k_budgets   8K, the four tasks dense solves (>= 20%): quest and cuboid metadata at 128 and 512
-#   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens;
-#                the default since; these ran as a --variant named hybrid_s8)
+#   8k_hybrid    8K, same tasks: hybrid metadata with 4 sub-blocks (one cuboid mean per 8 tokens: the
+#                default), as the family hybrid_s8
 #   4k           4K, six needle tasks: quest at 128..1024 and hybrid at 128, 256
-#   multi_news   LongBench multi_news, 50 records: dense vs quest (the default then) at 2048
+#   multi_news   LongBench multi_news, 50 records: dense vs quest metadata at 2048
 #   8k_loaded    8K, the four tasks, every row with its loaded tokens: the default (group union) at 320
 #                and 512, and one selection per KV head (`selection="kv_head"`, which loads exactly its
 #                budget) at 320 and 512: the two at equal loaded tokens (~1/16 of the context)
@@ -28,7 +28,7 @@
 #   8k_channels  8K, the four tasks: channel scores (`metadata="channels"`, each block's 2-bit copy of its own
 #                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
-#   Next (not run yet):
+#   Parts with no committed results yet:
 #   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
 #                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
 #                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU
@@ -36,8 +36,7 @@
 #                wheels and gguf: 238 MB, shipped in parts below the transfer limit); load_model converts them (~1 min)
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
 #   8k_finer     8K, the four tasks: the default with 16-token blocks (2x the metadata bytes) and hybrid
-#                with a cuboid mean per 4 tokens (5x quest's): on CPU at 4K / budget 256 they kept 0.97 /
-#                0.98 of the needle's attention vs the default's 0.94 (selection_diagnostics.md)
+#                with a cuboid mean per 4 tokens (5x quest's), the two finer levers of selection_diagnostics.md
 #   multi_news_default  LongBench multi_news, 50 records: dense vs the default (hybrid) at 512 and 2048
 # The LongBench parts score rouge-L with package `rouge` (+ `six`), which the GPU machine lacks: carry
 # them from the dev venv's site-packages and put that folder on PYTHONPATH.
