@@ -50,15 +50,19 @@ def test_tensor_parallel_generate_equals_one_process(tmp_path, kv_heads):
 
 
 @pytest.mark.core
-def test_tensor_parallel_generator_equals_one_process(tmp_path):
+@pytest.mark.parametrize("paced", [False, True], ids=["unpaced", "prefill-paced"])
+def test_tensor_parallel_generator_equals_one_process(tmp_path, paced):
+    """With `target_tbt_ms` each rank times its own work, so its pacer may allow another budget (here
+    rank 0's one unit per iteration, rank 1's all of it): the ranks agree on the smallest, or their
+    prefills would part and the next collective would pair different layers' all-reduces."""
     folder = tmp_path / "tiny"
     tiny_model("llama", attn="sdpa", num_heads=8, num_kv_heads=4).save_pretrained(folder)
-    alone = run(
-        [sys.executable, str(WORKER), str(folder), str(tmp_path / "one.json"), "--generator"], tmp_path / "one.json"
-    )
+    flags = ["--generator", *(["--paced"] if paced else [])]
+    alone = run([sys.executable, str(WORKER), str(folder), str(tmp_path / "one.json"), *flags], tmp_path / "one.json")
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    command = [*launch, str(WORKER), str(folder), str(tmp_path / "tp.json"), "--tp", "--generator"]
+    command = [*launch, str(WORKER), str(folder), str(tmp_path / "tp.json"), "--tp", *flags]
     ranks = run(command, tmp_path / "tp.json")
+    assert (ranks["pacing_token_layer_us"] is not None) == paced
     assert ranks["tokens"] == alone["tokens"] and all(len(t) == 16 for t in ranks["tokens"])
     assert ranks["cache_kv_heads"] == 2 and alone["cache_kv_heads"] == 4
     assert ranks["hbm_partitions"] * 2 == alone["hbm_partitions"]

@@ -5,7 +5,7 @@ sampled without a seed. Written as JSON to OUT (rank 0 only, under TP; every ran
 produced the same tokens as every other).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/generation/tp_worker.py FOLDER OUT --tp
-    python tests/generation/tp_worker.py FOLDER OUT [--generator]
+    python tests/generation/tp_worker.py FOLDER OUT [--generator [--paced]]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main(folder: str, out: str, tensor_parallel: bool, generator: bool) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation="sparseserve", dtype=torch.float32, **extra
     )
-    config = SparseServeConfig(block_size=16, token_budget=48, hbm_cache_bytes=1 << 20)
+    paced = {"target_tbt_ms": 1000.0} if "--paced" in sys.argv else {}
+    config = SparseServeConfig(block_size=16, token_budget=48, hbm_cache_bytes=1 << 20, **paced)
     result = run_generator(model, config) if generator else run_generate(model, config)
     result["world"] = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
@@ -67,7 +68,12 @@ def run_generate(model, config: SparseServeConfig) -> dict:
 def run_generator(model, config: SparseServeConfig) -> dict:
     prompts = [torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
     engine = Generator(model, None, config)
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    if engine.pacer is not None:  # each rank's pacer says another budget, as timings per rank would
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        budget = (1, 10_000)[rank]  # one unit of prefill per iteration beside decoding rows, or all of it
+        engine.pacer.budget = lambda decode_rows: None if decode_rows == 0 else budget
+    params = SamplingParams(max_new_tokens=16)
+    outputs = staggered(engine, prompts, params) if engine.pacer is not None else engine.generate(prompts, params)
     sampled = engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=1.0))  # no seed given
     totals = engine.metrics()["totals"]
     return {
@@ -77,7 +83,20 @@ def run_generator(model, config: SparseServeConfig) -> dict:
         "hbm_partitions": engine.store.hbm_partitions,
         "misses": totals["misses"],
         "mean_decode_batch": totals["mean_decode_batch"],
+        "pacing_token_layer_us": totals.get("pacing_token_layer_us"),
     }
+
+
+def staggered(engine: Generator, prompts: list[list[int]], params: SamplingParams) -> list:
+    """The first prompt alone until it decodes, then the others: their prefills run beside its decode
+    steps (where a paced budget binds). Outputs in prompt order."""
+    first, outputs = engine.submit(prompts[0], params), {}
+    while not any(event.request_id == first and event.token_id is not None for event in engine.step()):
+        pass
+    ids = [first, *(engine.submit(prompt, params) for prompt in prompts[1:])]
+    while engine.has_unfinished:
+        outputs |= {event.request_id: event.output for event in engine.step() if event.output is not None}
+    return [outputs[i] for i in ids]
 
 
 if __name__ == "__main__":

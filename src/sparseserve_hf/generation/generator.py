@@ -38,7 +38,7 @@ from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .in_flight import InFlightStep
 from .inputs import check_engine_arguments, metrics_sink, prompt_token_ids
-from .lockstep import agree_on_candidates, shared_seed, tensor_parallel_size
+from .lockstep import agree_on_budget, agree_on_candidates, shared_seed, tensor_parallel_size
 from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .pacing import PrefillPacer
@@ -507,8 +507,8 @@ class Generator(RequestFrontend):
         """Token-layers of prefill this iteration: the engine's caps (`EngineSizes.prefill_budget`) and,
         with `target_tbt_ms`, what fits the target beside `decode_rows` decoding rows. None = no cap."""
         budgets = [self.sizes.prefill_budget(decode_rows, self.stack.num_layers)]
-        if self.pacer is not None:
-            budgets.append(self.pacer.budget(decode_rows))
+        if self.pacer is not None:  # from this rank's timings: tensor-parallel ranks take the smallest
+            budgets.append(agree_on_budget(self.pacer.budget(decode_rows), self.tp_size, self.stack.device))
         budgets = [budget for budget in budgets if budget is not None]
         return min(budgets) if budgets else None
 

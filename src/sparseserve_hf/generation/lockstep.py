@@ -8,7 +8,8 @@ gets one from rank 0). What differs per rank is what its
 share of the KV heads selects, so the working sets admission compares: before scheduling, the
 ranks agree on the largest working set of each request (an all-reduce of a few integers), and the
 plan, a pure function of those numbers, comes out the same on every rank. A rank whose cache is
-the tightest thereby sets the pace for all.
+the tightest thereby sets the pace for all. A paced prefill budget (`target_tbt_ms`), measured per
+rank, is agreed the same way: the smallest wins.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import replace
 import torch
 
 from .scheduler import Candidate
+
+NO_BUDGET = 2**62  # stands for "no cap" in the all-reduce of prefill budgets
 
 
 def tensor_parallel_size(model: torch.nn.Module) -> int:
@@ -47,6 +50,18 @@ def agree_on_candidates(candidates: list[Candidate], tp_size: int, device: torch
     sizes = torch.tensor([c.working_set_bytes for c in candidates], dtype=torch.long, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
     return [replace(c, working_set_bytes=int(size)) for c, size in zip(candidates, sizes.tolist())]
+
+
+def agree_on_budget(budget: int | None, tp_size: int, device: torch.device) -> int | None:
+    """The smallest prefill budget (token-layers) any rank allows, None where none caps it; unchanged
+    without tensor parallelism. A paced budget comes from each rank's own timings, but every rank
+    must run the same prefill work: its layers end in collectives."""
+    if tp_size <= 1:
+        return budget
+    value = torch.tensor([NO_BUDGET if budget is None else budget], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    agreed = int(value.item())
+    return None if agreed == NO_BUDGET else agreed
 
 
 def shared_seed(tp_size: int, device: torch.device) -> int | None:
