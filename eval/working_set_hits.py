@@ -42,9 +42,9 @@ def run(model, tokenizer, ids: list[int], config, steps: int) -> dict:
             tokens.append(event.token_id)
             working_sets.append(gen.metrics()["requests"][request]["working_set_bytes"])
             if len(tokens) == config.working_set_window + 1:  # the window has filled: steady decode from here
-                stats = gen.store.stats
+                stats = gen.store.read_stats()
                 steady_from = (stats.hits, stats.misses)
-    stats = gen.store.stats
+    stats = gen.store.read_stats()
     hits, misses = stats.hits - steady_from[0], stats.misses - steady_from[1]
     return {
         "tokens": tokens,

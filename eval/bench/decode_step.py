@@ -260,9 +260,9 @@ def measure_locality(args, model, cache, tokens, replay) -> tuple[dict[str, Any]
         replay.keep, replay.replayed = False, []
     else:
         locality, tokens = selection_overlaps(model, cache, tokens, observed)
-    store.stats = type(store.stats)()  # count the steady steps only
+    store.reset_stats()  # count the steady steps only
     ms, tokens = run_steps(model, cache, tokens, args.steps)
-    stats = store.stats
+    stats = store.read_stats()
     looked_up = stats.hits + stats.misses
     result = {
         "sparse_ms": ms,
@@ -355,13 +355,13 @@ def measure_graph(args, model, cache, tokens: torch.Tensor) -> tuple[dict[str, A
         runner.step()
     sync(device)
     first_s = time.perf_counter() - start
-    store.stats = type(store.stats)()
+    store.reset_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         tokens = runner.step()
     sync(device)
     ms = (time.perf_counter() - start) * 1e3 / max(args.steps, 1)
-    stats = store.stats
+    stats = store.read_stats()
     looked_up = stats.hits + stats.misses
     return {
         "graph_ms": ms,

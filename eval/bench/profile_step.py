@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> str:
         for _ in range(12):  # warm the LRU and the kernels
             tokens = step(tokens)
         sync(device)
-        cache.store.stats = type(cache.store.stats)()  # count the profiled steps only
+        cache.store.reset_stats()  # count the profiled steps only
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> str:
     mode = "CUDA-graph replays" if args.graph else "eager steps"
     text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} {mode}"
     text_out += ", " + ", ".join(f"{name}={value}" for name, value in fields.items()) + "\n\n"
-    text_out += miss_line(cache.store.stats, args.steps * args.layers) + report
+    text_out += miss_line(cache.store.read_stats(), args.steps * args.layers) + report
     if device.type == "cuda":
         text_out += "\n" + layer_timeline(prof)
     print(text_out)

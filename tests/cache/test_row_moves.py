@@ -66,12 +66,12 @@ def test_freeing_a_popped_row_frees_exactly_its_blocks_and_keeps_shared_counters
     batch = SparseServeCache(llama.config, CONFIG, store=store)
     for n in (40, 70):
         batch.append_rows(prefilled(llama, store, n, seed=n))
-    store.stats.hits = 5
+    store.read_stats().hits = 5  # the counters the read returns are the store's own
     # 70 tokens: 4 full blocks (the tail keeps 1..16) x 2 KV heads x 2 layers
     before = store.dram.num_used
     batch.pop_rows([1]).reset()
     assert before - store.dram.num_used == 4 * 2 * 2
-    assert store.stats.hits == 5  # a cache over a shared store does not reset the owner's counters
+    assert store.read_stats().hits == 5  # a cache over a shared store does not reset the owner's counters
     batch.pop_rows([0]).reset()
     assert store.dram.num_used == 0 and int(store.dram.refcount.sum()) == 0
     assert not batch.layers[0].is_initialized

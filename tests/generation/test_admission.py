@@ -31,10 +31,10 @@ def run_trace(model, admission: bool, seed: int) -> tuple[Generator, int]:
     while arrivals or gen.has_unfinished:
         while arrivals and arrivals[0][0] <= step:
             gen.submit(arrivals.pop(0)[1], SamplingParams(max_new_tokens=16))
-        before = gen.store.stats.blocks_selected
+        before = gen.store.read_stats().blocks_selected
         gen.step()
         step += 1
-        worst = max(worst, gen.store.stats.blocks_selected - before)
+        worst = max(worst, gen.store.read_stats().blocks_selected - before)
         assert gen.store.block_cache_bytes() <= config.hbm_cache_bytes
     return gen, worst
 

@@ -289,7 +289,7 @@ class SparseServeCache(Cache):
             except Exception as exc:  # noqa: BLE001  raised below, once every layer had its turn
                 failure = failure or exc
         if self.store is not None and self._owns_store:
-            self.store.stats = type(self.store.stats)()
+            self.store.reset_stats()
         if failure is not None:
             raise failure
 
@@ -552,7 +552,7 @@ class SparseServeCache(Cache):
             for layer in self.layers
             if not isinstance(layer, SparseServeLayer)
         )
-        counters = store.stats if store else None
+        counters = store.read_stats() if store else None
         hits = counters.hits if counters else 0
         misses = counters.misses if counters else 0
         return {

@@ -409,10 +409,10 @@ class TieredBlockStore:
             own["block_scales"] = self.block_scales
         return own | self.hbm.graph_tensors()
 
-    @property
     @plain_tensors
-    def stats(self) -> TransferStats:
-        """The counters; reading them folds in the device-side lookup counters (one host sync)."""
+    def read_stats(self) -> TransferStats:
+        """The counters, with the lookups the device has counted since the last read folded in (one
+        host sync; the device's counts start again from zero)."""
         looked_up, misses = self.hbm.counts()
         self._stats.blocks_selected += looked_up
         self._stats.misses += misses
@@ -420,12 +420,12 @@ class TieredBlockStore:
         self._stats.h2d_bytes += misses * self.block_bytes
         return self._stats
 
-    @stats.setter
     @plain_tensors
-    def stats(self, value: TransferStats) -> None:
-        self.hbm.counts()  # drop what the device counted so far: `value` starts afresh
+    def reset_stats(self) -> None:
+        """Every counter from zero: the host's, the device's lookup counts and the load totals."""
+        self.hbm.counts()  # drop what the device counted so far
         self.load_totals.zero_()  # in place: a captured step adds into this very tensor
-        self._stats = value
+        self._stats = TransferStats()
 
     def account(
         self, first_partition: int, valid: torch.Tensor, num_blocks: torch.Tensor, tail_len: torch.Tensor

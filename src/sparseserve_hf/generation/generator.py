@@ -282,7 +282,7 @@ class Generator(RequestFrontend):
             self._record_working_set(request)
         if self._hbm_peak is not None:
             self.recorder.memory(int(self._hbm_peak))
-        stats = self.store.stats
+        stats = self.store.read_stats()
         looked_up = stats.hits + stats.misses
         totals = (
             self.recorder.totals()
