@@ -79,6 +79,8 @@ def test_a_pinned_tensor_bound_to_a_node_has_that_policy_on_every_page_and_is_ze
     assert not tensor.any()
     unbound = pinned_empty((64, 2, 32, 16), torch.float32, registrar)
     assert numa.preferred_node(unbound.data_ptr()) is None  # no node asked: the host's default policy
+    del tensor  # a bound tensor's pages are a mapping of its own: unlocked (and unmapped) with it
+    assert registrar.locked == {unbound.data_ptr(): nbytes}
 
 
 @needs_linux_numa

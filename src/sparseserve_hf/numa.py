@@ -14,6 +14,7 @@ Linux only (sysfs and the `mbind` / `get_mempolicy` system calls on x86_64 and a
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -88,16 +89,14 @@ def bind_to_node(address: int, nbytes: int, node: int) -> bool:
     Returns whether the kernel took it; a refusal (an unknown machine, a node that does not exist,
     a kernel without NUMA) is logged and changes nothing.
     """
-    calls = SYSCALLS.get(platform.machine())
-    if calls is None or not 0 <= node < MASK_WORDS * MASK_WORD_BITS:
+    if platform.machine() not in SYSCALLS or not 0 <= node < MASK_WORDS * MASK_WORD_BITS:
         logger.info("NUMA: not binding host memory to node %s on %s", node, platform.machine())
         return False
     mask = (ctypes.c_ulong * MASK_WORDS)()
     mask[node // MASK_WORD_BITS] = 1 << (node % MASK_WORD_BITS)
-    libc = ctypes.CDLL(None, use_errno=True)
-    result = libc.syscall(
-        ctypes.c_long(calls["mbind"]), ctypes.c_void_p(address), ctypes.c_ulong(nbytes),
-        ctypes.c_int(MPOL_PREFERRED), mask, ctypes.c_ulong(MASK_WORDS * MASK_WORD_BITS + 1), ctypes.c_uint(0),
+    result = _syscall(
+        "mbind", ctypes.c_void_p(address), ctypes.c_ulong(nbytes), ctypes.c_int(MPOL_PREFERRED), mask,
+        ctypes.c_ulong(MASK_WORDS * MASK_WORD_BITS + 1), ctypes.c_uint(0),
     )  # fmt: skip
     if result != 0:
         logger.info("NUMA: mbind to node %d refused: %s", node, os.strerror(ctypes.get_errno()))
@@ -108,16 +107,24 @@ def bind_to_node(address: int, nbytes: int, node: int) -> bool:
 def preferred_node(address: int) -> int | None:
     """The node the memory policy of the page at `address` prefers, or None (no such policy, or
     the call is unavailable): what `bind_to_node` set, as the kernel reports it."""
-    calls = SYSCALLS.get(platform.machine())
-    if calls is None:
-        return None
     mode, mask = ctypes.c_int(-1), (ctypes.c_ulong * MASK_WORDS)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    result = libc.syscall(
-        ctypes.c_long(calls["get_mempolicy"]), ctypes.byref(mode), mask,
-        ctypes.c_ulong(MASK_WORDS * MASK_WORD_BITS), ctypes.c_void_p(address), ctypes.c_ulong(MPOL_F_ADDR),
+    result = _syscall(
+        "get_mempolicy", ctypes.byref(mode), mask, ctypes.c_ulong(MASK_WORDS * MASK_WORD_BITS),
+        ctypes.c_void_p(address), ctypes.c_ulong(MPOL_F_ADDR),
     )  # fmt: skip
     if result != 0 or mode.value != MPOL_PREFERRED:
         return None
     nodes = [w * MASK_WORD_BITS + b for w in range(MASK_WORDS) for b in range(MASK_WORD_BITS) if mask[w] >> b & 1]
     return nodes[0] if len(nodes) == 1 else None
+
+
+def _syscall(name: str, *args) -> int | None:
+    """The system call `name` of this machine (`SYSCALLS`) with ctypes `args`: its result (errno set
+    where it fails), or None on a machine whose number is not known."""
+    number = SYSCALLS.get(platform.machine(), {}).get(name)
+    return None if number is None else _libc().syscall(ctypes.c_long(number), *args)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

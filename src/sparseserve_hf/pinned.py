@@ -11,6 +11,7 @@ asynchronously and kernels address it directly (UVA).
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 from typing import Protocol
 
@@ -64,13 +65,23 @@ def pinned_empty(
     registrar = registrar if registrar is not None else CudaRegistrar()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     locked = max(-(-nbytes // PAGE_BYTES) * PAGE_BYTES, PAGE_BYTES)
-    raw = np.empty(locked + PAGE_BYTES, dtype=np.uint8)  # one spare page to start on a page boundary
-    start = -raw.ctypes.data % PAGE_BYTES
-    owner = raw[start : start + locked]  # a view: `raw` stays alive through it
+    owner = _host_pages(locked, numa_node)
     address = owner.ctypes.data
-    if numa_node is not None:  # before the first touch, which places the pages
-        bind_to_node(address, locked, numa_node)
     torch.from_numpy(owner).zero_()  # every page faulted in, in parallel
     registrar.register(address, locked)
     weakref.finalize(owner, registrar.unregister, address)
     return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)
+
+
+def _host_pages(nbytes: int, numa_node: int | None) -> np.ndarray:
+    """`nbytes` (a page multiple) of untouched host memory starting on a page, as a uint8 array that
+    owns it. With a node, the pages are a mapping of their own, preferring the node from their
+    first touch on: a policy set on a range of the malloc heap would outlive this memory and pass
+    to whatever the heap later puts there."""
+    if numa_node is None:
+        raw = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)  # one spare page to start on a page boundary
+        start = -raw.ctypes.data % PAGE_BYTES
+        return raw[start : start + nbytes]  # a view: `raw` stays alive through it
+    pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)  # unmapped with its last view
+    bind_to_node(pages.ctypes.data, nbytes, numa_node)
+    return pages
