@@ -177,7 +177,7 @@ class SparseServeConfig:
             host's work between steps and the launch of a captured step then overlap the
             device's work. A row that a stop token ends decodes one token more, dropped; a
             request submitted meanwhile waits one iteration more. Tokens are the same either
-            way. Off until it is measured on a GPU.
+            way.
         generate_graphs: a cache built from the model itself (`SparseServeCache(model, ...)`) runs
             each decode step of `model.generate` as the `Generator`'s step
             (`generate_graphs.GenerateGraphs`): one CUDA graph of the whole model on CUDA with the
@@ -250,7 +250,7 @@ class SparseServeConfig:
     cuda_graphs: bool | None = None
     layer_graphs: bool = True
     generate_graphs: bool = True
-    decode_ahead: bool = False
+    decode_ahead: bool = True
     prefix_caching: bool = False
     fused_rope: bool = True
     fused_norms: bool = True

@@ -78,7 +78,10 @@ def serve(target_tbt_ms: float | None) -> tuple[Generator, SimulatedClock, list,
     """One request decoding while three more arrive and prefill; returns the engine, the clock, the
     outputs in submission order and the first request's times between tokens (simulated seconds)."""
     model = tiny_model("llama", num_layers=LAYERS)
-    gen = Generator(model, None, SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms))
+    # The clock charges a decode step when it is launched: one launched ahead (`decode_ahead`) would
+    # be charged an iteration before its token is recorded, so steps here launch in turn.
+    config = SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms, decode_ahead=False)
+    gen = Generator(model, None, config)
     clock = SimulatedClock(gen)
     first = gen.submit(prompt(PROMPT, seed=1), SamplingParams(max_new_tokens=40))
     outputs = {}
