@@ -3,12 +3,18 @@ estimated logits, read straight from the channel metadata pool through the rows'
 
 One program takes BLOCK_N blocks of one (row, KV head), side by side, for all G query heads of the
 group. A key is `code * step + low` per stored channel, so a token's logit is the sum over the
-block's channels of `code * (q * step)` plus `q . low`: a loop over the P stored channels reads
-each block's pair index, minimum and step, gathers the group's query on that channel and adds
-its codes' share into a (BLOCK_N, G, S) accumulator; SparQ's correction (the share of |q| the
-block's channels hold) scales each (block, head) at the end, and a log-sum-exp over the S tokens
-follows. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
-Everything computes in fp32, like the spec; only the order of the sums over channels differs.
+block's channels of `code * (q * step)` plus `q . low`, scaled by SparQ's correction (the share of
+|q| the block's channels hold); a log-sum-exp over the S tokens follows. A step reads each block's
+metadata once; no (B, Hkv, N, S, P) key copy is ever made. Everything computes in fp32, like the
+spec; only the order of the sums over channels differs. Two forms (`FORM`, a launch knob):
+- "vector": every load of a program is issued up front, as whole tiles: the blocks' headers
+  (P pair indices, minima and steps), the group's query on those channels (one gather), and the
+  (S/T, P) code bytes; the codes of each token of a byte then meet the step-weighted query in one
+  (BLOCK_N, G, S/T, P) product summed over P, and a running log-sum-exp joins the T token sets.
+  Its loads form a chain of three (table, header, query), whatever P is.
+- "loop": a loop over the P stored channels, each reading its pair index, minimum and step and
+  gathering the query on that channel before adding its codes' share into a (BLOCK_N, G, S)
+  accumulator: a chain of dependent loads per channel.
 The softmax over a row's blocks (`channels.block_mass`) is one PyTorch op on (B, Hq, N).
 """
 
@@ -20,10 +26,12 @@ import triton.language as tl
 
 from . import channels
 
-BLOCK_N = 4  # blocks per program (a launch knob)
-NUM_WARPS = 1  # (a launch knob)
-UNROLL = 2  # unroll factor of the loop over the stored channels (a launch knob)
-WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
+FORM = "vector"  # "vector" or "loop" (a launch knob, see above)
+BLOCK_N = 4  # "vector": blocks per program (a launch knob)
+NUM_WARPS = 4  # "vector": warps per program (a launch knob)
+UNROLL = 2  # "loop": unroll factor of the loop over the stored channels (a launch knob)
+WORDS = True  # "loop": the codes of 4 channels per 32-bit load where P allows (a launch knob)
+LOOP_BLOCK_N, LOOP_NUM_WARPS = 4, 1  # the loop form's launch, measured fastest for it on the H200
 
 
 @triton.jit
@@ -102,6 +110,79 @@ def _block_lse_kernel(
     tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])
 
 
+@triton.jit
+def _block_lse_vector_kernel(
+    query_ptr,  # (B, Hkv, G, D) fp32 queries times the softmax scale, contiguous
+    abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
+    codes_ptr,  # the pool's bytes, uint8 (C, M, D)
+    bounds_ptr,  # the same pool as float8_e4m3fn (for the minima and the steps)
+    ids_ptr,  # (B, Hkv, N) int64, unit stride on N
+    out_ptr,  # (B, Hq, N) fp32
+    stride_ib,
+    stride_ih,
+    stride_ob,
+    stride_oh,
+    stride_mc,
+    num_blocks,
+    num_kv_heads,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    P: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_J: tl.constexpr,  # >= S / PER_BYTE, the code bytes of one stored channel
+    HEADER: tl.constexpr,  # the header's first byte
+    PER_BYTE: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile] (the "vector" form)."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.arange(0, BLOCK_G)
+    p = tl.arange(0, BLOCK_P)
+    j = tl.arange(0, BLOCK_J)
+    in_table = n < num_blocks
+    block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
+    valid = block >= 0
+    start = block * stride_mc  # (BLOCK_N,)
+    stored = valid[:, None] & (p < P)[None, :]  # (BLOCK_N, BLOCK_P)
+    header = start[:, None] + HEADER  # (BLOCK_N, 1)
+    pair = tl.load(codes_ptr + header + p[None, :] % (P // 2), mask=stored, other=0).to(tl.int32)
+    channel = pair + (p // (P // 2))[None, :] * (
+        D // 2
+    )  # (BLOCK_N, BLOCK_P): from i = P / 2 on, the pair's second half
+    low = tl.load(bounds_ptr + header + P // 2 + p[None, :], mask=stored, other=0.0).to(tl.float32)
+    step = tl.load(bounds_ptr + header + P // 2 + P + p[None, :], mask=stored, other=0.0).to(tl.float32)
+    code_bytes = start[:, None, None] + (j * P)[None, :, None] + p[None, None, :]  # (BLOCK_N, BLOCK_J, BLOCK_P)
+    code_ok = stored[:, None, :] & (j < S // PER_BYTE)[None, :, None]
+    packed = tl.load(codes_ptr + code_bytes, mask=code_ok, other=0).to(tl.int32)
+    query_rows = (row_head * G + g) * D  # (BLOCK_G,)
+    q_ok = stored[:, None, :] & (g < G)[None, :, None]
+    q = tl.load(query_ptr + query_rows[None, :, None] + channel[:, None, :], mask=q_ok, other=0.0)  # (BN, BG, BP)
+    total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=g < G, other=1.0), 1e-30)
+    kept = tl.sum(tl.abs(q), axis=2)  # (BLOCK_N, BLOCK_G)
+    correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[None, :], 1e-6))
+    offset = tl.sum(q * low[:, None, :], axis=2)
+    weighted = q * tl.maximum(step, 1e-8)[:, None, :]  # (BLOCK_N, BLOCK_G, BLOCK_P)
+    best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    for k in tl.static_range(PER_BYTE):  # token j * PER_BYTE + k of each code byte j
+        codes = ((packed >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, BLOCK_J, BLOCK_P)
+        dots = tl.sum(codes[:, None, :, :] * weighted[:, :, None, :], axis=3)  # (BLOCK_N, BLOCK_G, BLOCK_J)
+        logits = (dots + offset[:, :, None]) * correction[:, :, None]
+        logits = tl.where((j < S // PER_BYTE)[None, None, :], logits, float("-inf"))
+        newest = tl.maximum(best, tl.max(logits, axis=2))
+        total = total * tl.exp(best - newest) + tl.sum(tl.exp(logits - newest[:, :, None]), axis=2)
+        best = newest
+    lse = tl.where(valid[:, None], best + tl.log(total), float("-inf"))
+    out = out_ptr + b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]
+    tl.store(out, lse, mask=in_table[:, None] & (g < G)[None, :])
+
+
 def block_logsumexp(
     query: torch.Tensor,
     metadata: torch.Tensor,
@@ -128,15 +209,25 @@ def block_logsumexp(
         return out
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
+    query_args = (scaled.contiguous(), scaled.abs().sum(-1).contiguous())
+    strides = (block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0))
+    header = channels.header_start(block_size, stored, dim)
+    if FORM == "vector":
+        _block_lse_vector_kernel[(batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))](
+            *query_args, metadata.view(torch.uint8), metadata, block_ids, out, *strides, num_blocks, num_kv_heads,
+            D=dim, G=group, P=stored, S=block_size, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=BLOCK_N,
+            BLOCK_P=triton.next_power_of_2(stored), BLOCK_J=triton.next_power_of_2(block_size // channels.PER_BYTE),
+            HEADER=header, PER_BYTE=channels.PER_BYTE, BITS=channels.BITS, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        return out
+    if FORM != "loop":
+        raise ValueError(f"unknown channel kernel form {FORM!r}; one of 'vector', 'loop'")
     words = WORDS and stored % 4 == 0 and dim % 4 == 0  # then every block's code rows start 4-aligned
-    _block_lse_kernel[grid](
-        scaled.contiguous(), scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
-        metadata.view(torch.int32 if words else torch.uint8), metadata, block_ids, out,
-        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0), num_blocks,
-        num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
-        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=NUM_WARPS,
+    _block_lse_kernel[(batch * num_kv_heads, triton.cdiv(num_blocks, LOOP_BLOCK_N))](
+        *query_args, metadata.view(torch.uint8), metadata.view(torch.int32 if words else torch.uint8), metadata,
+        block_ids, out, *strides, num_blocks, num_kv_heads, D=dim, G=group, P=stored, S=block_size,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=LOOP_BLOCK_N, HEADER=header, PER_BYTE=channels.PER_BYTE,
+        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=LOOP_NUM_WARPS,
     )  # fmt: skip
     return out
 
