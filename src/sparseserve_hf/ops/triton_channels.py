@@ -149,30 +149,35 @@ def _block_lse_vector_kernel(
     block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
     valid = block >= 0
     start = block * stride_mc  # (BLOCK_N,)
-    stored = valid[:, None] & (p < P)[None, :]  # (BLOCK_N, BLOCK_P)
-    header = start[:, None] + HEADER  # (BLOCK_N, 1)
-    pair = tl.load(codes_ptr + header + p[None, :] % (P // 2), mask=stored, other=0).to(tl.int32)
-    channel = pair + (p // (P // 2))[None, :] * (
-        D // 2
-    )  # (BLOCK_N, BLOCK_P): from i = P / 2 on, the pair's second half
-    low = tl.load(bounds_ptr + header + P // 2 + p[None, :], mask=stored, other=0.0).to(tl.float32)
-    step = tl.load(bounds_ptr + header + P // 2 + P + p[None, :], mask=stored, other=0.0).to(tl.float32)
-    code_bytes = start[:, None, None] + (j * P)[None, :, None] + p[None, None, :]  # (BLOCK_N, BLOCK_J, BLOCK_P)
-    code_ok = stored[:, None, :] & (j < S // PER_BYTE)[None, :, None]
+    # Stored channels lead every tile, so that the sums over them stay inside a thread (the layouts
+    # spread the trailing dimensions over a warp's lanes): no shuffles in the inner product.
+    stored = (p < P)[:, None] & valid[None, :]  # (BLOCK_P, BLOCK_N)
+    header = start[None, :] + HEADER  # (1, BLOCK_N)
+    pair = tl.load(codes_ptr + header + (p % (P // 2))[:, None], mask=stored, other=0).to(tl.int32)
+    channel = pair + (p // (P // 2))[:, None] * (D // 2)  # (BLOCK_P, BLOCK_N): from i = P / 2 on, the second half
+    low = tl.load(bounds_ptr + header + P // 2 + p[:, None], mask=stored, other=0.0).to(tl.float32)
+    step = tl.load(bounds_ptr + header + P // 2 + P + p[:, None], mask=stored, other=0.0).to(tl.float32)
+    code_bytes = start[None, :, None] + (j * P)[None, None, :] + p[:, None, None]  # (BLOCK_P, BLOCK_N, BLOCK_J)
+    code_ok = stored[:, :, None] & (j < S // PER_BYTE)[None, None, :]
     packed = tl.load(codes_ptr + code_bytes, mask=code_ok, other=0).to(tl.int32)
     query_rows = (row_head * G + g) * D  # (BLOCK_G,)
-    q_ok = stored[:, None, :] & (g < G)[None, :, None]
-    q = tl.load(query_ptr + query_rows[None, :, None] + channel[:, None, :], mask=q_ok, other=0.0)  # (BN, BG, BP)
+    q_ok = stored[:, :, None] & (g < G)[None, None, :]
+    q = tl.load(query_ptr + query_rows[None, None, :] + channel[:, :, None], mask=q_ok, other=0.0)  # (BP, BN, BG)
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=g < G, other=1.0), 1e-30)
-    kept = tl.sum(tl.abs(q), axis=2)  # (BLOCK_N, BLOCK_G)
+    kept = tl.sum(tl.abs(q), axis=0)  # (BLOCK_N, BLOCK_G)
     correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[None, :], 1e-6))
-    offset = tl.sum(q * low[:, None, :], axis=2)
-    weighted = q * tl.maximum(step, 1e-8)[:, None, :]  # (BLOCK_N, BLOCK_G, BLOCK_P)
+    offset = tl.sum(q * low[:, :, None], axis=0)
+    weighted = q * tl.maximum(step, 1e-8)[:, :, None]  # (BLOCK_P, BLOCK_N, BLOCK_G)
+    # A code c becomes the float 1 + c / 2^BITS by placing its bits at the top of 1.0's mantissa (integer
+    # ops, no conversion instruction): sum(c * w) = 2^BITS * (sum((1 + c / 2^BITS) * w) - sum(w)).
+    weight_sum = tl.sum(weighted, axis=0)  # (BLOCK_N, BLOCK_G)
     best = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for k in tl.static_range(PER_BYTE):  # token j * PER_BYTE + k of each code byte j
-        codes = ((packed >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, BLOCK_J, BLOCK_P)
-        dots = tl.sum(codes[:, None, :, :] * weighted[:, :, None, :], axis=3)  # (BLOCK_N, BLOCK_G, BLOCK_J)
+        bits = ((packed << (23 - BITS - k * BITS)) & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000
+        codes = bits.to(tl.float32, bitcast=True)  # (BLOCK_P, BLOCK_N, BLOCK_J): 1 + code / 2^BITS
+        dots = tl.sum(codes[:, :, None, :] * weighted[:, :, :, None], axis=0)  # (BLOCK_N, BLOCK_G, BLOCK_J)
+        dots = (dots - weight_sum[:, :, None]) * (1 << BITS)
         logits = (dots + offset[:, :, None]) * correction[:, :, None]
         logits = tl.where((j < S // PER_BYTE)[None, None, :], logits, float("-inf"))
         newest = tl.maximum(best, tl.max(logits, axis=2))
