@@ -7,14 +7,15 @@ block's channels of `code * (q * step)` plus `q . low`, scaled by SparQ's correc
 |q| the block's channels hold); a log-sum-exp over the S tokens follows. A step reads each block's
 metadata once; no (B, Hkv, N, S, P) key copy is ever made. Everything computes in fp32, like the
 spec; only the order of the sums over channels differs. Two forms (`FORM`, a launch knob):
-- "vector": every load of a program is issued up front, as whole tiles: the blocks' headers
-  (P pair indices, minima and steps), the group's query on those channels (one gather), and the
-  (S/T, P) code bytes; the codes of each token of a byte then meet the step-weighted query in one
-  (BLOCK_N, G, S/T, P) product summed over P, and a running log-sum-exp joins the T token sets.
-  Its loads form a chain of three (table, header, query), whatever P is.
-- "loop": a loop over the P stored channels, each reading its pair index, minimum and step and
-  gathering the query on that channel before adding its codes' share into a (BLOCK_N, G, S)
-  accumulator: a chain of dependent loads per channel.
+- "loop" (the default): a loop over the P stored channels, each reading its
+  pair index, minimum and step and gathering the query on that channel before adding its codes'
+  share into a (BLOCK_N, G, S) accumulator.
+- "vector": every load of a program is issued up front, as whole tiles: the blocks' headers (P pair
+  indices, minima and steps), the group's query on those channels (one gather) and the code bytes,
+  the stored channels leading every tile so that the sums over them stay inside a thread; the codes
+  of each token of a byte then meet the step-weighted query in one product summed over the channels,
+  and a running log-sum-exp joins the tokens. About half the loop form's instructions per block;
+  swept beside it by `eval.bench.channel_kernel` (docs/performance.md has the timings).
 The softmax over a row's blocks (`channels.block_mass`) is one PyTorch op on (B, Hq, N).
 """
 
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from . import channels
 
-FORM = "vector"  # "vector" or "loop" (a launch knob, see above)
+FORM = "loop"  # "loop" or "vector" (a launch knob, see above)
 BLOCK_N = 1  # "vector": blocks per program (a launch knob)
 NUM_WARPS = 1  # "vector": warps per program (a launch knob)
 UNROLL = 2  # "loop": unroll factor of the loop over the stored channels (a launch knob)
