@@ -64,9 +64,6 @@
 #   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
 #               scorer and ladder tests, their kernel alone under its launch knobs, then the real-locality step with
 #               stock and the default config, and the same step with channel scores (the kernel's fastest knobs)
-#   channelform the channel kernel's two forms (triton_channels.FORM): their kernel tests, the kernel alone under its
-#               launch knobs, then the real-locality step with channel scores (the fastest knobs) and with the default
-#               config, both without stock (ours against ours; the `channels` part adds stock)
 #   ahead       decode_ahead (the next step launched before this one is read back): its GPU test and the graph
 #               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
 #               it, alternating, twice each
@@ -152,16 +149,6 @@ case $part in
       --out "$out/decode_step_beside.json" 2>&1 | tee "$out/decode_step_beside.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set lookup_beside_attention=False \
       --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
-  channelform)
-    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_channel_scores.py \
-      2>&1 | tee "$out/gpu_pytest_channels.log" | tail -3
-    python -m eval.bench.channel_kernel --out "$out/channel_kernel.json" 2>&1 | tee "$out/channel_kernel.log" | tail -9
-    fastest=$(knob_args "$out/channel_kernel.json" fastest_knobs)
-    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
-      --set selection=kv_head --set group_aggregation=sum $fastest \
-      --out "$out/decode_step_channels.json" 2>&1 | tee "$out/decode_step_channels.log" | tail -8
-    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
-      --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -8 ;;
   channels)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
       tests/ops/test_channel_scores.py tests/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
@@ -251,5 +238,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, channelform, ahead, aheadload, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, ahead, aheadload, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

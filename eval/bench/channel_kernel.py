@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
-    *({"FORM": "vector", "BLOCK_N": n, "NUM_WARPS": w} for n, w in [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 8)]),
-    {"FORM": "loop"},  # its own launch (LOOP_BLOCK_N, LOOP_NUM_WARPS, UNROLL, WORDS)
+    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words}
+    for n, w, u, words in [
+        (4, 1, 1, True), (4, 1, 1, False), (4, 1, 2, True), (4, 1, 12, True), (8, 1, 1, True), (8, 2, 1, True),
+        (16, 4, 1, True), (2, 1, 1, True), (1, 1, 1, True),
+    ]
 ]  # fmt: skip
 
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = 1 if args.dry_run else args.repeats
     rows = []
     expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-    defaults = {name: getattr(triton_channels, name) for name in ("FORM", "BLOCK_N", "NUM_WARPS")}
+    defaults = {name: getattr(triton_channels, name) for name in ("BLOCK_N", "NUM_WARPS", "UNROLL", "WORDS")}
     for setting in SETTINGS:
         knobs = {**defaults, **setting}
         for name, value in knobs.items():

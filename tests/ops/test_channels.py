@@ -1,4 +1,4 @@
-"""Triton channel scores against `ops.channels` (the spec), in both kernel forms."""
+"""Triton channel scores against `ops.channels` (the spec)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ from kernel_support import DEVICE, DTYPES
 from sparseserve_hf.ops import channels, triton_channels
 
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(params=["vector", "loop"], autouse=True)
-def form(request, monkeypatch):
-    """Every test runs each form of the kernel (`triton_channels.FORM`)."""
-    monkeypatch.setattr(triton_channels, "FORM", request.param)
-    return request.param
 
 
 def ragged_table(batch: int, kv_heads: int, width: int, pool_size: int, counts: list[int]) -> torch.Tensor:
@@ -89,13 +82,3 @@ def test_empty_table_returns_empty():
         query, metadata, torch.zeros(0, 2, 5, dtype=torch.long, device=DEVICE), 32, 6, 0.25
     )
     assert out.shape == (0, 4, 5)
-
-
-def test_an_unknown_form_is_refused(monkeypatch):
-    monkeypatch.setattr(triton_channels, "FORM", "tensor")
-    metadata = channel_pool(4, 32, 16, 0.375).to(DEVICE)
-    with pytest.raises(ValueError, match="form 'tensor'"):
-        triton_channels.block_logsumexp(
-            torch.zeros(1, 4, 16, device=DEVICE), metadata, torch.zeros(1, 2, 3, dtype=torch.long, device=DEVICE),
-            32, 6, 0.25,
-        )  # fmt: skip
