@@ -122,6 +122,14 @@ class SparseServeConfig:
         admission: working-set-aware admission (the paper's Algorithm 1): a request joins an
             iteration only while the working sets admitted so far plus its own fit in
             `hbm_cache_bytes`. False turns it off (the ablation); hard limits still apply.
+        reserve_decode: admission starts a waiting request only while the requests in flight
+            (decoding, sitting out or prefilling) leave it a decode row and their decode working
+            sets (the first estimate for those not decoding yet) plus its own fit in
+            `hbm_cache_bytes`, so that a prefilled
+            request can decode next to the older ones instead of waiting, after its first token,
+            for one of them to end. Off: a request starts once its prefill working set fits (the
+            paper's rule, which gives earlier first tokens under saturation). The first request
+            in flight always starts.
         prefill_mode: how the `Generator` prefills a new prompt: "layer_segmented" (the
             paper's: a segment of decoder layers per iteration over the whole prompt, each
             layer's KV leaving HBM before the next layer runs), "chunked" (chunks of the prompt,
@@ -241,6 +249,7 @@ class SparseServeConfig:
     max_batch_tokens: int | None = None
     working_set_window: int = 12
     admission: bool = True
+    reserve_decode: bool = False
     prefill_mode: str = "layer_segmented"
     max_inject_tokens: int | None = None
     target_tbt_ms: float | None = None
@@ -308,6 +317,7 @@ class SparseServeConfig:
                 )
         _check_positive_int("working_set_window", self.working_set_window)
         _check_bool("admission", self.admission)
+        _check_bool("reserve_decode", self.reserve_decode)
         _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
         if self.max_inject_tokens is not None:
             _check_positive_int("max_inject_tokens", self.max_inject_tokens)

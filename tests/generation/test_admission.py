@@ -62,3 +62,34 @@ def test_hit_rate_with_admission_is_at_least_without_under_load(llama):
     assert worst_without > worst_with  # without control a step outgrows what fits
     assert hit_with >= hit_without, (hit_with, hit_without)
     assert without.metrics()["totals"]["admitted_working_set_peak_bytes"] > SLOTS * BLOCK_BYTES
+
+
+def first_to_second_token_waits(model, reserve_decode: bool) -> tuple[list[int], list[list[int]]]:
+    """8 requests submitted at once into a cache whose slots serve 4 decode rows: the iterations each
+    request waited between its first and second tokens, and every request's tokens."""
+    config = SparseServeConfig(
+        block_size=16, token_budget=64, hbm_cache_bytes=100 * BLOCK_BYTES, reserve_decode=reserve_decode
+    )
+    gen = Generator(model, None, config)
+    ids = [gen.submit(prompt(200, seed=70 + i), SamplingParams(max_new_tokens=10)) for i in range(8)]
+    token_steps: dict[int, list[int]] = {i: [] for i in ids}
+    outputs = {}
+    step = 0
+    while gen.has_unfinished:
+        for event in gen.step():
+            if event.token_id is not None:
+                token_steps[event.request_id].append(step)
+            if event.output is not None:
+                outputs[event.request_id] = event.output.token_ids
+        step += 1
+    assert gen.metrics()["totals"]["hbm_bytes_in_use"] == 0
+    return [token_steps[i][1] - token_steps[i][0] for i in ids], [outputs[i] for i in ids]
+
+
+@pytest.mark.core
+def test_reserving_decode_keeps_a_prefilled_request_from_waiting_for_its_second_token(llama):
+    waits, tokens = first_to_second_token_waits(llama, reserve_decode=False)
+    reserved_waits, reserved_tokens = first_to_second_token_waits(llama, reserve_decode=True)
+    assert reserved_tokens == tokens
+    assert max(waits) > 3  # the paper's rule: a late request's first token, then a wait for an older row to end
+    assert max(reserved_waits) == 1  # a row and its bytes were reserved when its prefill started

@@ -45,3 +45,19 @@ def test_hard_decode_row_cap_holds_without_admission():
     cands = [Candidate(i, DECODE, 1) for i in range(6)]
     assert schedule(cands, limits(max_decode_rows=4, admission=False)).decode == [0, 1, 2, 3]
     assert schedule(cands, limits(max_batch=3, hbm_bytes=None)).decode == [0, 1, 2]
+
+
+@pytest.mark.core
+def test_reserving_decode_starts_a_request_only_where_its_decode_fits_beside_those_in_flight():
+    in_flight = [Candidate(0, DECODE, 40, decode_bytes=40), Candidate(1, PREFILL, 5, 1, decode_bytes=40)]
+    waiting = [Candidate(2, WAITING, 5, 1, decode_bytes=30), Candidate(3, WAITING, 5, 1, decode_bytes=15)]
+    assert schedule(in_flight + waiting, limits()).start == [2, 3]  # the paper's rule: prefill bytes fit
+    plan = schedule(in_flight + waiting, limits(reserve_decode=True))
+    assert plan.decode == [0] and plan.prefill == [1] and plan.start == [3]  # 40 + 40 + 30 > 100; + 15 fits
+    sat_out = [Candidate(0, DECODE, 60, decode_bytes=60), Candidate(1, DECODE, 60, decode_bytes=60)]
+    plan = schedule(sat_out + waiting, limits(reserve_decode=True))
+    assert plan.decode == [0] and plan.start == []  # a row sitting out still holds its reservation
+    assert schedule(waiting, limits(reserve_decode=True, hbm_bytes=10)).start == [2]  # the first always starts
+    assert schedule(in_flight + waiting, limits(reserve_decode=True, admission=False)).start == [2, 3]
+    assert schedule(in_flight + waiting, limits(reserve_decode=True, max_decode_rows=3)).start == [3]  # one row left
+    assert schedule(in_flight + waiting, limits(reserve_decode=True, max_decode_rows=2)).start == []

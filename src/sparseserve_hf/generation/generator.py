@@ -310,12 +310,14 @@ class Generator(RequestFrontend):
     def _candidates(self) -> list[Candidate]:
         out = []
         for request in self._requests.values():
+            decode_bytes = self._working_set_blocks(request) * self.store.block_bytes
             if request.state == RUNNING:
-                ws = self._working_set_blocks(request) * self.store.block_bytes
-                out.append(Candidate(request.request_id, DECODE, ws))
+                out.append(Candidate(request.request_id, DECODE, decode_bytes, decode_bytes=decode_bytes))
             else:
                 kind = PREFILL if request.state == PREFILLING else WAITING
-                out.append(Candidate(request.request_id, kind, request.prefill_bytes, request.dram_blocks))
+                out.append(
+                    Candidate(request.request_id, kind, request.prefill_bytes, request.dram_blocks, decode_bytes)
+                )
         return out
 
     def _limits(self) -> Limits:
@@ -330,6 +332,7 @@ class Generator(RequestFrontend):
             hbm_bytes=self.config.hbm_cache_bytes,
             admission=self.config.admission,
             dram_free_blocks=dram_free,
+            reserve_decode=self.config.reserve_decode,
         )
 
     def _decode(self, request_ids: list[int], events: list[StreamEvent], ahead: bool = False) -> None:

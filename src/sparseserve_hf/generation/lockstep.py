@@ -30,8 +30,8 @@ def tensor_parallel_size(model: torch.nn.Module) -> int:
 
 
 def agree_on_candidates(candidates: list[Candidate], tp_size: int, device: torch.device) -> list[Candidate]:
-    """The candidates with every working set the largest any rank measured (the same list on every
-    rank, in the same order); unchanged without tensor parallelism.
+    """The candidates with every working set and decode working set the largest any rank measured
+    (the same list on every rank, in the same order); unchanged without tensor parallelism.
 
     Raises RuntimeError when the ranks hold different numbers of requests: they are out of
     lockstep (a request submitted on one rank only, a failure on one rank only), and a collective
@@ -47,9 +47,12 @@ def agree_on_candidates(candidates: list[Candidate], tp_size: int, device: torch
         )
     if not candidates:
         return candidates
-    sizes = torch.tensor([c.working_set_bytes for c in candidates], dtype=torch.long, device=device)
+    sizes = torch.tensor([[c.working_set_bytes, c.decode_bytes] for c in candidates], dtype=torch.long, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
-    return [replace(c, working_set_bytes=int(size)) for c, size in zip(candidates, sizes.tolist())]
+    return [
+        replace(c, working_set_bytes=int(size), decode_bytes=int(decode))
+        for c, (size, decode) in zip(candidates, sizes.tolist())
+    ]
 
 
 def agree_on_budget(budget: int | None, tp_size: int, device: torch.device) -> int | None:
