@@ -5,9 +5,11 @@ One program takes BLOCK_N blocks of one (row, KV head), side by side, for all G 
 group. A key is `code * step + low` per stored channel, so a token's logit is the sum over the
 block's channels of `code * (q * step)` plus `q . low`: a loop over the P stored channels reads
 each block's pair index, minimum and step, gathers the group's query on that channel and adds
-its codes' share into a (BLOCK_N, G, S) accumulator; SparQ's correction (the share of |q| the
+its codes' share into an (S, BLOCK_N, G) accumulator; SparQ's correction (the share of |q| the
 block's channels hold) scales each (block, head) at the end, and a log-sum-exp over the S tokens
-follows. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
+follows. A code c enters as the float 1 + c / 2^BITS, made by placing its bits at the top of 1.0's
+mantissa (integer operations, where a conversion instruction runs at a quarter of the rate), and the
+sum of q * step over the channels is taken off at the end. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
 Everything computes in fp32, like the spec; only the order of the sums over channels differs.
 The softmax over a row's blocks (`channels.block_mass`) is one PyTorch op on (B, Hq, N).
 """
@@ -56,7 +58,7 @@ def _block_lse_kernel(
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. The BLOCK_N blocks side by
     side, a loop over the P stored channels: per channel each block's (S,) codes times its step meet
-    the group's query on that channel in a (BLOCK_N, BLOCK_G, S) accumulator; SparQ's correction
+    the group's query on that channel in an (S, BLOCK_N, BLOCK_G) accumulator; SparQ's correction
     scales each (block, head) at the end. With CHUNK 4 (P a multiple of 4) the codes of 4 channels come
     in one 32-bit load from `words_ptr`; with CHUNK 1, a byte per channel."""
     row_head = tl.program_id(0)
@@ -71,16 +73,21 @@ def _block_lse_kernel(
     start = block * stride_mc  # (BLOCK_N,)
     has_g = g < G
     query_rows = query_ptr + (row_head * G + g) * D  # (BLOCK_G,)
-    code_rows = start[:, None, None] + ((t // PER_BYTE) * P)[None, None, :]  # (BLOCK_N, 1, S)
-    code_shift = ((t % PER_BYTE) * BITS)[None, None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_G, S], tl.float32)
+    # Tokens lead the accumulator, so that a thread holds many tokens of one (block, head): the
+    # layouts spread the trailing (block, head) pairs over a warp's lanes, and a channel's query,
+    # pair index, minimum and step are one load per lane instead of a copy of them all per lane.
+    code_rows = start[None, :, None] + ((t // PER_BYTE) * P)[:, None, None]  # (S, BLOCK_N, 1)
+    code_shift = ((t % PER_BYTE) * BITS)[:, None, None]
+    top = 23 - BITS  # a code c placed at the top of 1.0's mantissa is the float 1 + c / 2^BITS
+    acc = tl.zeros([S, BLOCK_N, BLOCK_G], tl.float32)  # sum over channels of q * step * (1 + code / 2^BITS)
+    weight_sum = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)  # sum over channels of q * step
     kept = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     offset = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL):
         if CHUNK == 4:  # byte c of the word: channel first + c
-            packed = tl.load(words_ptr + (code_rows + first) // 4, mask=valid[:, None, None], other=0)
+            packed = tl.load(words_ptr + (code_rows + first) // 4, mask=valid[None, :, None], other=0)
         else:
-            packed = tl.load(codes_ptr + code_rows + first, mask=valid[:, None, None], other=0).to(tl.int32)
+            packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :, None], other=0).to(tl.int32)
         for c in tl.static_range(CHUNK):
             i = first + c
             pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
@@ -90,13 +97,17 @@ def _block_lse_kernel(
             q = tl.load(query_rows[None, :] + channel[:, None], mask=valid[:, None] & has_g[None, :], other=0.0)
             kept += tl.abs(q)
             offset += q * low[:, None]
-            codes = ((packed >> (code_shift + 8 * c)) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, 1, S)
-            acc += codes * (q * tl.maximum(step, 1e-8)[:, None])[:, :, None]
+            weighted = q * tl.maximum(step, 1e-8)[:, None]  # (BLOCK_N, BLOCK_G)
+            weight_sum += weighted
+            shifted = (packed >> (code_shift + 8 * c)) << top  # (S, BLOCK_N, 1)
+            codes = ((shifted & (((1 << BITS) - 1) << top)) | 0x3F800000).to(tl.float32, bitcast=True)
+            acc += codes * weighted[None, :, :]
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
     correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[None, :], 1e-6))  # (BLOCK_N, BLOCK_G)
-    logits = (acc + offset[:, :, None]) * correction[:, :, None]
-    best = tl.max(logits, axis=2)
-    lse = best + tl.log(tl.sum(tl.exp(logits - best[:, :, None]), axis=2))
+    dots = (acc - weight_sum[None, :, :]) * (1 << BITS)  # sum over channels of q * step * code
+    logits = (dots + offset[None, :, :]) * correction[None, :, :]  # (S, BLOCK_N, BLOCK_G)
+    best = tl.max(logits, axis=0)
+    lse = best + tl.log(tl.sum(tl.exp(logits - best[None, :, :]), axis=0))
     lse = tl.where(valid[:, None], lse, float("-inf"))
     out = out_ptr + b * stride_ob + (h * G + g)[None, :] * stride_oh + n[:, None]
     tl.store(out, lse, mask=in_table[:, None] & has_g[None, :])

@@ -77,6 +77,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--no-admission", dest="admission", action="store_false", default=None, help="admit without working-set control"
     )
+    engine.add_argument(
+        "--reserve-decode",
+        action="store_true",
+        default=None,
+        help="start a request only where it could decode beside those in flight (SparseServeConfig.reserve_decode)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -87,7 +93,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     for flag, name in (("hbm_cache_gib", "hbm_cache_bytes"), ("dram_gib", "dram_bytes")):
         if getattr(args, flag) is not None:
             values[name] = int(getattr(args, flag) * GIB)
-    for name in ("cuda_graphs", "admission"):
+    for name in ("cuda_graphs", "admission", "reserve_decode"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return SparseServeConfig(**values)
