@@ -57,6 +57,8 @@ def summarize(records: list[RequestRecord], dense_iteration_s: float | None = No
         "mean_tbt_s": _mean(tbt),
         "p50_tbt_s": _quantile(tbt, 0.5),
         "p99_tbt_s": _quantile(tbt, 0.99),
+        "max_tbt_s": max(tbt, default=None),
+        "mean_first_tbt_s": _mean([r.tbt[0] for r in done if r.tbt]),  # the wait after the first token
         "mean_queueing_s": _mean(queueing),
     }
     if dense_iteration_s is not None:

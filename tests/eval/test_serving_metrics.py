@@ -23,6 +23,7 @@ def test_summary_by_hand():
     assert s["generated_tokens"] == 5 and s["span_s"] == 3.4 and s["throughput_tokens_per_s"] == pytest.approx(5 / 3.4)
     assert s["mean_ttft_s"] == pytest.approx((1.0 + 2.0) / 2) and s["mean_queueing_s"] == pytest.approx(0.5)
     assert s["p50_tbt_s"] == pytest.approx(0.2) and s["p99_tbt_s"] == pytest.approx(0.4)  # TBTs 0.1 0.2 0.4
+    assert s["max_tbt_s"] == pytest.approx(0.4) and s["mean_first_tbt_s"] == pytest.approx((0.1 + 0.4) / 2)
     assert s["slo_tbt_s"] == pytest.approx(0.25) and s["meets_slo"] is False  # p99 0.4 > 25 x 0.01
 
 
