@@ -125,9 +125,8 @@ class SparseServeConfig:
         reserve_decode: admission starts a waiting request only while the requests in flight
             (decoding, sitting out or prefilling) leave it a decode row and their decode working
             sets (the first estimate for those not decoding yet) plus its own fit in
-            `hbm_cache_bytes`, so that a prefilled
-            request can decode next to the older ones instead of waiting, after its first token,
-            for one of them to end. Off: a request starts once its prefill working set fits (the
+            `hbm_cache_bytes`, so that a prefilled request can decode next to the older ones
+            instead of waiting, after its first token, for one of them to end. Off: a request starts once its prefill working set fits (the
             paper's rule, which gives earlier first tokens under saturation). The first request
             in flight always starts.
         prefill_mode: how the `Generator` prefills a new prompt: "layer_segmented" (the

@@ -310,14 +310,13 @@ class Generator(RequestFrontend):
     def _candidates(self) -> list[Candidate]:
         out = []
         for request in self._requests.values():
-            decode_bytes = self._working_set_blocks(request) * self.store.block_bytes
             if request.state == RUNNING:
-                out.append(Candidate(request.request_id, DECODE, decode_bytes, decode_bytes=decode_bytes))
-            else:
+                ws = self._working_set_blocks(request) * self.store.block_bytes
+                out.append(Candidate(request.request_id, DECODE, ws, decode_bytes=ws))
+            else:  # the first decode estimate only where admission reserves it
+                decode = self._working_set_blocks(request) * self.store.block_bytes if self.config.reserve_decode else 0
                 kind = PREFILL if request.state == PREFILLING else WAITING
-                out.append(
-                    Candidate(request.request_id, kind, request.prefill_bytes, request.dram_blocks, decode_bytes)
-                )
+                out.append(Candidate(request.request_id, kind, request.prefill_bytes, request.dram_blocks, decode))
         return out
 
     def _limits(self) -> Limits:
