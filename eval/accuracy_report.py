@@ -23,7 +23,7 @@ from pathlib import Path
 
 from eval.common import DENSE, split_method, summarize
 from eval.results_io import read_jsonl, stored
-from eval.t7 import families_with_loads, t7_at_loaded
+from eval.t7 import families_with_loads, paired_ratio, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
 GEMMA3_LENGTH = 16384  # the second model's T7 length (its context is 32K)
@@ -124,19 +124,23 @@ def variant_vs_default(folder: Path, family: str) -> dict:
     """One run's `family` (e.g. 8-bit KV blocks) against the default selector at the same budgets, in
     that run: {budget: mean family score / mean default score} over the tasks dense solves, with
     both families' ratios to dense beside it."""
-    report = ruler_report(read_rows(folder))
+    rows = read_rows(folder)
+    report = ruler_report(rows)
     scores = report["score"]
     out: dict = {"run": folder.name, "lengths": {}}
     for length, detail in report["lengths"].items():
         tasks, to_dense = detail["tasks_in_ratio"], detail["ratio_to_dense"]
         budgets = [b for b in to_dense.get(family, {}) if b in to_dense.get(DEFAULT_FAMILY, {})]
-        ratios = {}
+        ratios, intervals = {}, {}
         for b in budgets:
             default = sum(scores[t][f"{DEFAULT_FAMILY}_{b}"] for t in tasks)
             ratios[b] = round(sum(scores[t][f"{family}_{b}"] for t in tasks) / default, 4) if default else None
+            _, interval = paired_ratio(rows, tasks, f"{DEFAULT_FAMILY}_{b}", f"{family}_{b}")
+            intervals[b] = None if interval is None else [round(x, 4) for x in interval]
         out["lengths"][length] = {
             "tasks_in_ratio": tasks,
             f"ratio_to_{DEFAULT_FAMILY}": ratios,
+            f"ci90_to_{DEFAULT_FAMILY}": intervals,
             "ratio_to_dense": {family: to_dense.get(family, {}), DEFAULT_FAMILY: to_dense.get(DEFAULT_FAMILY, {})},
         }
     return out
@@ -170,7 +174,11 @@ def build(
         report["gemma3_meta"] = [read_meta(f) for f in gemma3_folders]
     if fp8_folder is not None:
         fp8 = variant_vs_default(fp8_folder, FP8_FAMILY)
-        report["fp8"] = fp8 | {"ratio_to_bf16": fp8["lengths"].get("8192", {}).get(f"ratio_to_{DEFAULT_FAMILY}", {})}
+        at_8k = fp8["lengths"].get("8192", {})
+        report["fp8"] = fp8 | {
+            "ratio_to_bf16": at_8k.get(f"ratio_to_{DEFAULT_FAMILY}", {}),
+            "ci90_to_bf16": at_8k.get(f"ci90_to_{DEFAULT_FAMILY}", {}),
+        }
     current_folders = current_folders or []
     if ruler_folders or current_folders:
         rows = merge_rows(merge(ruler_folders, renames), merge(current_folders))
@@ -246,13 +254,15 @@ def _fp8_lines(block: dict | None) -> list[str]:
         return []
     lines = [(f"**8-bit KV blocks** (`{FP8_FAMILY}`, run `{block['run']}`) against the default selector with "
               "model-dtype blocks in the same run, at the same nominal budget:"), "",
-             f"| length | budget | {FP8_FAMILY} / dense | {DEFAULT_FAMILY} / dense | {FP8_FAMILY} / {DEFAULT_FAMILY} |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             (f"| length | budget | {FP8_FAMILY} / dense | {DEFAULT_FAMILY} / dense | {FP8_FAMILY} / {DEFAULT_FAMILY} | "
+              "paired bootstrap 90% CI |"), "|---|---|---|---|---|---|"]  # fmt: skip
     for length, detail in block["lengths"].items():
-        to_dense = detail["ratio_to_dense"]
+        to_dense, intervals = detail["ratio_to_dense"], detail.get(f"ci90_to_{DEFAULT_FAMILY}", {})
         for budget, ratio in detail[f"ratio_to_{DEFAULT_FAMILY}"].items():
+            interval = intervals.get(budget)
+            shown = "" if interval is None else f"[{interval[0]}, {interval[1]}]"
             lines.append(f"| {length} | {budget} | {to_dense[FP8_FAMILY][budget]} | "
-                         f"{to_dense[DEFAULT_FAMILY][budget]} | {ratio} |")  # fmt: skip
+                         f"{to_dense[DEFAULT_FAMILY][budget]} | {ratio} | {shown} |")  # fmt: skip
     return lines + [""]
 
 

@@ -61,6 +61,16 @@ def t7_at_loaded(
     return block
 
 
+def paired_ratio(
+    rows: list[dict], tasks: list[str], base: str, other: str, resamples: int = 1000, seed: int = 0
+) -> tuple[float | None, list[float] | None]:
+    """`other`'s mean score over `base`'s (methods of one run) over `tasks`, on the samples both
+    answered, and its paired bootstrap 90% interval (the same draw for both methods)."""
+    scores = _scores_by_task(rows)
+    pairs = {t: _paired(scores[t][base], scores[t][other]) for t in tasks if base in scores[t] and other in scores[t]}
+    return _ratio(pairs), _bootstrap(pairs, resamples, seed)
+
+
 def _largest_fitting(
     loads: dict[str, tuple[float, float]], fraction: float, scores: dict, tasks: list[str]
 ) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from eval.t7 import paired_ratio
 
 from eval import accuracy_report
 
@@ -66,6 +67,19 @@ def test_fp8_block_compares_the_variant_with_the_default_of_its_own_run(tmp_path
     assert detail["tasks_in_ratio"] == ["niah@8192", "qa@8192"]
     assert detail["ratio_to_dense"] == {"fp8_kv": {"256": 0.6667}, "sparse": {"256": 0.8333}}
     assert "| 8192 | 256 | 0.6667 | 0.8333 | 0.8 |" in (tmp_path / "accuracy.md").read_text()
+    # paired resamples: niah's pairs (sparse, fp8) are (100, 100) and (50, 0), qa's both (50, 50), so every
+    # resample's ratio lies in [0.5, 1.0] and the 90% interval holds the point ratio
+    low, high = report["fp8"]["ci90_to_bf16"]["256"]
+    assert 0.5 <= low <= 0.8 <= high <= 1.0 and low < high
+
+
+def test_paired_ratio_pairs_samples_by_index_and_skips_tasks_without_both_methods():
+    rows = _rows("niah@8192", {"a_1": [100, 50, 0], "b_1": [50, 50]})  # sample 2 answered by a alone
+    rows += _rows("qa@8192", {"a_1": [10]})  # b missing: the task is left out
+    ratio, interval = paired_ratio(rows, ["niah@8192", "qa@8192"], "a_1", "b_1")
+    assert ratio == pytest.approx(50 / 75)
+    assert interval is not None and interval[0] <= ratio <= interval[1]
+    assert paired_ratio(rows, ["qa@8192"], "a_1", "b_1") == (None, None)
 
 
 def test_rename_swaps_families_at_once(tmp_path):
