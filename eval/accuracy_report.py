@@ -26,7 +26,7 @@ from eval.results_io import read_jsonl, stored
 from eval.t7 import families_with_loads, paired_ratio, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
-GEMMA3_LENGTH = 16384  # the second model's T7 length (its context is 32K)
+GEMMA3_LENGTH = 16384  # the second model's judged length (its context is 32K)
 DEFAULT_FAMILY = "sparse"  # methods named "sparse_<budget>": the default SparseServeConfig (see --rename)
 T7_TARGETS = {16: 0.99, 32: 0.97}  # context / budget -> minimum ratio to dense
 FP8_FAMILY = "fp8_kv"  # methods "fp8_kv_<budget>": the default config with kv_dtype=float8_e4m3fn
@@ -202,14 +202,14 @@ def build(
 
 
 def loaded_blocks(rows: list[dict], length: int) -> dict[str, dict]:
-    """Every method family's T7 block at `length` tokens judged at what it loads (families without
+    """Every method family's accuracy block at `length` tokens, judged at what it loads (`eval.t7`; families without
     loads or verdicts left out)."""
     blocks = {f: t7_at_loaded(rows, length, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
     return {family: block for family, block in blocks.items() if block is not None}
 
 
 def gemma3_report(rows: list[dict]) -> dict:
-    """The second model's T7 at 16K loaded tokens: the default family's block (`t7_gemma3_16k`) and
+    """The second model's accuracy judged at what it loads at 16K: the default family's block (`t7_gemma3_16k`) and
     every family's (`t7_gemma3_16k_by_family`). Its 3 global layers are its sparse ones, so their
     loads are what each row's loaded fraction averages."""
     blocks = loaded_blocks(rows, GEMMA3_LENGTH)

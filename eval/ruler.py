@@ -745,7 +745,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--oracle",
         action="store_true",
         help="also the block oracle at every budget (methods oracle_<budget>: true attention picks each KV "
-        "head's blocks, eval.oracle_attention): the ceiling T7 is judged against",
+        "head's blocks, eval.oracle_attention): the ceiling of any selector loading as much",
     )
     return parser.parse_args(argv)
 
