@@ -68,6 +68,10 @@
 #               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
 #               it, alternating, twice each
 #   aheadload   the same timings with load_budget=4096 (all 16 rows decode), without the tests
+#   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
+#               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
+#               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
+#               Firecracker runtime, where ncu reads the counters; clocks left alone)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -234,9 +238,21 @@ case $part in
       python -m eval.bench.generator_phases --steps 40 $load --set decode_ahead=$ahead \
         --out "$out/generator_phases_${part}_$run.json" 2>&1 | tail -3
     done ;;
+  ncu)
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    "$ncu_bin" --clock-control none --set full --kernel-name regex:_channel --launch-count 2 \
+      python -m eval.bench.channel_kernel --repeats 1 > "$out/ncu_channels.txt" 2>&1 || true
+    grep -E "Duration|Throughput|Stall|Issue|Occupancy|Registers|Warp Cycles|Executed Ipc|L1/TEX Hit" \
+      "$out/ncu_channels.txt" | head -60
+    "$ncu_bin" --clock-control none --set full \
+      --kernel-name regex:"_score_kernel|_combine_kernel|_select_union_kernel|_resolve_kernel|_picked_kernel" \
+      --launch-skip 100 --launch-count 5 \
+      python -m eval.bench.step_knobs --layers 4 --warmup 20 --steps 5 > "$out/ncu_selection.txt" 2>&1 || true
+    grep -E "^  _|Duration|Stall|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc" \
+      "$out/ncu_selection.txt" | head -60 ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, ahead, aheadload, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
