@@ -240,13 +240,13 @@ case $part in
     done ;;
   ncu)
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-    "$ncu_bin" --clock-control none --set full --kernel-name regex:_channel --launch-count 2 \
+    "$ncu_bin" --clock-control none --set full --kernel-name regex:_block_lse --launch-count 2 \
       python -m eval.bench.channel_kernel --repeats 1 > "$out/ncu_channels.txt" 2>&1 || true
     grep -E "Duration|Throughput|Stall|Issue|Occupancy|Registers|Warp Cycles|Executed Ipc|L1/TEX Hit" \
       "$out/ncu_channels.txt" | head -60
     "$ncu_bin" --clock-control none --set full \
-      --kernel-name regex:"_score_kernel|_combine_kernel|_select_union_kernel|_resolve_kernel|_picked_kernel" \
-      --launch-skip 100 --launch-count 5 \
+      --kernel-name regex:"_score_kernel|_combine_kernel|_select_union_kernel|_claim_kernel|_install_kernel" \
+      --launch-skip 100 --launch-count 10 \
       python -m eval.bench.step_knobs --layers 4 --warmup 20 --steps 5 > "$out/ncu_selection.txt" 2>&1 || true
     grep -E "^  _|Duration|Stall|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc" \
       "$out/ncu_selection.txt" | head -60 ;;
