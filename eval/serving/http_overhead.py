@@ -124,7 +124,7 @@ def serve_flags(config: SparseServeConfig) -> list[str]:
             flags += [flag, repr(getattr(config, name) / GIB)]
     flags += ["--cuda-graphs"] if config.cuda_graphs else []
     flags += [] if config.admission else ["--no-admission"]
-    flags += ["--reserve-decode"] if config.reserve_decode else []
+    flags += [] if config.reserve_decode else ["--no-reserve-decode"]
     parsed = cli.engine_config(cli.parse_args(["serve", *flags]))
     if parsed != config:
         differ = [name for name, value in config.to_dict().items() if parsed.to_dict()[name] != value]

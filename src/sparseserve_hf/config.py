@@ -125,10 +125,10 @@ class SparseServeConfig:
         reserve_decode: admission starts a waiting request only while the requests in flight
             (decoding, sitting out or prefilling) leave it a decode row and their decode working
             sets (the first estimate for those not decoding yet) plus its own fit in
-            `hbm_cache_bytes`, so that a prefilled request can decode next to the older ones
-            instead of waiting, after its first token, for one of them to end. Off: a request starts once its prefill working set fits (the
-            paper's rule, which gives earlier first tokens under saturation). The first request
-            in flight always starts.
+            `hbm_cache_bytes`, so that a prefilled request decodes next to the older ones instead
+            of waiting, after its first token, for one of them to end. False: a request starts
+            once its prefill working set fits (the paper's rule: under saturation its first token
+            can come seconds before its second). The first request in flight always starts.
         prefill_mode: how the `Generator` prefills a new prompt: "layer_segmented" (the
             paper's: a segment of decoder layers per iteration over the whole prompt, each
             layer's KV leaving HBM before the next layer runs), "chunked" (chunks of the prompt,
@@ -248,7 +248,7 @@ class SparseServeConfig:
     max_batch_tokens: int | None = None
     working_set_window: int = 12
     admission: bool = True
-    reserve_decode: bool = False
+    reserve_decode: bool = True
     prefill_mode: str = "layer_segmented"
     max_inject_tokens: int | None = None
     target_tbt_ms: float | None = None

@@ -52,7 +52,9 @@ def test_every_full_attention_family_batches_as_stock_and_as_one_by_one(arch):
     prompts = [prompt(n, seed=n) for n in LENGTHS]
     outs = Generator(model, None, small_config(token_budget=1024)).generate(prompts, SamplingParams(max_new_tokens=12))
     assert [list(o.token_ids) for o in outs] == [stock_greedy(stock, p, 12) for p in prompts]
-    config = small_config(max_batch=3, token_budget=64, hbm_cache_bytes=48 * 2048, max_inject_tokens=60)
+    config = small_config(  # the paper's admission rule, so that rows sit out (reserve_decode would start fewer)
+        max_batch=3, token_budget=64, hbm_cache_bytes=48 * 2048, max_inject_tokens=60, reserve_decode=False
+    )
     params = SamplingParams(max_new_tokens=16)
     gen = Generator(model, None, config)
     assert [o.token_ids for o in gen.generate(prompts, params)] == one_by_one(model, config, prompts, params)

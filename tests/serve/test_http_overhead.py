@@ -41,11 +41,11 @@ def test_the_serve_command_paces_prefill_to_a_target_time_between_tokens():
         cli.engine_config(cli.parse_args(["serve", "--target-tbt-ms", "0"]))
 
 
-def test_the_serve_command_reserves_decode_room_at_admission():
-    config = SparseServeConfig(reserve_decode=True)
-    assert serve_flags(config) == ["--reserve-decode"]
-    assert cli.engine_config(cli.parse_args(["serve", "--reserve-decode"])) == config
-    assert not cli.engine_config(cli.parse_args(["serve"])).reserve_decode
+def test_the_serve_command_reserves_decode_room_at_admission_unless_told_not_to():
+    config = SparseServeConfig(reserve_decode=False)
+    assert serve_flags(config) == ["--no-reserve-decode"]
+    assert cli.engine_config(cli.parse_args(["serve", "--no-reserve-decode"])) == config
+    assert cli.engine_config(cli.parse_args(["serve"])).reserve_decode
 
 
 def test_serve_flags_refuse_a_field_the_serve_command_cannot_set():

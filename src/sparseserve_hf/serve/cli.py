@@ -78,10 +78,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-admission", dest="admission", action="store_false", default=None, help="admit without working-set control"
     )
     engine.add_argument(
-        "--reserve-decode",
-        action="store_true",
+        "--no-reserve-decode",
+        dest="reserve_decode",
+        action="store_false",
         default=None,
-        help="start a request only where it could decode beside those in flight (SparseServeConfig.reserve_decode)",
+        help="start a request once its prefill fits, not only where it could also decode beside those in flight "
+        "(SparseServeConfig.reserve_decode=False)",
     )
 
 
