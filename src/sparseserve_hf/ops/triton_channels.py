@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import channels
 
-BLOCK_N = 8  # blocks per program (a launch knob)
+BLOCK_N = 16  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
 UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
