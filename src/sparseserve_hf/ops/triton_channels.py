@@ -48,6 +48,9 @@ def _block_lse_kernel(
     stride_ob,
     stride_oh,
     stride_mc,
+    stride_mw,
+    code_mask,  # ((1 << BITS) - 1) << (23 - BITS) and 1.0's bits, as arguments: held in registers they let
+    one_bits,  # the compiler join a code's "and" and "or" into one instruction (two immediates cannot)
     num_blocks,
     num_kv_heads,
     D: tl.constexpr,
@@ -84,6 +87,8 @@ def _block_lse_kernel(
     # token of its code loads: a code is decoded once and meets the G heads in registers (with the
     # heads spread over lanes, each lane would decode the same codes again).
     code_rows = start[None, :] + (j * P)[:, None]  # (S / PER_BYTE, BLOCK_N) byte of each row's first channel
+    start_word = block * stride_mw  # (BLOCK_N,) the same as 32-bit words (stride_mw = stride_mc / 4 where CHUNK is 4)
+    code_words = start_word[None, :] + (j * (P // 4))[:, None]
     shift = (k * BITS)[:, None, None]  # (PER_BYTE, 1, 1)
     top = 23 - BITS  # a code c placed at the top of 1.0's mantissa is the float 1 + c / 2^BITS
     acc = tl.zeros([BLOCK_G, PER_BYTE, S // PER_BYTE, BLOCK_N], tl.float32)  # sum of q * step * (1 + code / 2^BITS)
@@ -92,11 +97,11 @@ def _block_lse_kernel(
     offset = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
     for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL):
         if CHUNK == 4:  # byte c of each word: channel first + c
-            packed = tl.load(words_ptr + (code_rows + first) // 4, mask=valid[None, :], other=0)
+            packed = tl.load(words_ptr + code_words + first // 4, mask=valid[None, :], other=0)
             # the chunk's 4 pair indices, minima and steps (P // 2 a multiple of 4 keeps each in one word)
-            pairs = tl.load(words_ptr + (start + HEADER + first % (P // 2)) // 4, mask=valid, other=0)
-            lows = tl.load(words_ptr + (start + HEADER + P // 2 + first) // 4, mask=valid, other=0)
-            steps = tl.load(words_ptr + (start + HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
+            pairs = tl.load(words_ptr + start_word + (HEADER + first % (P // 2)) // 4, mask=valid, other=0)
+            lows = tl.load(words_ptr + start_word + (HEADER + P // 2 + first) // 4, mask=valid, other=0)
+            steps = tl.load(words_ptr + start_word + (HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
         else:
             packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :], other=0).to(tl.int32)
         for c in tl.static_range(CHUNK):
@@ -116,7 +121,7 @@ def _block_lse_kernel(
             weighted = q * tl.maximum(step, 1e-8)[None, :]  # (BLOCK_G, BLOCK_N)
             weight_sum += weighted
             shifted = (packed[None, :, :] >> (shift + 8 * c)) << top  # (PER_BYTE, S / PER_BYTE, BLOCK_N)
-            codes = ((shifted & (((1 << BITS) - 1) << top)) | 0x3F800000).to(tl.float32, bitcast=True)
+            codes = ((shifted & code_mask) | one_bits).to(tl.float32, bitcast=True)
             acc += codes[None, :, :, :] * weighted[:, None, None, :]
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
     correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[:, None], 1e-6))  # (BLOCK_G, BLOCK_N)
@@ -163,7 +168,8 @@ def block_logsumexp(
     _block_lse_kernel[grid](
         by_channel, scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
         metadata.view(torch.int32 if words else torch.uint8), metadata, block_ids, out,
-        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0), num_blocks,
+        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0),
+        metadata.stride(0) // 4, ((1 << channels.BITS) - 1) << (23 - channels.BITS), 0x3F800000, num_blocks,
         num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
         BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=NUM_WARPS,
