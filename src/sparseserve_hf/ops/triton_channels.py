@@ -86,9 +86,11 @@ def _block_lse_kernel(
     # The heads come first and a code's tokens next, so that each thread holds every head and every
     # token of its code loads: a code is decoded once and meets the G heads in registers (with the
     # heads spread over lanes, each lane would decode the same codes again).
-    code_rows = start[None, :] + (j * P)[:, None]  # (S / PER_BYTE, BLOCK_N) byte of each row's first channel
-    start_word = block * stride_mw  # (BLOCK_N,) the same as 32-bit words (stride_mw = stride_mc / 4 where CHUNK is 4)
-    code_words = start_word[None, :] + (j * (P // 4))[:, None]
+    if CHUNK == 4:  # addressed in 32-bit words (stride_mw = stride_mc / 4)
+        start_word = block * stride_mw  # (BLOCK_N,)
+        code_words = start_word[None, :] + (j * (P // 4))[:, None]  # (S / PER_BYTE, BLOCK_N) each row's first word
+    else:
+        code_rows = start[None, :] + (j * P)[:, None]  # (S / PER_BYTE, BLOCK_N) byte of each row's first channel
     shift = (k * BITS)[:, None, None]  # (PER_BYTE, 1, 1)
     top = 23 - BITS  # a code c placed at the top of 1.0's mantissa is the float 1 + c / 2^BITS
     acc = tl.zeros([BLOCK_G, PER_BYTE, S // PER_BYTE, BLOCK_N], tl.float32)  # sum of q * step * (1 + code / 2^BITS)
@@ -160,8 +162,8 @@ def block_logsumexp(
         return out
     block_g = triton.next_power_of_2(group)
     scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
-    by_channel = torch.zeros((batch, num_kv_heads, dim, block_g), dtype=torch.float32, device=query.device)
-    by_channel[..., :group] = scaled.transpose(2, 3)  # (B, Hkv, D, BLOCK_G): a channel's heads side by side
+    # (B, Hkv, D, BLOCK_G): a channel's heads side by side, zeros past G
+    by_channel = torch.nn.functional.pad(scaled.transpose(2, 3), (0, block_g - group)).contiguous()
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
     words = WORDS and stored % 8 == 0 and dim % 4 == 0  # then code rows and header runs start 4-aligned
