@@ -60,11 +60,12 @@ def warm_static_generate(model, trace: Trace, budget: Budget, cache: str = "dyna
     Returns the rows the cap held: a batch that does not fit is retried with one row fewer."""
     records = new_records(trace, math.inf)
     rows = len(_static_batch(records, 0, 0.0, budget))
+    cache_len = static_cache_len(trace.requests)
     while rows >= 1:
         first = [replace(trace.requests[i], output_tokens=WARMUP_NEW_TOKENS) for i in range(rows)]
         try:
             for size in range(rows, 0, -1):
-                generate_step_times(model, first[:size], Clock(), cache)
+                generate_step_times(model, first[:size], Clock(), cache, cache_len=cache_len)
             return rows
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -91,6 +92,7 @@ def run_static_generate(
     if cache == "offloaded" and model.device.type != "cuda":
         raise ValueError("stock offloading (DynamicCache(offloading=True)) needs a CUDA model")
     records, clock, first, batch_sizes = new_records(trace, rate), Clock(), 0, []
+    cache_len = static_cache_len(trace.requests)
     rows_cap = budget.max_batch if rows_cap is None else min(rows_cap, budget.max_batch)
     by_index = {r.index: r for r in trace.requests}
     with progress(len(records), f"static generate at {rate:g} req/s") as bar:
@@ -102,7 +104,7 @@ def run_static_generate(
             try:
                 requests = [by_index[r.index] for r in batch]
                 left = None if math.isinf(deadline_s) else max(0.0, deadline_s - clock.now())
-                times = generate_step_times(model, requests, clock, cache, max_time=left)
+                times = generate_step_times(model, requests, clock, cache, max_time=left, cache_len=cache_len)
                 for record in batch:
                     record.token_times = times[: record.output_tokens]
             except torch.OutOfMemoryError as exc:
@@ -132,11 +134,25 @@ def _static_batch(records: list[RequestRecord], first: int, now: float, budget: 
     return batch
 
 
+def static_cache_len(requests: list[TraceRequest]) -> int:
+    """Tokens of the static cache that every batch of `requests` uses: the longest prompt plus the
+    longest output. One length for the whole run: `generate` compiles its static-cache forward for
+    each new cache length, so a cache sized per batch (its default, the longest so far) would compile
+    again inside the timed run whenever a batch is longer than every one before it."""
+    return max(len(r.prompt) for r in requests) + max(r.output_tokens for r in requests)
+
+
 def generate_step_times(
-    model, requests: list[TraceRequest], clock: Clock, cache: str = "dynamic", max_time: float | None = None
+    model,
+    requests: list[TraceRequest],
+    clock: Clock,
+    cache: str = "dynamic",
+    max_time: float | None = None,
+    cache_len: int | None = None,
 ) -> list[float]:
     """Run one left-padded static batch through `generate` with `cache` (one of CACHES; stopped after
-    `max_time` seconds, if given); returns the time of each step's tokens."""
+    `max_time` seconds, if given); returns the time of each step's tokens. `cache_len`: the static
+    cache's tokens (at least this batch's; None: `generate`'s own sizing)."""
     longest = max(len(r.prompt) for r in requests)
     ids = torch.full((len(requests), longest), PAD_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -147,8 +163,8 @@ def generate_step_times(
     streamer = _StepTimes(clock)
     # generate's chunked prefill: a padded batch's whole-prompt prefill (its 4D mask alone is B x T^2)
     # does not fit beside the KV under the cap
-    if cache == "static":  # generate builds it (its length: the longest batch so far) and compiles on a GPU
-        how = {"cache_implementation": "static"}
+    if cache == "static":  # generate builds it (cache_len tokens, else the longest so far) and compiles on a GPU
+        how = {"cache_implementation": "static", "max_cache_len": cache_len}
     else:
         how = {cache_kwarg(model): DynamicCache(config=model.config, offloading=cache == "offloaded")}
     with torch.no_grad():

@@ -4,14 +4,17 @@ run at the largest batch the cap holds (a batch that breaks it runs again with o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from eval.bench.decode_step_setup import build_model
 from eval.serving.common import Budget
 from eval.serving.setup import kv_bytes_per_token
-from eval.serving.stock import run_static_generate, warm_static_generate
+from eval.serving.stock import run_static_generate, static_cache_len, warm_static_generate
 from eval.serving.trace import build_trace
+
+from sparseserve_hf.compat import cache_kwarg
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +91,30 @@ def test_each_cache_serves_every_request_in_full(model, trace, cache):
     assert result.engine["batch_sizes"] == [2, 2, 1]
     with pytest.raises(ValueError, match="unknown cache 'paged'"):
         run_static_generate(model, trace, math.inf, budget, cache="paged")
+
+
+def test_a_static_run_keeps_one_cache_length_from_its_warm_up_on(model, trace):
+    """generate compiles its static-cache forward per cache length: every batch, warm-up included,
+    uses the run's longest prompt plus longest output, so no batch of the timed run compiles again."""
+    last = trace.requests[-1]
+    trace = replace(
+        trace, requests=[*trace.requests[:-1], replace(last, prompt=last.prompt * 2)]
+    )  # the last batch longest
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=2)
+    model.__dict__.pop("_previous_max_cache_length", None)  # generate's memory of earlier calls' lengths
+    name, lengths = cache_kwarg(model), []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs[name].layers[0].max_cache_len), with_kwargs=True
+    )
+    try:
+        rows = warm_static_generate(model, trace, budget, cache="static")
+        warm_calls = len(lengths)
+        result = run_static_generate(model, trace, math.inf, budget, cache="static", rows_cap=rows)
+    finally:
+        handle.remove()
+    assert all(r.error is None and len(r.token_times) == r.output_tokens for r in result.records)
+    assert 0 < warm_calls < len(lengths)
+    assert set(lengths) == {static_cache_len(trace.requests)}
+    assert static_cache_len(trace.requests) == max(len(r.prompt) for r in trace.requests) + max(
+        r.output_tokens for r in trace.requests
+    )
