@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -128,7 +129,10 @@ def run_point(args) -> None:
     selections = RECORDED_TRACE if args.locality == "real" and args.system in LADDER else None
     overrides = config_overrides(args.overrides)
     dram_bytes = int(args.dram_gib * 2**30)
-    runner = build(args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides)
+    saturated_only = all(math.isinf(rate) for rate in args.rate)
+    runner = build(
+        args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides, saturated_only
+    )
     for rate in args.rate:
         run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)

@@ -96,6 +96,7 @@ def build(
     dram_bytes: int,
     selection_trace: Path | None = None,
     overrides: dict[str, Any] | None = None,
+    saturated_only: bool = False,
 ) -> Runner:
     """`system` warmed up on its model under `cap`: a function (rate, deadline_s) -> RunResult.
 
@@ -103,6 +104,8 @@ def build(
     `selection_trace`: for ours' rungs, the recorded selections whose blocks the engine loads (a real
     model's locality on random weights, `TraceReplay`); None: the random model's own selections.
     `overrides`: SparseServeConfig fields set over an ours rung's (a variant of it); stock takes none.
+    `saturated_only`: every rate it will run is infinite (stock's static batches then warm only the
+    sizes a saturated run forms).
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
@@ -115,7 +118,7 @@ def build(
         torch.backends.cuda.enable_cudnn_sdp(False)
     if system in STOCK_CACHES:
         cache = STOCK_CACHES[system]
-        rows = stock.warm_static_generate(model, trace, budget, cache)
+        rows = stock.warm_static_generate(model, trace, budget, cache, saturated_only)
         return functools.partial(stock.run_static_generate, model, trace, budget=budget, cache=cache, rows_cap=rows)
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)

@@ -52,10 +52,14 @@ class _StepTimes(BaseStreamer):
 CACHES = ("dynamic", "offloaded", "static")  # generate's cache: DynamicCache, offloaded, static (compiled)
 
 
-def warm_static_generate(model, trace: Trace, budget: Budget, cache: str = "dynamic") -> int:
-    """One call of every batch shape a saturated run starts with: the batch `run_static_generate`
-    forms at time zero, then its first rows - 1, ..., 1 (decode kernels are chosen per batch size,
-    and a process's first steps at a new size pay for it), each with WARMUP_NEW_TOKENS new tokens.
+def warm_static_generate(
+    model, trace: Trace, budget: Budget, cache: str = "dynamic", saturated_only: bool = False
+) -> int:
+    """One call of every batch shape a run may form, each with WARMUP_NEW_TOKENS new tokens: the batch
+    `run_static_generate` forms at time zero, then one row fewer down to 1 (decode kernels are chosen
+    per batch size, a process's first steps at a new size pay for it, and a static cache compiles
+    per size). `saturated_only`: the run is saturated (every request at time zero), so only the sizes
+    of the batches it forms are warmed (`saturated_batch_sizes`): no size it never runs is compiled.
 
     Returns the rows the cap held: a batch that does not fit is retried with one row fewer."""
     records = new_records(trace, math.inf)
@@ -63,14 +67,26 @@ def warm_static_generate(model, trace: Trace, budget: Budget, cache: str = "dyna
     cache_len = static_cache_len(trace.requests)
     while rows >= 1:
         first = [replace(trace.requests[i], output_tokens=WARMUP_NEW_TOKENS) for i in range(rows)]
+        sizes = saturated_batch_sizes(records, budget, rows) if saturated_only else range(rows, 0, -1)
         try:
-            for size in range(rows, 0, -1):
+            for size in sizes:
                 generate_step_times(model, first[:size], Clock(), cache, cache_len=cache_len)
             return rows
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             rows -= 1
     raise ValueError("the HBM cap holds no single request of this trace for stock generate")
+
+
+def saturated_batch_sizes(records: list[RequestRecord], budget: Budget, rows: int) -> list[int]:
+    """The distinct sizes, largest first, of the static batches a saturated run of `records` forms
+    with at most `rows` rows (every request arrived at time zero, so the batches are fixed)."""
+    capped, sizes, first = replace(budget, max_batch=rows), set(), 0
+    while first < len(records):
+        size = len(_static_batch(records, first, 0.0, capped))
+        sizes.add(size)
+        first += size
+    return sorted(sizes, reverse=True)
 
 
 def run_static_generate(

@@ -9,9 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 from eval.bench.decode_step_setup import build_model
-from eval.serving.common import Budget
+from eval.serving.common import Budget, new_records
 from eval.serving.setup import kv_bytes_per_token
-from eval.serving.stock import run_static_generate, static_cache_len, warm_static_generate
+from eval.serving.stock import (
+    run_static_generate,
+    saturated_batch_sizes,
+    static_cache_len,
+    warm_static_generate,
+)
 from eval.serving.trace import build_trace
 
 from sparseserve_hf.compat import cache_kwarg
@@ -49,6 +54,24 @@ def test_warm_up_runs_every_size_of_the_first_batch(model, trace):
         handle.remove()
     assert rows == 3
     assert list(dict.fromkeys(seen)) == [3, 2, 1]  # each size's prefill and decode steps, largest first
+
+
+def test_a_saturated_warm_up_runs_only_the_sizes_the_run_forms(model, trace):
+    """5 requests at time zero, 3 rows at most: the run forms batches of 3 and 2, never 1."""
+    budget = Budget(kv_bytes=1 << 30, kv_bytes_per_token=kv_bytes_per_token(model), max_batch=3)
+    seen, handle = rows_seen(model)
+    try:
+        rows = warm_static_generate(model, trace, budget, saturated_only=True)
+        warmed = list(dict.fromkeys(seen))
+        seen.clear()
+        result = run_static_generate(model, trace, math.inf, budget, rows_cap=rows)
+    finally:
+        handle.remove()
+    assert rows == 3 and warmed == [3, 2]
+    assert result.engine["batch_sizes"] == [3, 2] and set(seen) == set(warmed)
+    six = replace(trace, requests=[*trace.requests, replace(trace.requests[0], index=5)])
+    assert saturated_batch_sizes(new_records(six, math.inf), budget, 3) == [3]
+    assert saturated_batch_sizes(new_records(six, math.inf), budget, 4) == [4, 2]
 
 
 def test_a_batch_the_cap_cannot_hold_runs_again_with_fewer_rows(model, trace):
