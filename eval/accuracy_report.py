@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eval.common import DENSE, split_method, summarize
-from eval.results_io import read_jsonl, stored
+from eval.results_io import read_jsonl, save_plot, stored
 from eval.t7 import families_with_loads, paired_ratio, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
@@ -359,7 +359,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from eval.oracle_attention import oracle_run
+from eval.results_io import save_plot
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation.sizing import EngineSizes
@@ -334,7 +335,7 @@ def plot_score_vs_budget(summary: dict, path: Path) -> None:
     ax.set_title("score vs budget (dashed: dense)")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eval.oracle_attention import top_blocks
+from eval.results_io import save_plot
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import pick_blocks
 from sparseserve_hf.ops import reference
@@ -890,7 +891,7 @@ def plot(result: dict, path: Path) -> None:
             ax.set_xlabel("layer")
             ax.set_ylabel("query head")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_plot(fig, path, dpi=110)
     plt.close(fig)
 
 

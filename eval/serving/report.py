@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eval.results_io import glob_stored, read_json, stored
+from eval.results_io import glob_stored, read_json, save_plot, stored
 from eval.serving.metrics import SLO_MEAN_QUEUEING_S, SLO_TBT_ITERATIONS, RequestRecord, goodput, summarize
 from eval.serving.setup import LADDER, STOCK
 
@@ -31,9 +31,17 @@ def load_runs(folders: list[Path]) -> tuple[dict[str, dict[float, dict]], float 
             run = read_json(path)
             parts.setdefault((run_label(run), float(run["rate"])), []).append(run)
             commands.append(run["command"])
-    for (label, rate), found in parts.items():
+    for (label, rate), found in sorted(parts.items(), key=lambda item: (_system_order(item[0][0]), item[0])):
         runs.setdefault(label, {})[rate] = found[0] if len(found) == 1 else join_parts(found)
     return runs, dense, list(dict.fromkeys(commands))  # one line per process, not per rate
+
+
+def _system_order(label: str) -> int:
+    """Where a run's system stands in the tables: stock's systems, then ours' rungs in ladder order
+    (variants and random-KV runs beside their rung), then anything else."""
+    order = (*STOCK, *LADDER)
+    system = next((name for name in sorted(order, key=len, reverse=True) if label.startswith(name)), None)
+    return order.index(system) if system is not None else len(order)
 
 
 def run_label(run: dict[str, Any]) -> str:
@@ -305,7 +313,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
     plt.close(fig)
 
 
@@ -340,7 +348,7 @@ def plot_tbt(runs: dict[str, dict[float, dict]], dense: float | None, path: Path
     ax.set_ylabel("fraction of tokens")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
     plt.close(fig)
 
 

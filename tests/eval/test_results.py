@@ -8,7 +8,7 @@ import lzma
 from pathlib import Path
 
 import pytest
-from eval.results_io import glob_stored, read_json, read_jsonl, read_text, stored
+from eval.results_io import glob_stored, read_json, read_jsonl, read_text, save_plot, stored
 from eval.serving.report import load_runs
 
 from eval import accuracy_report
@@ -57,3 +57,22 @@ def test_a_plain_file_is_read_before_its_compressed_copy(tmp_path):
     assert glob_stored(tmp_path, "*.json*") == [tmp_path / "a.json", tmp_path / "b.jsonl", tmp_path / "d.json"]
     with pytest.raises(FileNotFoundError, match=r"c\.json \(nor c\.json\.gz or \.xz"):
         read_text(tmp_path / "c.json")
+
+
+def test_a_saved_plot_is_a_palette_png_smaller_than_matplotlibs_own(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i in range(6):
+        ax.plot(range(50), [((x * (i + 1)) % 17) for x in range(50)], marker="o", label=f"line {i}")
+    ax.legend()
+    save_plot(fig, tmp_path / "small.png")
+    fig.savefig(tmp_path / "full.png", dpi=120)
+    plt.close(fig)
+    with Image.open(tmp_path / "small.png") as small, Image.open(tmp_path / "full.png") as full:
+        assert small.mode == "P" and small.size == full.size
+    assert (tmp_path / "small.png").stat().st_size < (tmp_path / "full.png").stat().st_size / 2
