@@ -72,9 +72,6 @@
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
 #               Firecracker runtime, where ncu reads the counters; clocks left alone)
-#   ncuattention the attention kernels and the lookup's of one captured layer under Nsight Compute, which runs
-#               each kernel alone (caches flushed between replays): the resident half's time alone against its
-#               time beside the lookup and the miss copy in the torch-profiler timeline of the same cut (8 layers)
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -253,16 +250,6 @@ case $part in
       python -m eval.bench.step_knobs --layers 4 --warmup 20 --steps 5 > "$out/ncu_selection.txt" 2>&1 || true
     grep -E "^  _|Duration|Stall|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc" \
       "$out/ncu_selection.txt" | head -60 ;;
-  ncuattention)
-    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-    "$ncu_bin" --clock-control none --set full \
-      --kernel-name regex:"_decode_split_kernel|_decode_reduce_kernel|_copy_blocks_kernel|_claim_kernel|_install_kernel" \
-      --launch-skip 100 --launch-count 12 \
-      python -m eval.bench.step_knobs --layers 4 --warmup 20 --steps 5 > "$out/ncu_attention.txt" 2>&1 || true
-    grep -E "^  _|Duration|DRAM Throughput|Stall|Issue Slots|Achieved Occupancy|Registers Per|Grid Size|Waves Per SM" \
-      "$out/ncu_attention.txt" | head -80
-    python -m eval.bench.profile_step --graph --layers 8 --steps 3 --out "$out/profile_attention.md" 2>&1 | tail -3
-    grep -E "_decode_split_kernel|_install_kernel|_copy_blocks_kernel" "$out/profile_attention.md" | head -12 ;;
   longdoc)
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)

@@ -1,8 +1,9 @@
-"""A Triton kernel built for sm_90 on this machine, no GPU: its registers and its hot loops' instructions.
+"""A Triton kernel built for sm_90 on this machine, no GPU: its registers, shared memory and hot loops' instructions.
 
     python -m eval.bench.kernel_sass channels                      # the channel-score kernel at the step's shape
     python -m eval.bench.kernel_sass channels --knob BLOCK_N=16    # one of its launch knobs changed
     python -m eval.bench.kernel_sass combine --warps 4             # the rank interleave on 4 warps
+    python -m eval.bench.kernel_sass decode --stages 2             # the attention split kernel, 2 stages
     python -m eval.bench.kernel_sass channels --json out.json
 
 The GPU is lent for minutes; the compiler runs anywhere. Registers (they bound occupancy) and the
@@ -60,23 +61,89 @@ def combine_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
     return triton_rank._combine_kernel, signature, dict(BLOCK_N=1024, BLOCK_K=64), triton_rank.COMBINE_WARPS or 2
 
 
+def decode_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
+    """The sparse decode attention's split kernel (`ops.triton_decode`), as the step launches its resident
+    half: 4 query heads per KV head, head_dim 128, bf16 32-token blocks, a 256-entry selection (G x 63
+    blocks, padded), no head mask, no 8-bit blocks."""
+    from sparseserve_hf.ops import triton_decode
+
+    pointers = (
+        "q_ptr",
+        "pool_ptr",
+        "slots_ptr",
+        "mask_ptr",
+        "scales_ptr",
+        "tail_k_ptr",
+        "tail_v_ptr",
+        "tail_len_ptr",
+        "part_m_ptr",
+        "part_l_ptr",
+        "part_acc_ptr",
+        "resident_ptr",
+        "late_entries_ptr",
+    )
+    types = ("*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16", "*i64", "*fp32", "*fp32", "*fp32", "*i64",
+             "*i32")  # fmt: skip
+    integers = (
+        "stride_qb",
+        "stride_qh",
+        "stride_sb",
+        "stride_sh",
+        "stride_mb",
+        "stride_mh",
+        "stride_tb",
+        "stride_th",
+        "stride_ts",
+        "num_kv_heads",
+        "num_loaded",
+        "num_splits",
+        "first_part",
+        "num_parts",
+    )
+    signature = dict(zip(pointers, types)) | {name: "i32" for name in integers} | {"scaling": "fp32"}
+    size, dim, group = 32, 128, 4
+    constants = dict(G=group, BLOCK_G=16, S=size, D=dim, BLOCK_D=dim, BLOCK_U=triton_decode.TILE_TOKENS // size,
+                     BLOCK_LOADED=256, TAIL_TOKENS=size, HAS_MASK=False, IEEE=False,
+                     MIN_PER_SPLIT=triton_decode.MIN_BLOCKS_PER_SPLIT, SCALED=False, LATE=False)  # fmt: skip
+    return triton_decode._decode_split_kernel, signature, constants, triton_decode.SPLIT_WARPS
+
+
 KERNELS: dict[str, Callable[[], tuple[Any, dict[str, str], dict[str, Any], int]]] = {
     "channels": channels_kernel,
     "combine": combine_kernel,
+    "decode": decode_kernel,
+}
+STAGES = {"decode": "SPLIT_STAGES"}  # kernels launched with software-pipelining stages: the module's knob
+# Integer arguments that are multiples of 16 at the step's shape. Triton specializes a launch on them
+# (and on every 16-byte aligned pointer) and can then vectorize the addresses built from them.
+ALIGNED_INTS = {
+    "decode": ("stride_qb", "stride_qh", "stride_sb", "stride_tb", "stride_th", "stride_ts"),
+    "combine": ("num_table", "DEPTH"),
 }
 
 
-def build(fn: Any, signature: dict[str, str], constants: dict[str, Any], num_warps: int) -> bytes:
-    """The cubin of `fn` for sm_90: `signature` types the runtime arguments, `constants` sets the
-    constexpr ones."""
+def build(
+    fn: Any,
+    signature: dict[str, str],
+    constants: dict[str, Any],
+    num_warps: int,
+    num_stages: int | None = None,
+    aligned_ints: tuple[str, ...] = (),
+) -> tuple[bytes, int]:
+    """The cubin of `fn` for sm_90 and the shared memory one program takes (bytes): `signature` types
+    the runtime arguments, `constants` sets the constexpr ones. As a launch would, every pointer and
+    the `aligned_ints` are taken as multiples of 16 (bytes or units)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     typed = dict(signature) | {name: "constexpr" for name in constants}
     fixed = {(fn.arg_names.index(name),): value for name, value in constants.items()}
-    source = ASTSource(fn=fn, signature=typed, constexprs=fixed)
-    compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options={"num_warps": num_warps})
-    return compiled.asm["cubin"]
+    aligned = [name for name, kind in signature.items() if kind.startswith("*") or name in aligned_ints]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=fn, signature=typed, constexprs=fixed, attrs=attrs)
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
+    compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=options)
+    return compiled.asm["cubin"], int(compiled.metadata.shared)
 
 
 def report(cubin: bytes) -> dict[str, Any]:
@@ -98,6 +165,29 @@ def report(cubin: bytes) -> dict[str, Any]:
         "kinds": dict(_kinds(lines).most_common()),
         "loops": _loops(lines),
     }
+
+
+SM_REGISTERS = 65536  # per SM on sm_90
+SM_SHARED_BYTES = 227 * 1024  # the most shared memory the programs on one sm_90 SM can hold
+SM_THREADS = 2048
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs of one launch an sm_90 SM can hold at once: the fewest its registers (allocated per warp
+    in units of 256), its shared memory (1 KiB reserved per program) and its threads allow."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM_REGISTERS // (per_warp * num_warps)
+    by_shared = SM_SHARED_BYTES // (shared_bytes + 1024) if shared_bytes else SM_THREADS
+    return min(by_registers, by_shared, SM_THREADS // (32 * num_warps))
+
+
+def _own_stages(kernel: str) -> int | None:
+    """The stages the kernel launches with (its module's knob), None where it passes none."""
+    if kernel not in STAGES:
+        return None
+    from sparseserve_hf.ops import triton_decode
+
+    return getattr(triton_decode, STAGES[kernel])
 
 
 def _run(tool: Path, *args: str) -> str:
@@ -128,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("kernel", choices=sorted(KERNELS))
     parser.add_argument("--knob", action="append", default=[], help="a constexpr argument NAME=VALUE (an integer)")
     parser.add_argument("--warps", type=int, default=None, help="default: the kernel's own launch")
+    parser.add_argument("--stages", type=int, default=None, help="pipelining stages (default: the kernel's own)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     fn, signature, constants, warps = KERNELS[args.kernel]()
@@ -136,10 +227,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if name not in constants or not value.lstrip("-").isdigit():
             raise ValueError(f"--knob {knob!r}: give NAME=INTEGER for one of {sorted(constants)}")
         constants[name] = int(value)
+    stages = args.stages if args.stages is not None else _own_stages(args.kernel)
+    cubin, shared = build(fn, signature, constants, args.warps or warps, stages, ALIGNED_INTS.get(args.kernel, ()))
     result = {"kernel": args.kernel, "triton": triton.__version__, "arch": f"sm_{ARCH}", "num_warps": args.warps or warps,
-              "constants": constants} | report(build(fn, signature, constants, args.warps or warps))  # fmt: skip
+              "num_stages": stages, "constants": constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
+    result["programs_per_sm"] = programs_per_sm(result["registers"], result["num_warps"], shared)
     print(f"{args.kernel}: Triton {triton.__version__}, sm_{ARCH}, {result['num_warps']} warps, "
-          f"{result['registers']} registers, {result['instructions']} instructions")  # fmt: skip
+          f"{result['registers']} registers, {shared} bytes of shared memory ({result['programs_per_sm']} programs "
+          f"per SM at most), {result['instructions']} instructions")  # fmt: skip
     for number, loop in enumerate(result["loops"]):
         top = ", ".join(f"{kind} {count}" for kind, count in list(loop["kinds"].items())[:10])
         print(f"  loop {number}: {loop['instructions']} instructions ({top})")

@@ -39,3 +39,33 @@ def test_the_channel_kernel_loop_holds_its_multiply_adds(tmp_path):
 def test_a_knob_the_kernel_does_not_have_is_refused(knob):
     run = kernel_sass("channels", "--knob", knob)
     assert run.returncode != 0 and "NAME=INTEGER" in run.stderr
+
+
+def test_the_decode_kernel_is_built_as_launched_aligned_and_pipelined(tmp_path):
+    """Built as a launch specializes it (16-byte aligned pointers), a 64-token tile of K and V (32 KiB)
+    moves in 16-byte copies: 16 per thread of 4 warps, a few more for the slots and the tail."""
+    from sparseserve_hf.ops import triton_decode
+
+    pipelined, single = tmp_path / "pipelined.json", tmp_path / "single.json"
+    runs = [
+        kernel_sass("decode", "--json", str(pipelined)),
+        kernel_sass("decode", "--stages", "1", "--json", str(single)),
+    ]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    pipelined, single = json.loads(pipelined.read_text()), json.loads(single.read_text())
+    assert pipelined["num_stages"] == triton_decode.SPLIT_STAGES and single["num_stages"] == 1
+    for result, copy in ((pipelined, "LDGSTS"), (single, "LDG")):
+        (loop,) = result["loops"]
+        assert loop["kinds"]["HMMA"] == 32  # q.k^T and p.v of a 16-row group tile over 64 tokens, per warp
+        assert 16 <= loop["kinds"][copy] <= 32, loop["kinds"]
+        assert 1 <= result["programs_per_sm"] <= 16 and result["shared_bytes"] > 0
+    assert "LDGSTS" not in single["loops"][0]["kinds"] and single["shared_bytes"] < pipelined["shared_bytes"]
+    assert "programs per SM at most" in runs[0].stdout
+
+
+def test_programs_per_sm_take_the_tightest_of_registers_shared_memory_and_threads():
+    from eval.bench.kernel_sass import programs_per_sm
+
+    assert programs_per_sm(registers=127, num_warps=4, shared_bytes=39936) == 4  # 4,096 registers a warp
+    assert programs_per_sm(registers=64, num_warps=4, shared_bytes=100 * 1024) == 2  # shared memory
+    assert programs_per_sm(registers=32, num_warps=1, shared_bytes=0) == 64  # threads: 2,048 / 32
