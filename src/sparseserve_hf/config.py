@@ -142,9 +142,11 @@ class SparseServeConfig:
         target_tbt_ms: `Generator`: the time between a decoding row's tokens that prefill work
             beside decoding rows is sized to (milliseconds). Each iteration with decoding rows
             runs the token-layers of prefill that fit the target beside its decode step, from
-            times measured as it serves (`generation.pacing.PrefillPacer`); at least one unit of
-            prefill still runs, so prompts progress, and `max_inject_tokens` bounds the unit.
-            None = prefill work is not paced (only `max_inject_tokens` / `max_batch_tokens`).
+            times measured as it serves (`generation.pacing.PrefillPacer`). A layer of a prompt too
+            long for that room is split into chunks that fit it (layer_segmented; none below
+            `generation.prefill.PACED_MIN_CHUNK_TOKENS`, 4,096 tokens: each chunk reads its layer's
+            earlier chunks back); the iteration's first unit of prefill always runs, so prompts
+            progress. None = prefill work is not paced (only `max_inject_tokens` / `max_batch_tokens`).
         offload: True keeps every full block in (pinned) host DRAM and only an LRU cache of
             selected blocks on the device. False is the "sparse attention without offload"
             ablation: the block pool itself lives in device memory (sized by `dram_bytes`),

@@ -93,7 +93,7 @@ def test_a_failing_prefill_fails_only_its_request(llama, monkeypatch):
     gen.step()
     real_advance = gen.prefill.advance
 
-    def broken(job, budget):
+    def broken(job, budget, **options):
         raise RuntimeError("simulated device fault")
 
     monkeypatch.setattr(gen.prefill, "advance", broken)

@@ -14,6 +14,7 @@ import pytest
 from gen_support import prompt
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
+from sparseserve_hf.generation import prefill as prefill_module
 from sparseserve_hf.generation.pacing import NEWEST_WEIGHT, PrefillPacer
 from tiny_models import tiny_model
 
@@ -74,9 +75,12 @@ class SimulatedClock:
         gen._runner_step, gen.prefill._run, gen._run_prefills = decode, prefill, iteration_prefill
 
 
-def serve(target_tbt_ms: float | None) -> tuple[Generator, SimulatedClock, list, list[float]]:
-    """One request decoding while three more arrive and prefill; returns the engine, the clock, the
-    outputs in submission order and the first request's times between tokens (simulated seconds)."""
+def serve(
+    target_tbt_ms: float | None, later_prompt: int = PROMPT
+) -> tuple[Generator, SimulatedClock, list, list[float]]:
+    """One request decoding while three more (of `later_prompt` tokens) arrive and prefill; returns the
+    engine, the clock, the outputs in submission order and the first request's times between tokens
+    (simulated seconds)."""
     model = tiny_model("llama", num_layers=LAYERS)
     # The clock charges a decode step when it is launched: one launched ahead (`decode_ahead`) would
     # be charged an iteration before its token is recorded, so steps here launch in turn.
@@ -87,7 +91,7 @@ def serve(target_tbt_ms: float | None) -> tuple[Generator, SimulatedClock, list,
     outputs = {}
     while not gen._requests[first].output:
         gen.step()
-    later = [gen.submit(prompt(PROMPT, seed=seed), SamplingParams(max_new_tokens=6)) for seed in (2, 3, 4)]
+    later = [gen.submit(prompt(later_prompt, seed=seed), SamplingParams(max_new_tokens=6)) for seed in (2, 3, 4)]
     while gen.has_unfinished:
         outputs |= {e.request_id: e.output for e in gen.step() if e.output is not None}
     times = gen.recorder.requests[first].token_times
@@ -112,6 +116,22 @@ def test_prefill_beside_a_decoding_row_is_paced_to_the_target_and_the_tokens_do_
     assert totals["pacing_token_layer_us"] == pytest.approx(TOKEN_LAYER_S * 1e6)
     unpaced_mixed = [ran for rows, ran in unpaced_clock.prefill_per_iteration if rows and ran]
     assert max(unpaced_mixed) == 3 * LAYERS * PROMPT  # every prompt whole, in one iteration
+
+
+def test_a_layer_longer_than_the_target_allows_is_split_to_fit_it(monkeypatch):
+    """Prompts of 200 tokens: one layer over one of them is 20 ms of prefill, more than the 12 ms target
+    leaves beside the 5 ms decode step (70 token-layers). Paced, such a layer runs as 3 chunks of 66-67
+    tokens, one per iteration, and a second prompt waits rather than push an iteration past the target:
+    the decoding row's times between tokens stay within it, with the unpaced run's tokens."""
+    monkeypatch.setattr(prefill_module, "PACED_MIN_CHUNK_TOKENS", 32)
+    long_prompt = 200
+    _, _, unpaced, unpaced_gaps = serve(None, long_prompt)
+    _, clock, paced, gaps = serve(12.0, long_prompt)
+    assert [o.token_ids for o in paced] == [o.token_ids for o in unpaced]
+    assert max(unpaced_gaps) == pytest.approx(DECODE_S + 3 * LAYERS * long_prompt * TOKEN_LAYER_S)
+    mixed = [ran for rows, ran in clock.prefill_per_iteration if rows and ran]
+    assert set(mixed) <= {66, 67} and len(mixed) >= 30  # a third of a layer beside most of the row's 39 tokens
+    assert max(gaps) <= 0.012 + 1e-9
 
 
 def test_iterations_without_a_decoding_row_are_not_paced():

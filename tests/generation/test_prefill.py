@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
+from sparseserve_hf.generation import prefill as prefill_module
 from sparseserve_hf.generation.prefill import DecoderStack, PrefillJob, SegmentedPrefill
 from tiny_models import greedy, left_pad, random_ids, tiny_config, tiny_model
 
@@ -250,6 +251,26 @@ def test_a_budget_below_one_unit_still_makes_progress():
     assert runner.advance(job, 1) == T and job.next_layer == 1  # one whole layer over the prompt
     assert runner.advance(job, None) == 2 * T and job.done
     assert runner.advance(job, 5) == 0 and job.remaining_token_layers == 0
+
+
+def test_a_paced_advance_splits_a_layer_too_long_for_its_budget_and_keeps_the_split(monkeypatch):
+    """`split_to_budget`: a layer of 77 tokens against 30 token-layers runs as 3 chunks (25, 26, 26),
+    one per call; a layer never splits below PACED_MIN_CHUNK_TOKENS; the logits are the forward's."""
+    monkeypatch.setattr(prefill_module, "PACED_MIN_CHUNK_TOKENS", 20)
+    m = model("llama")
+    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    job = runner.start(random_ids(1, T), make_cache("sparse", m))
+    assert runner.advance(job, 30, split_to_budget=True) == 25 and job.chunks == [(0, 25), (25, 51), (51, 77)]
+    assert runner.advance(job, 30, split_to_budget=True) == 26  # the layer keeps its split
+    # a large budget: the layer's last chunk, then layers 1 and 2 whole (a layer that fits is not split)
+    assert runner.advance(job, 1000, split_to_budget=True) == 26 + 2 * T and job.done and job.chunks == [(0, T)]
+    torch.testing.assert_close(runner.logits(job), reference_logits("llama"), atol=ATOL, rtol=ATOL)
+    job = runner.start(random_ids(1, T), make_cache("dynamic", m))
+    assert runner.advance(job, 10, split_to_budget=False) == T  # unpaced: a whole layer, as before
+    assert runner.advance(job, 10, split_to_budget=True, at_least_one_unit=False) == 0  # no unit fits 10 ...
+    assert job.chunks == [(0, T)] and job.next_layer == 1 and job.next_chunk_start == 0  # ... and none was planned
+    assert runner.advance(job, 10, split_to_budget=True) == 19  # forced: the smallest chunk, 20 tokens at most
+    assert job.chunks == [(0, 19), (19, 38), (38, 57), (57, 77)] and job.next_layer == 1
 
 
 def test_from_config_reads_mode_and_cap():

@@ -490,6 +490,7 @@ class Generator(RequestFrontend):
         for request_id in plan.start:
             self._start_prefill(self._requests[request_id], events)
         budget = self._prefill_budget(len(plan.decode))
+        paced = self.pacer is not None and bool(plan.decode)  # decoding rows wait for this prefill work
         started, ran = self.recorder.now(), 0
         for request_id in plan.prefill + plan.start:
             request = self._requests.get(request_id)
@@ -497,7 +498,7 @@ class Generator(RequestFrontend):
                 continue  # failed at start
             if budget is not None and budget <= 0:
                 break
-            used = self._advance_prefill(request, budget, events)
+            used = self._advance_prefill(request, budget, events, paced, forced=not paced or ran == 0)
             budget, ran = None if budget is None else budget - used, ran + used
         if self.pacer is not None and ran:
             if self.stack.device.type == "cuda":  # the work's end on the device, not its launch
@@ -514,9 +515,19 @@ class Generator(RequestFrontend):
         budgets = [budget for budget in budgets if budget is not None]
         return min(budgets) if budgets else None
 
-    def _advance_prefill(self, request: Request, budget: int | None, events: list[StreamEvent]) -> int:
+    def _advance_prefill(
+        self,
+        request: Request,
+        budget: int | None,
+        events: list[StreamEvent],
+        paced: bool = False,
+        forced: bool = True,
+    ) -> int:
         """Run `request`'s prefill within `budget` token-layers and, once the prompt is in, pick its
-        first token; returns the token-layers run.
+        first token; returns the token-layers run. `paced`: the budget is the pacer's, and a layer
+        too long for it is split to fit (`SegmentedPrefill.advance`'s `split_to_budget`). `forced`:
+        at least one unit runs even past the budget (a paced iteration forces only its first prefill
+        work, so that the prompts after it cannot push the iteration past its target).
 
         The request turns RUNNING only with its first token recorded. One that fails on the way
         (its forward, its transfers, its logits or sampling) ends with "error": only its own
@@ -526,7 +537,7 @@ class Generator(RequestFrontend):
         try:
             if self.prefixes is not None and request.job.token_layers_done == 0:
                 self._adopt_prefix(request)
-            used = self.prefill.advance(request.job, budget)
+            used = self.prefill.advance(request.job, budget, split_to_budget=paced, at_least_one_unit=forced)
             if not request.job.done:
                 return used
             logits = self.prefill.logits(request.job)  # (1, V)

@@ -8,6 +8,9 @@ Three modes (`SparseServeConfig.prefill_mode`):
   iterations (on the device, or in pinned host memory with `offload_hidden`). A layer whose
   prompt exceeds `max_inject_tokens` is split into chunks: chunk 2 of layer i attends to chunk
   1's KV through the cache, and layer i+1 starts only when layer i has seen the whole prompt.
+  A paced iteration (`advance(..., split_to_budget=True)`) splits a layer that would not fit its
+  budget the same way, into chunks of at least PACED_MIN_CHUNK_TOKENS, so that one layer of a long
+  prompt does not hold up the decoding rows beside it.
 - "chunked" (the usual chunked prefill, an ablation baseline): chunks of the prompt, each through
   all layers; later chunks read every earlier chunk's KV back, in every layer.
 - "full": the whole prompt through all layers in one iteration, like `model(ids)`.
@@ -30,6 +33,11 @@ from .stack import DecoderStack
 
 __all__ = ["DecoderStack", "PrefillJob", "SegmentedPrefill"]
 
+# The smallest chunk a paced layer is split into. Each chunk after the first reads its layer's earlier
+# chunks back through the cache (from DRAM with a SparseServeCache), so the smaller the chunks the more
+# of a layer crosses PCIe: at 4,096 tokens a 32K prompt's layer reads back 3.5x its own KV.
+PACED_MIN_CHUNK_TOKENS = 4096
+
 
 @dataclass
 class PrefillJob:
@@ -40,7 +48,8 @@ class PrefillJob:
         cache: the request's own cache; the prompt goes in after `past_length` positions (0 fresh).
         num_layers: decoder layers of the model.
         chunks: token ranges [s, e) one unit of work covers: the whole prompt in one range unless
-            it exceeds the per-iteration cap (layer_segmented, chunked).
+            it exceeds the per-iteration cap (layer_segmented, chunked), or, layer_segmented, a
+            paced iteration's budget when the layer started.
         next_layer: layer_segmented: the layer the next unit runs (num_layers once done).
         next_chunk_start: first prompt token the next unit runs (within `next_layer` for
             layer_segmented; through all layers for chunked).
@@ -82,12 +91,14 @@ class PrefillJob:
 
 @dataclass(frozen=True)
 class _Unit:
-    """Layers [start, stop) over prompt tokens [begin, end): what one `run_layers` call does."""
+    """Layers [start, stop) over prompt tokens [begin, end): what one `run_layers` call does.
+    `chunks`: where the unit starts a layer, that layer's chunks (layer_segmented), else None."""
 
     start: int
     stop: int
     begin: int
     end: int
+    chunks: list[tuple[int, int]] | None = None
 
     @property
     def cost(self) -> int:
@@ -153,13 +164,22 @@ class SegmentedPrefill:
         return job
 
     @torch.no_grad()
-    def advance(self, job: PrefillJob, token_layer_budget: int | None) -> int:
+    def advance(
+        self,
+        job: PrefillJob,
+        token_layer_budget: int | None,
+        split_to_budget: bool = False,
+        at_least_one_unit: bool = True,
+    ) -> int:
         """Run as much of `job` as `token_layer_budget` token-layers allow; returns the work done.
 
         Work goes in whole units (a layer segment over the prompt or over one chunk of it; a
         chunk through all layers; the whole prompt in "full" mode). At least one unit runs per
-        call, even one costing more than the budget, so that every call makes progress.
-        None = no budget: finish the job.
+        call, even one costing more than the budget, so that every call makes progress
+        (`at_least_one_unit=False`: only units that fit). None = no budget: finish the job.
+        split_to_budget: layer_segmented, a budget that paces the iteration (`target_tbt_ms`): a
+        layer that starts now and costs more than what is left of the budget is split into chunks
+        that fit it, none smaller than PACED_MIN_CHUNK_TOKENS (the layer keeps that split to its end).
         """
         if token_layer_budget is not None and (
             not isinstance(token_layer_budget, int) or isinstance(token_layer_budget, bool) or token_layer_budget <= 0
@@ -168,8 +188,8 @@ class SegmentedPrefill:
         used = 0
         while not job.done:
             left = None if token_layer_budget is None else token_layer_budget - used
-            unit = self._next_unit(job, left)
-            if used and left is not None and unit.cost > left:
+            unit = self._next_unit(job, left, split_to_budget)
+            if (used or not at_least_one_unit) and left is not None and unit.cost > left:
                 break
             self._run(job, unit)
             used += unit.cost
@@ -194,21 +214,30 @@ class SegmentedPrefill:
             return self.max_inject_tokens // self.stack.num_layers
         return self.max_inject_tokens
 
-    def _next_unit(self, job: PrefillJob, budget_left: int | None) -> _Unit:
+    def _next_unit(self, job: PrefillJob, budget_left: int | None, split_to_budget: bool = False) -> _Unit:
         """The next unit of work (job not done); whole layers are merged up to `budget_left`."""
         num_layers, num_tokens = self.stack.num_layers, job.num_tokens
-        begin, end = next((s, e) for s, e in job.chunks if s == job.next_chunk_start)
         if self.mode != "layer_segmented":
+            begin, end = next((s, e) for s, e in job.chunks if s == job.next_chunk_start)
             return _Unit(0, num_layers, begin, end)
-        start = job.next_layer
-        if len(job.chunks) > 1:  # a split layer: one chunk of one layer
-            return _Unit(start, start + 1, begin, end)
+        start, chunks = job.next_layer, job.chunks
+        if job.next_chunk_start == 0:  # a layer starts: its chunks
+            cap = self._chunk_cap(num_tokens)
+            if split_to_budget and budget_left is not None:
+                cap = min(cap, max(budget_left, PACED_MIN_CHUNK_TOKENS))
+            chunks = _split(num_tokens, cap)
+        begin, end = next((s, e) for s, e in chunks if s == job.next_chunk_start)
+        starts_layer = chunks if job.next_chunk_start == 0 else None
+        if len(chunks) > 1:  # a split layer: one chunk of one layer
+            return _Unit(start, start + 1, begin, end, starts_layer)
         layers = num_layers - start if budget_left is None else max(budget_left // num_tokens, 1)
-        return _Unit(start, min(start + layers, num_layers), 0, num_tokens)
+        return _Unit(start, min(start + layers, num_layers), 0, num_tokens, starts_layer)
 
     # ---- execution --------------------------------------------------------------------------
 
     def _run(self, job: PrefillJob, unit: _Unit) -> None:
+        if unit.chunks is not None:
+            job.chunks = unit.chunks
         if self.mode == "layer_segmented":
             self._run_segment(job, unit)
         else:
