@@ -84,7 +84,8 @@ def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str
     }  # fmt: skip
     saturated = {s: by_rate.pop(math.inf) for s, by_rate in table.items() if math.inf in by_rate}
     table = {s: by_rate for s, by_rate in table.items() if by_rate}
-    head = saturated_ratios(saturated)
+    served = {s: frozenset(r["index"] for r in runs[s][math.inf]["records"]) for s in saturated}
+    head = saturated_ratios(saturated, served)
     good = {s: goodput({rate: bool(v.get("meets_slo")) for rate, v in by_rate.items()}) for s, by_rate in table.items()}
     result = _analyse_rates(table, good, runs, dense) | head
     if "ours" in table:
@@ -92,11 +93,18 @@ def analyse(runs: dict[str, dict[float, dict]], dense: float | None) -> dict[str
     return result
 
 
-def saturated_ratios(saturated: dict[str, dict]) -> dict[str, Any]:
-    """Every request at time zero: ours against the stock system with the most tokens/s."""
+def saturated_ratios(saturated: dict[str, dict], served: dict[str, frozenset[int]]) -> dict[str, Any]:
+    """Every request at time zero: ours against the stock system with the most tokens/s among those
+    that served the same requests (`served`: each system's request indices; a run in parts covers
+    the trace once every part has run). Where none did, a note says what each served instead."""
     out: dict[str, Any] = {"saturated": saturated}
-    stock = [s for s in STOCK if s in saturated]
-    if "ours" not in saturated or not stock:
+    if "ours" not in saturated:
+        return out
+    stock = [s for s in STOCK if s in saturated and served[s] == served["ours"]]
+    if not stock:
+        others = [f"{s} {len(served[s])}" for s in STOCK if s in saturated]
+        if others:
+            out["saturated_note"] = f"no stock run served ours' {len(served['ours'])} requests ({', '.join(others)})"
         return out
     best = max(stock, key=lambda s: saturated[s].get("throughput_tokens_per_s") or 0.0)
     ours, theirs = saturated["ours"], saturated[best]
@@ -254,6 +262,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"| {s} | {v['completed']}/{v['requests']} | {_fmt(v.get('throughput_tokens_per_s'))} | "
                   f"{_fmt(v.get('mean_ttft_s'))} | {_fmt(v.get('p50_tbt_s'))} | {_fmt(v.get('p99_tbt_s'))} |"
                   for s, v in result["saturated"].items()]  # fmt: skip
+        if "saturated_note" in result:
+            lines += ["", f"no saturated ratios: {result['saturated_note']}"]
         if "saturated_throughput_ratio" in result:
             lines += ["", (f"saturated vs {result['saturated_best_stock']}: tokens/s "
                       f"{_fmt(result['saturated_throughput_ratio'])}x, mean TTFT {_fmt(result['saturated_ttft_ratio'])}x")]  # fmt: skip

@@ -148,6 +148,10 @@ def test_a_saturated_run_has_every_request_at_time_zero_and_its_own_ratios():
     assert result["goodput_rate_ours"] == 0.3 and result["goodput_rate_stock_missed"] == 0.1
     assert result["goodput_ratio_lower_bound"] == pytest.approx(3.0)
     assert result["goodput_tbt_p50_ratio"] == pytest.approx(0.1 / 1.0)  # p50 by nearest rank: TBTs 0.1, 0.2 vs 1.0, 1.0
+    # stock_offload served request 0 only: never the best stock, and alone it gives no ratio at all
+    partial = analyse({"stock_offload": {inf: _run(slow[:1])}, "ours": {inf: _run(quick)}}, dense=0.01)
+    assert partial["saturated_note"] == "no stock run served ours' 2 requests (stock_offload 1)"
+    assert "saturated_throughput_ratio" not in partial and "saturated_best_stock" not in partial
 
 
 def test_a_named_report_is_one_traces_block_of_serving_json(tmp_path):
