@@ -18,7 +18,7 @@
 #   lookup      one layer's HBM block-cache lookup: tensor spec vs the claim + install kernels
 #   profile     one sparse decode layer, kernel by kernel (B=16, 32K)
 #   fp8profile  the captured step's layer kernel by kernel with bf16 KV blocks, then with 8-bit ones (where the
-#               8-bit step's time goes: it measured 1.03x the bf16 step's, not the ~0.8x half the KV bytes allow)
+#               8-bit step's time goes, against the bf16 step's)
 #   fp8slots    the real-locality step with 8-bit KV blocks in an HBM cache of the bf16 run's slots (half its
 #               bytes: the install walks a partition's slots), then with the bf16 run's bytes, then bf16 blocks
 #   dropin      model.generate with a SparseServeCache vs stock generate (DynamicCache and the compiled
