@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,22 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 
 
-def channels_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel as the step launches it: `signature` types the runtime arguments, `constants` sets the
+    constexpr ones; `aligned_ints` are the integer arguments that are multiples of 16 at the step's
+    shape (a launch specializes on them, as on every 16-byte aligned pointer, and can then vectorize
+    the addresses built from them); `num_stages` None where the launch passes none."""
+
+    fn: Any
+    signature: dict[str, str]
+    constants: dict[str, Any]
+    num_warps: int
+    num_stages: int | None = None
+    aligned_ints: tuple[str, ...] = ()
+
+
+def channels_kernel() -> Kernel:
     """The channel-score kernel (`ops.triton_channels`): 8 KV heads of 4 query heads, head_dim 128,
     share 3/8 (48 stored channels), 32-token blocks, its default launch knobs."""
     from sparseserve_hf.ops import channels, triton_channels
@@ -49,99 +65,64 @@ def channels_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
     constants = dict(D=dim, G=group, P=stored, S=size, BLOCK_G=group, BLOCK_N=triton_channels.BLOCK_N,
                      HEADER=channels.header_start(size, stored, dim), PER_BYTE=channels.PER_BYTE,
                      BITS=channels.BITS, CHUNK=4, UNROLL=triton_channels.UNROLL)  # fmt: skip
-    return triton_channels._block_lse_kernel, signature, constants, triton_channels.NUM_WARPS
+    return Kernel(triton_channels._block_lse_kernel, signature, constants, triton_channels.NUM_WARPS)
 
 
-def combine_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
+def combine_kernel() -> Kernel:
     """The hybrid score's rank interleave (`ops.triton_rank`) over 1,024-block tables, depth 64."""
     from sparseserve_hf.ops import triton_rank
 
     signature = {"first_ptr": "*fp32", "second_ptr": "*fp32", "out_ptr": "*fp32", "scratch_key_ptr": "*i32",
                  "scratch_idx_ptr": "*i32", "scratch_rank_ptr": "*i32", "num_table": "i32", "DEPTH": "i32"}  # fmt: skip
-    return triton_rank._combine_kernel, signature, dict(BLOCK_N=1024, BLOCK_K=64), triton_rank.COMBINE_WARPS or 2
+    constants = dict(BLOCK_N=1024, BLOCK_K=64)
+    warps = triton_rank.COMBINE_WARPS or 2
+    return Kernel(triton_rank._combine_kernel, signature, constants, warps, aligned_ints=("num_table", "DEPTH"))
 
 
-def decode_kernel() -> tuple[Any, dict[str, str], dict[str, Any], int]:
+def decode_kernel() -> Kernel:
     """The sparse decode attention's split kernel (`ops.triton_decode`), as the step launches its resident
     half: 4 query heads per KV head, head_dim 128, bf16 32-token blocks, a 256-entry selection (G x 63
     blocks, padded), no head mask, no 8-bit blocks."""
     from sparseserve_hf.ops import triton_decode
 
-    pointers = (
-        "q_ptr",
-        "pool_ptr",
-        "slots_ptr",
-        "mask_ptr",
-        "scales_ptr",
-        "tail_k_ptr",
-        "tail_v_ptr",
-        "tail_len_ptr",
-        "part_m_ptr",
-        "part_l_ptr",
-        "part_acc_ptr",
-        "resident_ptr",
-        "late_entries_ptr",
-    )
-    types = ("*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16", "*i64", "*fp32", "*fp32", "*fp32", "*i64",
-             "*i32")  # fmt: skip
-    integers = (
-        "stride_qb",
-        "stride_qh",
-        "stride_sb",
-        "stride_sh",
-        "stride_mb",
-        "stride_mh",
-        "stride_tb",
-        "stride_th",
-        "stride_ts",
-        "num_kv_heads",
-        "num_loaded",
-        "num_splits",
-        "first_part",
-        "num_parts",
-    )
-    signature = dict(zip(pointers, types)) | {name: "i32" for name in integers} | {"scaling": "fp32"}
+    signature = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "slots_ptr": "*i64", "mask_ptr": "*i64",
+                 "scales_ptr": "*bf16", "tail_k_ptr": "*bf16", "tail_v_ptr": "*bf16", "tail_len_ptr": "*i64",
+                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "resident_ptr": "*i64",
+                 "late_entries_ptr": "*i32"}  # fmt: skip
+    strides = ("stride_qb", "stride_qh", "stride_sb", "stride_sh", "stride_mb", "stride_mh", "stride_tb", "stride_th",
+               "stride_ts")  # fmt: skip
+    counts = ("num_kv_heads", "num_loaded", "num_splits", "first_part", "num_parts")
+    signature |= {name: "i32" for name in strides + counts} | {"scaling": "fp32"}
     size, dim, group = 32, 128, 4
     constants = dict(G=group, BLOCK_G=16, S=size, D=dim, BLOCK_D=dim, BLOCK_U=triton_decode.TILE_TOKENS // size,
                      BLOCK_LOADED=256, TAIL_TOKENS=size, HAS_MASK=False, IEEE=False,
                      MIN_PER_SPLIT=triton_decode.MIN_BLOCKS_PER_SPLIT, SCALED=False, LATE=False)  # fmt: skip
-    return triton_decode._decode_split_kernel, signature, constants, triton_decode.SPLIT_WARPS
+    aligned = ("stride_qb", "stride_qh", "stride_sb", "stride_tb", "stride_th", "stride_ts")  # 4,096, 128, ...
+    return Kernel(triton_decode._decode_split_kernel, signature, constants, triton_decode.SPLIT_WARPS,
+                  triton_decode.SPLIT_STAGES, aligned)  # fmt: skip
 
 
-KERNELS: dict[str, Callable[[], tuple[Any, dict[str, str], dict[str, Any], int]]] = {
+KERNELS: dict[str, Callable[[], Kernel]] = {
     "channels": channels_kernel,
     "combine": combine_kernel,
     "decode": decode_kernel,
 }
-STAGES = {"decode": "SPLIT_STAGES"}  # kernels launched with software-pipelining stages: the module's knob
-# Integer arguments that are multiples of 16 at the step's shape. Triton specializes a launch on them
-# (and on every 16-byte aligned pointer) and can then vectorize the addresses built from them.
-ALIGNED_INTS = {
-    "decode": ("stride_qb", "stride_qh", "stride_sb", "stride_tb", "stride_th", "stride_ts"),
-    "combine": ("num_table", "DEPTH"),
-}
 
 
-def build(
-    fn: Any,
-    signature: dict[str, str],
-    constants: dict[str, Any],
-    num_warps: int,
-    num_stages: int | None = None,
-    aligned_ints: tuple[str, ...] = (),
-) -> tuple[bytes, int]:
-    """The cubin of `fn` for sm_90 and the shared memory one program takes (bytes): `signature` types
-    the runtime arguments, `constants` sets the constexpr ones. As a launch would, every pointer and
-    the `aligned_ints` are taken as multiples of 16 (bytes or units)."""
+def build(kernel: Kernel) -> tuple[bytes, int]:
+    """The cubin of `kernel` for sm_90 and the shared memory one program takes (bytes). As a launch
+    would, every pointer and the `aligned_ints` are taken as multiples of 16 (bytes or units)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    typed = dict(signature) | {name: "constexpr" for name in constants}
-    fixed = {(fn.arg_names.index(name),): value for name, value in constants.items()}
-    aligned = [name for name, kind in signature.items() if kind.startswith("*") or name in aligned_ints]
+    fn, signature = kernel.fn, kernel.signature
+    typed = dict(signature) | {name: "constexpr" for name in kernel.constants}
+    fixed = {(fn.arg_names.index(name),): value for name, value in kernel.constants.items()}
+    aligned = [name for name, kind in signature.items() if kind.startswith("*") or name in kernel.aligned_ints]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn=fn, signature=typed, constexprs=fixed, attrs=attrs)
-    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
+    stages = {} if kernel.num_stages is None else {"num_stages": kernel.num_stages}
+    options = {"num_warps": kernel.num_warps} | stages
     compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=options)
     return compiled.asm["cubin"], int(compiled.metadata.shared)
 
@@ -181,15 +162,6 @@ def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
     return min(by_registers, by_shared, SM_THREADS // (32 * num_warps))
 
 
-def _own_stages(kernel: str) -> int | None:
-    """The stages the kernel launches with (its module's knob), None where it passes none."""
-    if kernel not in STAGES:
-        return None
-    from sparseserve_hf.ops import triton_decode
-
-    return getattr(triton_decode, STAGES[kernel])
-
-
 def _run(tool: Path, *args: str) -> str:
     return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
@@ -221,16 +193,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--stages", type=int, default=None, help="pipelining stages (default: the kernel's own)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    fn, signature, constants, warps = KERNELS[args.kernel]()
+    kernel = KERNELS[args.kernel]()
     for knob in args.knob:
         name, _, value = knob.partition("=")
-        if name not in constants or not value.lstrip("-").isdigit():
-            raise ValueError(f"--knob {knob!r}: give NAME=INTEGER for one of {sorted(constants)}")
-        constants[name] = int(value)
-    stages = args.stages if args.stages is not None else _own_stages(args.kernel)
-    cubin, shared = build(fn, signature, constants, args.warps or warps, stages, ALIGNED_INTS.get(args.kernel, ()))
-    result = {"kernel": args.kernel, "triton": triton.__version__, "arch": f"sm_{ARCH}", "num_warps": args.warps or warps,
-              "num_stages": stages, "constants": constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
+        if name not in kernel.constants or not value.lstrip("-").isdigit():
+            raise ValueError(f"--knob {knob!r}: give NAME=INTEGER for one of {sorted(kernel.constants)}")
+        kernel.constants[name] = int(value)
+    kernel = replace(kernel, num_warps=args.warps or kernel.num_warps,
+                     num_stages=kernel.num_stages if args.stages is None else args.stages)  # fmt: skip
+    cubin, shared = build(kernel)
+    result = {"kernel": args.kernel, "triton": triton.__version__, "arch": f"sm_{ARCH}", "num_warps": kernel.num_warps,
+              "num_stages": kernel.num_stages, "constants": kernel.constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
     result["programs_per_sm"] = programs_per_sm(result["registers"], result["num_warps"], shared)
     print(f"{args.kernel}: Triton {triton.__version__}, sm_{ARCH}, {result['num_warps']} warps, "
           f"{result['registers']} registers, {shared} bytes of shared memory ({result['programs_per_sm']} programs "

@@ -220,14 +220,14 @@ class SegmentedPrefill:
         if self.mode != "layer_segmented":
             begin, end = next((s, e) for s, e in job.chunks if s == job.next_chunk_start)
             return _Unit(0, num_layers, begin, end)
-        start, chunks = job.next_layer, job.chunks
+        start, starts_layer = job.next_layer, None
         if job.next_chunk_start == 0:  # a layer starts: its chunks
             cap = self._chunk_cap(num_tokens)
             if split_to_budget and budget_left is not None:
                 cap = min(cap, max(budget_left, PACED_MIN_CHUNK_TOKENS))
-            chunks = _split(num_tokens, cap)
+            starts_layer = _split(num_tokens, cap)
+        chunks = starts_layer or job.chunks
         begin, end = next((s, e) for s, e in chunks if s == job.next_chunk_start)
-        starts_layer = chunks if job.next_chunk_start == 0 else None
         if len(chunks) > 1:  # a split layer: one chunk of one layer
             return _Unit(start, start + 1, begin, end, starts_layer)
         layers = num_layers - start if budget_left is None else max(budget_left // num_tokens, 1)
