@@ -196,7 +196,8 @@ def measure(
     row["select_attend_ms"] = gpu_ms(select_attend, device, row, "select_attend_ms")
     row["sparse_eager_ms"] = time_ms(attend, device)
     row["select_attend_eager_ms"] = time_ms(select_attend, device)
-    if args.profile and (context, batch) == HEADLINE and not group_union:
+    if args.profile and (context, batch) == HEADLINE:
+        print(f"profile of select + attend: metadata={metadata}, union={group_union}, locality={locality}")
         print_kernel_profile(select_attend)
     read = batch * KV_HEADS * (kernel_blocks + 1) * 2 * BLOCK * HEAD_DIM * DTYPE.itemsize
     row["kernel_gb_per_s"] = read / row["sparse_ms"] / 1e6
