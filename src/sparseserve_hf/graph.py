@@ -233,8 +233,8 @@ class DecodeGraphRunner:
         # the cache's own check runs only at capture
         self.cache.shape.positions.check(self._last_position, "the next decode step")
         width = table_width(max(self._num_blocks) + 1, self.table_step)  # room for each row's next block
-        if self.layers[0].block_ids.shape[2] != width:
-            for layer in self.layers:
+        for layer in self.layers:  # every layer: a prompt prefilled in paced chunks joins with its own widths
+            if layer.block_ids.shape[2] != width:
                 layer.set_table_width(width)
         full = [row for row, length in enumerate(self._tail_len) if length == self.cache.config.block_size]
         if full:

@@ -53,12 +53,13 @@ class SimulatedClock:
 
     def __init__(self, gen: Generator) -> None:
         self.seconds = 0.0
+        self.decode_s = DECODE_S  # what a decode step costs from now on
         gen.recorder.now = lambda: self.seconds
         runner_step, run_unit = gen._runner_step, gen.prefill._run
         self.prefill_per_iteration: list[tuple[int, int]] = []  # (decoding rows, token-layers) of each iteration
 
         def decode(tokens, positions):
-            self.seconds += DECODE_S
+            self.seconds += self.decode_s
             return runner_step(tokens, positions)
 
         def prefill(job, unit):
@@ -132,6 +133,39 @@ def test_a_layer_longer_than_the_target_allows_is_split_to_fit_it(monkeypatch):
     mixed = [ran for rows, ran in clock.prefill_per_iteration if rows and ran]
     assert set(mixed) <= {66, 67} and len(mixed) >= 30  # a third of a layer beside most of the row's 39 tokens
     assert max(gaps) <= 0.012 + 1e-9
+
+
+def test_a_prompt_whose_layers_were_split_differently_decodes_in_the_batch(monkeypatch):
+    """The decode step holds every layer's block table at one width. A paced prompt whose first layer
+    ran whole and whose later layers ran in chunks (the decode step grew slower between them, so the
+    room for prefill shrank) fills its layers' tables differently; joining the batch, every layer
+    takes the batch's width, and its tokens are the unpaced run's."""
+    monkeypatch.setattr(prefill_module, "PACED_MIN_CHUNK_TOKENS", 32)
+
+    def serve_split(target_tbt_ms: float | None) -> tuple[list, list[set[int]], list[int]]:
+        gen = Generator(
+            tiny_model("llama", num_layers=LAYERS),
+            None,
+            SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms, decode_ahead=False),
+        )
+        clock = SimulatedClock(gen)
+        first = gen.submit(prompt(700, seed=1), SamplingParams(max_new_tokens=30))
+        while not gen._requests[first].output:
+            gen.step()
+        later = gen.submit(prompt(600, seed=2), SamplingParams(max_new_tokens=6))
+        outputs, widths = {}, []
+        while gen.has_unfinished:
+            outputs |= {e.request_id: e.output for e in gen.step() if e.output is not None}
+            clock.decode_s = 0.055  # from the second iteration on: less room beside each step
+            widths.append({layer.block_ids.shape[2] for layer in gen.batch.layers if layer.is_initialized})
+        ran = [tokens for rows, tokens in clock.prefill_per_iteration if rows and tokens]
+        return [outputs[first].token_ids, outputs[later].token_ids], widths, ran
+
+    unpaced, _, _ = serve_split(None)
+    paced, widths, ran = serve_split(70.0)
+    assert ran[0] >= 600 and min(ran) < 600  # the first layer whole (650 token-layers of room), later ones split
+    assert all(len(width) <= 1 for width in widths)
+    assert paced == unpaced
 
 
 def test_iterations_without_a_decoding_row_are_not_paced():
