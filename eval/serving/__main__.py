@@ -1,4 +1,4 @@
-"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report` (see eval/serving/__init__.py)."""
+"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact` (see eval/serving/__init__.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from eval.bench.common import add_config_overrides, config_overrides, current_commit
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
+from eval.serving.compact import write_compact
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
@@ -75,12 +76,28 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("runs", type=Path, nargs="+", help="folders holding run_*.json and calibration.json")
     rep.add_argument("--out", type=Path, default=Path("eval/results"))
     rep.add_argument("--name", default=None, help="the trace's block in serving.json (e.g. paper, decode_heavy)")
+    small = sub.add_parser("compact", help="run JSONs without their per-token times, in one file to commit")
+    small.add_argument("runs", nargs="+", metavar="NAME=RUN_JSON", help="each run under a name of its own")
+    small.add_argument("--note", required=True, help="where and how the runs ran (device, calls, commits)")
+    small.add_argument("--out", type=Path, required=True, help="the file (.json, or .json.xz compressed)")
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     commands = {
         "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock, "report": make_report,
+        "compact": make_compact,
     }  # fmt: skip
     commands[args.command](args)
+
+
+def make_compact(args) -> None:
+    named = {}
+    for item in args.runs:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"each run is NAME=RUN_JSON, got {item!r}")
+        named[name] = Path(path)
+    result = write_compact(named, args.note, args.out)
+    print(f"wrote {args.out}: {', '.join(result['runs'])}")
 
 
 def make_trace(args) -> None:

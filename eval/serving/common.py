@@ -23,6 +23,7 @@ from eval.serving.trace import Trace, TraceRequest
 PREFILL_CHUNK = 2048  # tokens per prefill chunk, every system (vLLM's default chunk in the paper's baselines)
 WARMUP_PROMPT_TOKENS = 4096  # past the 2048-token budget: the warm-up runs selection and block transfers too
 WARMUP_NEW_TOKENS = 8
+WARMUP_ROWS = 2  # the Generator's warm-up: whole prompts served together (a decode row beside a prefill)
 
 
 class Clock:
@@ -58,6 +59,17 @@ class RunResult:
 
     records: list[RequestRecord]
     engine: dict[str, Any] = field(default_factory=dict)
+
+
+def warmup_batch(trace: Trace) -> list[TraceRequest]:
+    """The trace's WARMUP_ROWS longest prompts, whole, WARMUP_NEW_TOKENS out each; not measured.
+
+    What the Generator serves, together, before a run: its kernels meet the run's largest shapes (the
+    longest prefill, the widest block tables, a decode row beside a prefill, paced splits) before the
+    clock starts, as stock's warm-up calls run the run's own first batches. A short prompt alone left
+    compilation for shapes first seen inside the timed run."""
+    longest = sorted(trace.requests, key=lambda r: len(r.prompt), reverse=True)[:WARMUP_ROWS]
+    return [TraceRequest(index=-1, gap=0.0, prompt=r.prompt, output_tokens=WARMUP_NEW_TOKENS) for r in longest]
 
 
 def warmup_request(trace: Trace) -> TraceRequest:

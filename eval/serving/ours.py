@@ -17,7 +17,7 @@ from eval.serving.common import (
     new_records,
     out_of_memory,
     progress,
-    warmup_request,
+    warmup_batch,
 )
 from eval.serving.metrics import RequestRecord
 from eval.serving.trace import Trace
@@ -25,7 +25,7 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 
 def warmed_generator(model, trace: Trace, config: SparseServeConfig, selection_trace: Path | None = None) -> Generator:
-    """A Generator that has served the warm-up request (kernels compiled, pools allocated); with
+    """A Generator that has served the warm-up batch (kernels compiled, pools allocated); with
     `selection_trace`, its loads replay that recording (real locality) from the warm-up on."""
     gen = Generator(model, None, config)
     if selection_trace is not None:
@@ -34,8 +34,10 @@ def warmed_generator(model, trace: Trace, config: SparseServeConfig, selection_t
         gen.store.selection_override = TraceReplay(
             recorded, text.num_hidden_layers, text.num_key_value_heads, model.device
         )
-    warmup = warmup_request(trace)
-    gen.generate([list(warmup.prompt)], SamplingParams(max_new_tokens=warmup.output_tokens, ignore_eos=True))
+    warmup = warmup_batch(trace)
+    gen.generate(
+        [list(r.prompt) for r in warmup], SamplingParams(max_new_tokens=warmup[0].output_tokens, ignore_eos=True)
+    )
     return gen
 
 

@@ -3,7 +3,9 @@ system through the CLI (run, calibrate, report), the same code the H200 sweep ru
 
 from __future__ import annotations
 
+import itertools
 import json
+import lzma
 
 import pytest
 import torch
@@ -67,6 +69,29 @@ def test_report_compares_ours_with_the_best_stock_system(runs, tmp_path):
         assert key in report and key in report["at_1.5r"] or key == "goodput_ratio"
     assert set(report["ladder"]) == {"ours_sparse", "ours_offload", "ours"}
     assert (tmp_path / "serving.png").stat().st_size > 0 and "r*" in (tmp_path / "serving.md").read_text()
+
+
+def test_compact_keeps_each_request_s_latencies_without_its_token_times(runs, tmp_path):
+    folder, _ = runs
+    run_file = folder / "runs" / "run_ours_20.json"
+    run = json.loads(run_file.read_text())
+    out = tmp_path / "small.json.xz"
+    main(["compact", f"ours_first3={run_file}", "--note", "CPU, tiny", "--out", str(out)])
+    small = json.loads(lzma.decompress(out.read_bytes()))
+    kept = small["runs"]["ours_first3"]
+    assert small["note"] == "CPU, tiny" and kept["summary"] == run["summary"] and kept["engine"] == run["engine"]
+    assert "records" not in kept and len(kept["requests"]) == 3
+    for record, request in zip(run["records"], kept["requests"]):
+        times = record["token_times"]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert request["ttft_s"] == pytest.approx(times[0] - record["arrival"], abs=1e-4)
+        assert request["queueing_s"] == pytest.approx(record["admitted"] - record["arrival"], abs=1e-4)
+        assert request["first_gap_s"] == pytest.approx(gaps[0], abs=1e-4)
+        assert request["max_gap_s"] == pytest.approx(max(gaps), abs=1e-4)
+    assert kept["tbt_quantiles_s"]["0.1"] <= kept["tbt_quantiles_s"]["0.5"] <= kept["tbt_quantiles_s"]["0.99"]
+    with pytest.raises(SystemExit, match="NAME=RUN_JSON"):
+        main(["compact", str(run_file), "--note", "x", "--out", str(tmp_path / "bad.json")])
+    assert not (tmp_path / "bad.json").exists()
 
 
 def test_a_trace_past_the_model_vocabulary_is_refused(tmp_path):

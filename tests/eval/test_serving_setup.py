@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eval.bench.decode_step_setup import build_model
-from eval.serving.common import Budget, warmup_request
+from eval.serving.common import Budget, warmup_batch, warmup_request
 from eval.serving.ours import run_generator
 from eval.serving.setup import LADDER, ours_config
 from eval.serving.trace import build_trace
@@ -51,6 +51,14 @@ def test_the_warmup_request_is_a_short_cut_of_the_first_prompt():
     trace = build_trace(list(range(10, 9000)), num_requests=2, prompt_range=(5000, 6000), output_range=(3, 5))
     warmup = warmup_request(trace)
     assert warmup.prompt == trace.requests[0].prompt[:4096] and warmup.output_tokens == 8 and warmup.index == -1
+
+
+def test_the_generator_warms_up_on_the_trace_s_longest_prompts_whole():
+    trace = build_trace(list(range(10, 9000)), num_requests=4, prompt_range=(3000, 6000), output_range=(3, 5))
+    longest = sorted((r.prompt for r in trace.requests), key=len)[-2:]
+    warmup = warmup_batch(trace)
+    assert sorted((r.prompt for r in warmup), key=len) == longest
+    assert all(r.output_tokens == 8 and r.index == -1 for r in warmup)
 
 
 def test_only_the_last_rung_replays_cuda_graphs(tiny):

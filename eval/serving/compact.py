@@ -1,0 +1,64 @@
+"""Run JSONs made small enough to commit: everything but the per-token times.
+
+A run's file keeps every token's time of every request (megabytes for a saturated `decode_heavy`
+run). What the README and docs quote from a run is kept here instead: its summary, the engine's
+counters, its config, its TBT quantiles, and per request its TTFT, queueing, first and longest gap
+between tokens, finish reason and error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import lzma
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
+KEPT = ("system", "command", "device", "git_commit", "locality", "overrides", "hbm_cap", "trace", "summary", "engine")
+
+
+def compact_run(run: dict[str, Any]) -> dict[str, Any]:
+    """One run's JSON (`eval.serving run`'s file) without its per-token times; seconds to 0.1 ms."""
+    gaps = [b - a for record in run["records"] for a, b in itertools.pairwise(record.get("token_times") or [])]
+    out = {key: run[key] for key in KEPT if key in run}
+    quantiles = np.quantile(gaps, TBT_QUANTILES) if gaps else [None] * len(TBT_QUANTILES)
+    out["tbt_quantiles_s"] = {str(q): _seconds(v) for q, v in zip(TBT_QUANTILES, quantiles)}
+    out["requests"] = [_request(record) for record in run["records"]]
+    return out
+
+
+def _request(record: dict[str, Any]) -> dict[str, Any]:
+    times, arrival = record.get("token_times") or [], record["arrival"]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    admitted = record.get("admitted")
+    return {
+        "index": record["index"],
+        "prompt_tokens": record["prompt_tokens"],
+        "output_tokens": record["output_tokens"],
+        "ttft_s": _seconds(times[0] - arrival) if times else None,
+        "queueing_s": None if admitted is None else _seconds(admitted - arrival),
+        "first_gap_s": _seconds(gaps[0]) if gaps else None,
+        "max_gap_s": _seconds(max(gaps)) if gaps else None,
+        "finish_reason": record.get("finish_reason"),
+        "error": record.get("error"),
+    }
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 4)
+
+
+def write_compact(named_runs: dict[str, Path], note: str, out: Path) -> dict[str, Any]:
+    """`{name: run file}` -> one JSON of their compact forms under `"runs"`, with `note`; written to
+    `out`, xz-compressed where its name ends in `.xz`."""
+    result = {
+        "note": note,
+        "runs": {name: compact_run(json.loads(path.read_text())) for name, path in named_runs.items()},
+    }
+    text = json.dumps(result, indent=1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(lzma.compress(text.encode()) if out.suffix == ".xz" else text.encode())
+    return result
