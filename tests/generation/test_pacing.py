@@ -139,15 +139,18 @@ def test_a_prompt_whose_layers_were_split_differently_decodes_in_the_batch(monke
     """The decode step holds every layer's block table at one width. A paced prompt whose first layer
     ran whole and whose later layers ran in chunks (the decode step grew slower between them, so the
     room for prefill shrank) fills its layers' tables differently; joining the batch, every layer
-    takes the batch's width, and its tokens are the unpaced run's."""
+    takes the batch's width, and its tokens are the unpaced run's, with the step captured and
+    replayed (the CPU stand-in refuses a replay whose tensors moved, as a CUDA graph would misread)."""
+    from fake_graphs import FakeGraphs
+
     monkeypatch.setattr(prefill_module, "PACED_MIN_CHUNK_TOKENS", 32)
 
     def serve_split(target_tbt_ms: float | None) -> tuple[list, list[set[int]], list[int]]:
-        gen = Generator(
-            tiny_model("llama", num_layers=LAYERS),
-            None,
-            SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms, decode_ahead=False),
+        config = SparseServeConfig(
+            block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms, decode_ahead=False, cuda_graphs=True
         )
+        gen = Generator(tiny_model("llama", num_layers=LAYERS), None, config)
+        gen._runner.capture, gen._runner.graphs = True, FakeGraphs(gen._runner)
         clock = SimulatedClock(gen)
         first = gen.submit(prompt(700, seed=1), SamplingParams(max_new_tokens=30))
         while not gen._requests[first].output:
@@ -159,6 +162,7 @@ def test_a_prompt_whose_layers_were_split_differently_decodes_in_the_batch(monke
             clock.decode_s = 0.055  # from the second iteration on: less room beside each step
             widths.append({layer.block_ids.shape[2] for layer in gen.batch.layers if layer.is_initialized})
         ran = [tokens for rows, tokens in clock.prefill_per_iteration if rows and tokens]
+        assert all(outputs[i].finish_reason == "length" for i in (first, later))
         return [outputs[first].token_ids, outputs[later].token_ids], widths, ran
 
     unpaced, _, _ = serve_split(None)
