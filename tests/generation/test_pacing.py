@@ -172,6 +172,44 @@ def test_a_prompt_whose_layers_were_split_differently_decodes_in_the_batch(monke
     assert paced == unpaced
 
 
+def test_a_paced_prompt_over_a_cached_prefix_that_waits_keeps_its_prefix():
+    """Prefix caching beside pacing: a prompt over a cached prefix adopts it, then gets no work in that
+    iteration (another prompt took the room beside the decoding row, and only an iteration's first
+    prefill work may overshoot it). Next iteration it goes on after its prefix, where it used to try
+    to adopt the prefix again, into a cache that already held it, and end with "error". Its tokens are
+    those of a run without prefix caching or pacing, and it looked its prefix up once."""
+
+    def serve_prefixed(target_tbt_ms: float | None, prefix_caching: bool) -> tuple[dict, dict, list[int]]:
+        config = SparseServeConfig(
+            block_size=16,
+            token_budget=48,
+            target_tbt_ms=target_tbt_ms,
+            decode_ahead=False,
+            prefix_caching=prefix_caching,
+        )
+        gen = Generator(tiny_model("llama", num_layers=LAYERS), None, config)
+        clock = SimulatedClock(gen)
+        shared, outputs = prompt(160, seed=7), {}
+        gen.submit(prompt(PROMPT, seed=1), SamplingParams(max_new_tokens=40))  # the decoding row
+        first = gen.submit(shared + prompt(20, seed=2), SamplingParams(max_new_tokens=3))  # computes the prefix
+        while first not in outputs:
+            outputs |= {e.request_id: e.output for e in gen.step() if e.output is not None}
+        gen.submit(prompt(100, seed=3), SamplingParams(max_new_tokens=3))  # a layer: 100 of the 150 of room
+        gen.submit(shared + prompt(80, seed=4), SamplingParams(max_new_tokens=3))  # its 82 left do not fit 50
+        while gen.has_unfinished:
+            outputs |= {e.request_id: e.output for e in gen.step() if e.output is not None}
+        ran = [tokens for rows, tokens in clock.prefill_per_iteration if rows]
+        return outputs, gen.metrics()["totals"], ran
+
+    outputs, totals, ran = serve_prefixed(20.0, prefix_caching=True)
+    plain, _, _ = serve_prefixed(None, prefix_caching=False)
+    assert all(out.finish_reason == "length" for out in outputs.values())
+    assert {i: out.token_ids for i, out in outputs.items()} == {i: out.token_ids for i, out in plain.items()}
+    assert totals["prefix_hits"] == 1 and totals["prefix_reused_tokens"] == 160
+    assert totals["prefix_lookups"] == 4  # one per request, though the last looked while it waited
+    assert ran.count(100) >= LAYERS  # the other prompt ran layer by layer beside the decoding row
+
+
 def test_iterations_without_a_decoding_row_are_not_paced():
     model = tiny_model("llama", num_layers=LAYERS)
     gen = Generator(model, None, SparseServeConfig(block_size=16, token_budget=48, target_tbt_ms=1.0))

@@ -535,8 +535,8 @@ class Generator(RequestFrontend):
         """
         used = 0
         try:
-            if self.prefixes is not None and request.job.token_layers_done == 0:
-                self._adopt_prefix(request)
+            if self.prefixes is not None and request.job.token_layers_done == 0 and request.job.past_length == 0:
+                self._adopt_prefix(request)  # until its first work runs (a paced prompt may wait), none adopted yet
             used = self.prefill.advance(request.job, budget, split_to_budget=paced, at_least_one_unit=forced)
             if not request.job.done:
                 return used
@@ -571,7 +571,9 @@ class Generator(RequestFrontend):
     def _adopt_prefix(self, request: Request) -> None:
         """Before the first prefill work: the longest cached prefix of the prompt goes into the
         request's (still empty) cache and the job covers only the rest. Looked up now, not at
-        admission, so that a prompt admitted beside the one that computes its prefix still finds it."""
+        admission, so that a prompt admitted beside the one that computes its prefix still finds it;
+        a paced prompt that gets no work this iteration looks again at its next one, unless it
+        adopted a prefix (its job then starts after it)."""
         reused, adopted_blocks = self.prefixes.adopt(request.request_id, request.prompt, request.cache)
         if reused:
             request.job = self.prefill.start(torch.tensor(request.prompt[reused:]), request.cache)

@@ -36,14 +36,17 @@ class PrefixCache:
         self.block_size = block_size
         self._adopted: dict[int, list[PrefixEntry]] = {}  # request id -> the entries its cache took
         self.reused_tokens = 0  # prompt tokens whose prefill a cached prefix saved, summed
-        self.lookups = self.hits = 0
+        self.lookups = self.hits = 0  # requests that looked, requests that adopted a prefix
+        self._looked: set[int] = set()  # the requests counted in `lookups` (one may look again while it waits)
         store.reclaimer = self.index.reclaim
 
     def adopt(self, request_id: int, prompt: tuple[int, ...], cache: SparseServeCache) -> tuple[int, int]:
         """Put the longest cached prefix of `prompt` that leaves at least two of its tokens into the
         empty `cache`; returns the prompt tokens it covers and the head-blocks it adopted (0, 0
         when nothing matched)."""
-        self.lookups += 1
+        if request_id not in self._looked:
+            self._looked.add(request_id)
+            self.lookups += 1
         entries = self.index.match(list(prompt[: len(prompt) - MIN_PREFILL_TOKENS]))
         if not entries:
             return 0, 0
@@ -63,6 +66,7 @@ class PrefixCache:
     def forget(self, request_id: int) -> None:
         """The request ended: the entries it adopted are reclaimable again (once nobody else uses them)."""
         self.index.release(self._adopted.pop(request_id, []))
+        self._looked.discard(request_id)
 
     def totals(self) -> dict[str, int]:
         """What `Generator.metrics()` reports about prefix reuse."""
