@@ -64,7 +64,9 @@ def draw_mix(seed: int) -> tuple[dict, list[list[int]], list[SamplingParams], li
     return fields, prompts, params, arrivals, rng.random() < 0.7
 
 
-def serve(model, fields: dict, prompts, params, arrivals: list[int], captured: bool, seed: int) -> tuple[list, Generator]:
+def serve(
+    model, fields: dict, prompts, params, arrivals: list[int], captured: bool, seed: int
+) -> tuple[list, Generator]:
     """Each prompt submitted at its arrival iteration; returns the outputs in prompt order and the engine."""
     from fake_graphs import FakeGraphs
 
