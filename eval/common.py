@@ -209,7 +209,7 @@ def answer_batch(
 def sized_dram_pool(config: SparseServeConfig, model_config, tokens: int, dtype: torch.dtype) -> SparseServeConfig:
     """`config` with a fixed DRAM pool that holds `tokens` positions of every layer (a power of two bytes).
 
-    A growing pool re-pins and copies host memory at every doubling (~0.5 s per GiB pinned); one
+    A growing pool re-pins and copies host memory at every doubling (pinning takes time per GiB); one
     fixed size per run is pinned once, and later caches of the same size reuse it through torch's
     pinned-memory caching allocator. A config that already fixes `dram_bytes` is kept.
     """

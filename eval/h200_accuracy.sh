@@ -24,7 +24,7 @@
 #   8k_fp8_kv    8K, the four tasks: the default with 8-bit KV blocks (`kv_dtype=float8_e4m3fn`) against
 #                the same selector with model-dtype blocks, at 256 and 512 (the `fp8` block of accuracy.json)
 #   8k_oracle    8K, the four tasks: the block oracle (`--oracle`: true attention picks each KV head's blocks) at
-#                256 and 512, ~1/32 and ~1/16 of the context loaded (the `oracle_at_*` of accuracy.json's T7)
+#                256 and 512, ~1/32 and ~1/16 of the context loaded (the `oracle_at_*` of accuracy.json's `t7` block)
 #   8k_channels  8K, the four tasks: channel scores (`metadata="channels"`, each block's 2-bit copy of its own
 #                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)

@@ -233,7 +233,7 @@ def write_report(folders: list[Path], out: Path, command: str, name: str | None 
 
 
 def named_block(result: dict[str, Any]) -> dict[str, Any]:
-    """A trace's block under the second edition's keys: the goodput pair's p50 TBT ratio is
+    """A trace's block under its named keys: the goodput pair's p50 TBT ratio is
     `tbt_p50_ratio`; the ratios at the rate r* judged are under `at_judged`."""
     block = dict(result)
     judged = {key: block.pop(key) for key in ("rate", "throughput_ratio_vs_best_stock", "ttft_ratio_vs_best_stock",

@@ -22,8 +22,8 @@ GIB = 1 << 30
 TOKEN_BUDGET = 2048
 # Ours' prefill per iteration, in token-layers, every rung alike: a 32K-token segment of one layer
 # (layer-segmented) or a 1024-token chunk through 32 layers (chunked). The paper's 2048 x layers
-# would run 64K-token segments, whose activations (~6 GiB at the 8B shape, measured: 12.5 GiB for a
-# 128K-token layer) do not fit the 8 GiB headroom beside the decode step's.
+# would run 64K-token segments, whose activations at the 8B shape do not fit the 8 GiB headroom
+# beside the decode step's (a layer's activations grow with its tokens).
 INJECT_TOKEN_LAYERS = 32768
 
 # The paper's ablation ladder (Fig. 13), each rung adding one technique to the one before, then ours.
@@ -50,9 +50,9 @@ WITHOUT_CUDNN = ("stock_generate_no_cudnn",)
 STOCK = (*STOCK_CACHES, "stock_generate_batch")
 SYSTEMS = STOCK + tuple(LADDER)
 # CUDA allocator settings by system, each its best. Ours: expandable segments, or a layer's prefill
-# beside the block cache leaves GiBs reserved but unusable under the cap (it broke the cap on the H200).
-# Stock generate: the default; expandable segments made its dense decode step 1.5x slower there
-# (97 vs 66 ms, the torch.cat-grown DynamicCache maps fresh pages every step).
+# beside the block cache leaves GiBs reserved but unusable under the cap. Stock generate: the
+# default; under expandable segments the torch.cat-grown DynamicCache maps fresh pages every step,
+# which slows its dense decode step (docs/serving.md).
 ALLOCATOR = {rung: "expandable_segments:True" for rung in LADDER}
 
 

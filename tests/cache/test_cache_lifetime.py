@@ -1,7 +1,7 @@
 """A SparseServeCache is no reference cycle: dropping it frees its store (and DRAM pool) at once.
 
 The pool can be tens of GiB of pinned memory; released only by the cyclic collector, the pools of
-a few finished batches piled up until pinning failed on the H200. These tests run with the cyclic
+a few finished batches would pile up until pinning fails. These tests run with the cyclic
 collector off, so only reference counting can free the store.
 """
 

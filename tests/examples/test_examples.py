@@ -24,8 +24,8 @@ EXAMPLES = ROOT / "examples"
 def run_example(argv: list[str], cwd: Path = ROOT, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """Run one example; fail with its output when it exits non-zero."""
     # PYTHON: the shell scripts call this interpreter (the venv's), not whatever `python` is on PATH.
-    # One intra-op thread: on a shared 2-core box the sparse decode's many small ops ran 4-10x slower
-    # with two threads whenever another process held a core (their barriers wait on a descheduled thread).
+    # One intra-op thread: on a shared 2-core box the sparse decode's many small ops slow down with two
+    # threads whenever another process holds a core (their barriers wait on a descheduled thread).
     fixed = {"PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     full_env = os.environ | fixed | env
     done = subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)

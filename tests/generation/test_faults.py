@@ -32,8 +32,8 @@ GREEDY = SamplingParams(max_new_tokens=8)
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """One intra-op thread: on tensors this small two threads only add sync overhead (10x slower
-    per trial on a loaded 2-core machine). Fault-free references run under the same setting."""
+    """One intra-op thread: on tensors this small two threads only add sync overhead (most of a
+    trial's time on a loaded 2-core machine). Fault-free references run under the same setting."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -28,17 +28,17 @@ LAYERS = 3  # Gemma-3: sliding, full, sliding
 T = 77  # not a block multiple; longer than Gemma's window (24)
 ATOL = 1e-4
 
-# (mode, max_inject_tokens, token-layer budget per advance, offload_hidden)
+# (mode, max_inject_tokens, token-layer budget per advance)
 PLANS = {
-    "full": ("full", None, None, False),
-    "chunked16": ("chunked", 16 * LAYERS, 16 * LAYERS, False),  # 5 chunks of 15-16 tokens
-    "chunked40": ("chunked", 40 * LAYERS, None, False),  # 2 chunks, all in one call
-    "seg1": ("layer_segmented", None, T, False),
-    "seg2_offload": ("layer_segmented", None, 2 * T, True),
-    "seg_all": ("layer_segmented", None, None, False),
-    "split30": ("layer_segmented", 30, 30, False),  # 3 chunks per layer, one per advance
-    "split30x2_offload": ("layer_segmented", 30, 64, True),  # 2 chunks per advance
-    "split20_all": ("layer_segmented", 20, None, False),
+    "full": ("full", None, None),
+    "chunked16": ("chunked", 16 * LAYERS, 16 * LAYERS),  # 5 chunks of 15-16 tokens
+    "chunked40": ("chunked", 40 * LAYERS, None),  # 2 chunks, all in one call
+    "seg1": ("layer_segmented", None, T),
+    "seg2": ("layer_segmented", None, 2 * T),
+    "seg_all": ("layer_segmented", None, None),
+    "split30": ("layer_segmented", 30, 30),  # 3 chunks per layer, one per advance
+    "split30x2": ("layer_segmented", 30, 64),  # 2 chunks per advance
+    "split20_all": ("layer_segmented", 20, None),
 }
 
 
@@ -70,8 +70,8 @@ def make_cache(kind: str, m: torch.nn.Module, **overrides):
 
 def prefill(m, ids, cache, plan: str) -> tuple[SegmentedPrefill, PrefillJob, list[int]]:
     """Run a whole prefill the way a Generator would: one advance per iteration."""
-    mode, max_inject, budget, offload = PLANS[plan]
-    runner = SegmentedPrefill(DecoderStack(m), mode, max_inject, offload_hidden=offload)
+    mode, max_inject, budget = PLANS[plan]
+    runner = SegmentedPrefill(DecoderStack(m), mode, max_inject)
     job = runner.start(ids, cache)
     work = []
     while not job.done:
@@ -109,14 +109,14 @@ def test_prefill_logits_equal_model_forward(arch, plan, cache_kind):
 @pytest.mark.parametrize("cache_kind", ["dynamic", "lazy", "sparse"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_split_layers_equal_model_forward_core(arch, cache_kind):
-    """The fast subset also run on transformers 5.17: layers split into chunks, hidden offloaded."""
+    """The fast subset also run on transformers 5.17: layers split into chunks, two per advance."""
     m = model(arch)
-    runner, job, _ = prefill(m, random_ids(1, T), make_cache(cache_kind, m), "split30x2_offload")
+    runner, job, _ = prefill(m, random_ids(1, T), make_cache(cache_kind, m), "split30x2")
     torch.testing.assert_close(runner.logits(job), reference_logits(arch), atol=ATOL, rtol=ATOL)
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "sparse"])
-@pytest.mark.parametrize("plan", ["full", "chunked16", "seg1", "split30x2_offload"])
+@pytest.mark.parametrize("plan", ["full", "chunked16", "seg1", "split30x2"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_decode_after_prefill_equals_stock_generate(arch, plan, cache_kind):
     """The cache a prefill leaves behind decodes exactly like stock generate's own prefill."""
@@ -232,10 +232,10 @@ def test_run_layers_takes_cache_position_and_applies_gemma_softcapping():
         ("full", [T * LAYERS]),
         ("chunked16", [15 * LAYERS, 15 * LAYERS, 16 * LAYERS, 15 * LAYERS, 16 * LAYERS]),
         ("seg1", [T] * LAYERS),  # segment size 1
-        ("seg2_offload", [2 * T, T]),  # segment size 2 (3 layers: 2 + 1)
+        ("seg2", [2 * T, T]),  # segment size 2 (3 layers: 2 + 1)
         ("seg_all", [T * LAYERS]),
         ("split30", [25, 26, 26] * LAYERS),  # 77 tokens in 3 balanced chunks of <= 30, per layer
-        ("split30x2_offload", [51, 26 + 25, 26 + 26, 25 + 26, 26]),
+        ("split30x2", [51, 26 + 25, 26 + 26, 25 + 26, 26]),
     ],
 )
 def test_work_per_advance_follows_the_budget(plan, expected_work):

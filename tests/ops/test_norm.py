@@ -93,7 +93,7 @@ def test_cuda_order_is_pytorchs_cuda_mean_and_the_kernel_llamas_norm(rows, width
 
 
 def test_the_probes_fitting_order_is_the_reference_and_its_rivals_differ():
-    """`eval.bench.norm_order_probe` found one order that fits PyTorch's CUDA mean on the H200 (4-vector
+    """`eval.bench.norm_order_probe` finds the order that fits PyTorch's CUDA mean on a GPU (4-vector
     loads, the lanes folded by halves down to one, the running sums chained); that candidate is
     `reference.cuda_row_mean`, and the probe's other candidates give other bits on some rows."""
     from eval.bench.norm_order_probe import candidate_mean

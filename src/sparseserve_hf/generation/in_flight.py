@@ -3,7 +3,7 @@
 The `Generator` reads each decode step's sampled tokens back to the host (one sync per step), and
 on a GPU whatever the host does between that read-back and the next launch leaves the device
 idle: building the next step's inputs, admission, and the launch of a captured step itself (a
-whole-model CUDA graph of ~1,000 kernels holds the host ~1.4 ms before its first kernel runs).
+whole-model CUDA graph of ~1,000 kernels holds the host until its kernels are queued).
 With `SparseServeConfig.decode_ahead` the next step is launched first, from inputs that never
 leave the device (the sampled tokens, one position on), and this step's results are copied to
 pinned host memory behind an event recorded before that launch: the read-back then waits for

@@ -72,7 +72,7 @@ def _ids_of(prompt: object, name: str) -> tuple[int, ...]:
     if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
         hint = " (pass its ['input_ids'])" if isinstance(prompt, dict) or hasattr(prompt, "input_ids") else ""
         raise TypeError(f"{name} must be {PROMPT_KINDS}, got {type(prompt).__name__}{hint}")
-    if set(map(type, prompt)) <= {int}:  # plain ints, checked in C: a 32K-token prompt in ~1 ms, not ~40
+    if set(map(type, prompt)) <= {int}:  # plain ints, checked in C: no Python check per token
         return tuple(prompt)
     return tuple(_token_id(token, position, name) for position, token in enumerate(prompt))
 

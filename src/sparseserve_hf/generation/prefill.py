@@ -4,8 +4,8 @@ Three modes (`SparseServeConfig.prefill_mode`):
 - "layer_segmented" (SparseServe's layer-segmented prefill): a segment of decoder layers per
   iteration over the whole prompt. Each layer writes its KV to the cache once; a SparseServeCache
   saves it to DRAM blocks and drops it from the device before the next layer runs, so prefill
-  needs device memory for one layer's KV, not the model's. The hidden states wait between
-  iterations (on the device, or in pinned host memory with `offload_hidden`). A layer whose
+  needs device memory for one layer's KV, not the model's. The hidden states wait on the device
+  between iterations. A layer whose
   prompt exceeds `max_inject_tokens` is split into chunks: chunk 2 of layer i attends to chunk
   1's KV through the cache, and layer i+1 starts only when layer i has seen the whole prompt.
   A paced iteration (`advance(..., split_to_budget=True)`) splits a layer that would not fit its
@@ -54,8 +54,7 @@ class PrefillJob:
         next_chunk_start: first prompt token the next unit runs (within `next_layer` for
             layer_segmented; through all layers for chunked).
         hidden: layer_segmented: (1, T, H), rows before `next_chunk_start` are the output of
-            `next_layer`, the others its input. On the device, or in (pinned) host memory with
-            `offload_hidden`. None before the first unit and once done.
+            `next_layer`, the others its input. None before the first unit and once done.
         last_hidden: (1, 1, H) last prompt token after the final layer, once done.
         token_layers_done: work done so far.
         done: every layer has seen every prompt token.
@@ -115,9 +114,6 @@ class SegmentedPrefill:
             how prompts are chunked: layer_segmented splits a layer of T > max_inject_tokens
             tokens into chunks of at most max_inject_tokens; chunked runs chunks of at most
             max_inject_tokens // num_layers tokens through all layers; full ignores it.
-        offload_hidden: layer_segmented only: keep the hidden states in (pinned, when CUDA is
-            present) host memory between iterations, for prompts whose (T, H) activations
-            would crowd the device.
 
     Example:
         >>> prefill = SegmentedPrefill(DecoderStack(model), "layer_segmented", max_inject_tokens=8192)
@@ -127,9 +123,7 @@ class SegmentedPrefill:
         >>> first_token = prefill.logits(job).argmax(-1)
     """
 
-    def __init__(
-        self, stack: DecoderStack, mode: str, max_inject_tokens: int | None, offload_hidden: bool = False
-    ) -> None:
+    def __init__(self, stack: DecoderStack, mode: str, max_inject_tokens: int | None) -> None:
         if mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {mode!r}")
         if max_inject_tokens is not None and (
@@ -144,14 +138,11 @@ class SegmentedPrefill:
         self.stack = stack
         self.mode = mode
         self.max_inject_tokens = max_inject_tokens
-        self.offload_hidden = bool(offload_hidden)
 
     @classmethod
-    def from_config(
-        cls, stack: DecoderStack, config: SparseServeConfig, offload_hidden: bool = False
-    ) -> SegmentedPrefill:
+    def from_config(cls, stack: DecoderStack, config: SparseServeConfig) -> SegmentedPrefill:
         """The prefill `config.prefill_mode` and `config.max_inject_tokens` describe."""
-        return cls(stack, config.prefill_mode, config.max_inject_tokens, offload_hidden)
+        return cls(stack, config.prefill_mode, config.max_inject_tokens)
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -259,7 +250,7 @@ class SegmentedPrefill:
         if job.hidden is None:
             self._park(job, self.stack.embed(job.input_ids), slice(None))
         rows = slice(unit.begin, unit.end)
-        hidden = job.hidden[:, rows].to(self.stack.device, non_blocking=True)
+        hidden = job.hidden[:, rows]
         out = self.stack.run_layers(
             hidden, unit.start, unit.stop, cache=job.cache, position_ids=self._positions(job, unit)
         )  # (1, t, H)
@@ -274,17 +265,11 @@ class SegmentedPrefill:
             self._park(job, out, rows)
 
     def _park(self, job: PrefillJob, hidden: torch.Tensor, rows: slice) -> None:
-        """Keep hidden rows until the next unit: on the device, or in the job's host buffer."""
-        if not self.offload_hidden:
-            if job.hidden is None or hidden.shape[1] == job.num_tokens:
-                job.hidden = hidden  # the whole prompt: replace, never hold two (T, H) copies
-            else:
-                job.hidden[:, rows] = hidden
-            return
-        if job.hidden is None:  # once per job; pinned so that the copies run asynchronously
-            shape, pin = (1, job.num_tokens, hidden.shape[-1]), torch.cuda.is_available()
-            job.hidden = torch.empty(shape, dtype=hidden.dtype, device="cpu", pin_memory=pin)
-        job.hidden[:, rows].copy_(hidden, non_blocking=True)
+        """Keep hidden rows on the device until the next unit."""
+        if job.hidden is None or hidden.shape[1] == job.num_tokens:
+            job.hidden = hidden  # the whole prompt: replace, never hold two (T, H) copies
+        else:
+            job.hidden[:, rows] = hidden
 
     def _finish(self, job: PrefillJob, out: torch.Tensor) -> None:
         job.last_hidden = out[:, -1:].clone()  # (1, 1, H); clone so the full (1, t, H) can go
