@@ -37,8 +37,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens before sampling; 0 = off (an int in [0, 2**63)).
         top_p: keep the smallest set of tokens whose probability reaches p (nucleus); 1 = off
             (a number in [1e-30, 1]).
-        seed: seeds this request's own `torch.Generator`, so its samples do not depend on the
-            other requests in the batch; an int in [0, 2**64), or None = a fresh random seed.
+        seed: seeds this request's own `torch.Generator`, so its random draws do not depend on
+            the other requests in the batch (its logits still may, in their last bits: a batched
+            matrix product rounds differently from a single row's, and a sampled token or a block
+            selection near a tie can follow); an int in [0, 2**64), or None = a fresh random seed.
         stop: strings that end generation when they appear in the text (needs a tokenizer);
             the returned text stops before the first of them, `token_ids` keep the tokens that
             produced it. A list or tuple of non-empty strings, or one string (= one stop string,

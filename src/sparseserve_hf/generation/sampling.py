@@ -44,7 +44,7 @@ def sample_next(
     if rows:
         probs, order = _filtered_probs(logits[rows].float(), [params[i] for i in rows])  # (R, V) each
         for j, row in enumerate(rows):
-            # One draw per row from its own generator: a request's samples do not depend on its batch.
+            # One draw per row from its own generator: a request's draws do not depend on its batch.
             pick = torch.multinomial(probs[j], 1, generator=generators[row])
             tokens[row] = order[j, pick[0]]
     return torch.where(finite, tokens, -1)
