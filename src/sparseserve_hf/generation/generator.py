@@ -536,7 +536,7 @@ class Generator(RequestFrontend):
         used = 0
         try:
             if self.prefixes is not None and request.job.token_layers_done == 0 and request.job.past_length == 0:
-                self._adopt_prefix(request)  # until its first work runs (a paced prompt may wait), none adopted yet
+                self._adopt_prefix(request)  # nothing in its cache yet (a paced prompt may wait iterations)
             used = self.prefill.advance(request.job, budget, split_to_budget=paced, at_least_one_unit=forced)
             if not request.job.done:
                 return used

@@ -5,9 +5,9 @@ Three modes (`SparseServeConfig.prefill_mode`):
   iteration over the whole prompt. Each layer writes its KV to the cache once; a SparseServeCache
   saves it to DRAM blocks and drops it from the device before the next layer runs, so prefill
   needs device memory for one layer's KV, not the model's. The hidden states wait on the device
-  between iterations. A layer whose
-  prompt exceeds `max_inject_tokens` is split into chunks: chunk 2 of layer i attends to chunk
-  1's KV through the cache, and layer i+1 starts only when layer i has seen the whole prompt.
+  between iterations. A layer whose prompt exceeds `max_inject_tokens` is split into chunks:
+  chunk 2 of layer i attends to chunk 1's KV through the cache, and layer i+1 starts only when
+  layer i has seen the whole prompt.
   A paced iteration (`advance(..., split_to_budget=True)`) splits a layer that would not fit its
   budget the same way, into chunks of at least PACED_MIN_CHUNK_TOKENS, so that one layer of a long
   prompt does not hold up the decoding rows beside it.
