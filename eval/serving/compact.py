@@ -22,17 +22,22 @@ KEPT = ("system", "command", "device", "git_commit", "locality", "overrides", "h
 
 def compact_run(run: dict[str, Any]) -> dict[str, Any]:
     """One run's JSON (`eval.serving run`'s file) without its per-token times; seconds to 0.1 ms."""
-    gaps = [b - a for record in run["records"] for a, b in itertools.pairwise(record.get("token_times") or [])]
+    gaps = [_gaps(record) for record in run["records"]]
+    every_gap = [gap for request_gaps in gaps for gap in request_gaps]
     out = {key: run[key] for key in KEPT if key in run}
-    quantiles = np.quantile(gaps, TBT_QUANTILES) if gaps else [None] * len(TBT_QUANTILES)
+    quantiles = np.quantile(every_gap, TBT_QUANTILES) if every_gap else [None] * len(TBT_QUANTILES)
     out["tbt_quantiles_s"] = {str(q): _seconds(v) for q, v in zip(TBT_QUANTILES, quantiles)}
-    out["requests"] = [_request(record) for record in run["records"]]
+    out["requests"] = [_request(record, request_gaps) for record, request_gaps in zip(run["records"], gaps)]
     return out
 
 
-def _request(record: dict[str, Any]) -> dict[str, Any]:
+def _gaps(record: dict[str, Any]) -> list[float]:
+    """Seconds between a request's consecutive tokens."""
+    return [b - a for a, b in itertools.pairwise(record.get("token_times") or [])]
+
+
+def _request(record: dict[str, Any], gaps: list[float]) -> dict[str, Any]:
     times, arrival = record.get("token_times") or [], record["arrival"]
-    gaps = [b - a for a, b in itertools.pairwise(times)]
     admitted = record.get("admitted")
     return {
         "index": record["index"],
