@@ -1,4 +1,4 @@
-"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact` (see eval/serving/__init__.py)."""
+"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact`, `join` (see eval/serving/__init__.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from eval.bench.common import add_config_overrides, config_overrides, current_commit
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
-from eval.serving.compact import write_compact
+from eval.serving.compact import join_saturated, write_compact
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
@@ -80,11 +80,17 @@ def main(argv: list[str] | None = None) -> None:
     small.add_argument("runs", nargs="+", metavar="NAME=RUN_JSON", help="each run under a name of its own")
     small.add_argument("--note", required=True, help="where and how the runs ran (device, calls, commits)")
     small.add_argument("--out", type=Path, required=True, help="the file (.json, or .json.xz compressed)")
+    join = sub.add_parser(
+        "join", help="compact saturated runs in parts, joined; ours against stock on the same requests"
+    )
+    join.add_argument("--stock", nargs="+", required=True, metavar="FILE:RUN", help="a stock system's parts, in order")
+    join.add_argument("--ours", nargs="+", required=True, metavar="FILE:RUN", help="ours' parts, in order")
+    join.add_argument("--out", type=Path, required=True, help="the joined figures and ratios (.json)")
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     commands = {
         "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock, "report": make_report,
-        "compact": make_compact,
+        "compact": make_compact, "join": make_join,
     }  # fmt: skip
     commands[args.command](args)
 
@@ -98,6 +104,13 @@ def make_compact(args) -> None:
         named[name] = Path(path)
     result = write_compact(named, args.note, args.out)
     print(f"wrote {args.out}: {', '.join(result['runs'])}")
+
+
+def make_join(args) -> None:
+    result = join_saturated(args.stock, args.ours) | {"command": args.command_line}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("throughput_ratio", "mean_ttft_ratio")}))
 
 
 def make_trace(args) -> None:

@@ -67,3 +67,65 @@ def write_compact(named_runs: dict[str, Path], note: str, out: Path) -> dict[str
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(lzma.compress(text.encode()) if out.suffix == ".xz" else text.encode())
     return result
+
+
+def join_compact(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compact saturated runs of one system over consecutive parts of a trace (each `--skip`-ped past the
+    parts before it, listed in that order) as the one run they stand for, as `report.join_parts` joins
+    full runs: a part starts when the parts before it have ended, so its requests' TTFTs grow by the
+    spans before it. Returns that run's requests, generated tokens, span, tokens/s and mean TTFT."""
+    offset, tokens, ttfts, served, failed = 0.0, 0, [], [], 0
+    for part in parts:
+        summary = part["summary"]
+        tokens += summary["generated_tokens"]
+        ttfts += [offset + r["ttft_s"] for r in part["requests"] if r["error"] is None and r["ttft_s"] is not None]
+        served += [r["index"] for r in part["requests"]]
+        failed += summary["failed"]
+        offset += summary["span_s"]
+    if len(set(served)) < len(served):
+        raise ValueError("parts to join must serve distinct requests")
+    return {
+        "requests": len(served),
+        "failed": failed,
+        "generated_tokens": tokens,
+        "span_s": offset,
+        "throughput_tokens_per_s": tokens / offset if offset else 0.0,
+        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+    }
+
+
+def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
+    """Stock's and ours' saturated runs, each given as `FILE:RUN` parts of compact files (`write_compact`)
+    in trace order, joined (`join_compact`) and compared: ours' tokens/s and stock's mean TTFT over
+    ours'. Both must have served the same requests."""
+    sides = {}
+    for side, items in (("stock", stock), ("ours", ours)):
+        parts = [_compact_part(item) for item in items]
+        systems = {part["system"] for _, part in parts}
+        if len(systems) != 1:
+            raise ValueError(f"{side}'s parts come from several systems: {sorted(systems)}")
+        sides[side] = {
+            "system": systems.pop(),
+            "parts": [{"part": item, **{k: part.get(k) for k in ("command", "device", "git_commit")}} for item, part in parts],
+            "joined": join_compact([part for _, part in parts]),
+            "served": sorted(r["index"] for _, part in parts for r in part["requests"]),
+        }  # fmt: skip
+    if sides["stock"]["served"] != sides["ours"]["served"]:
+        raise ValueError("stock and ours must have served the same requests")
+    stock_joined, ours_joined = sides["stock"]["joined"], sides["ours"]["joined"]
+    return sides | {
+        "throughput_ratio": ours_joined["throughput_tokens_per_s"] / stock_joined["throughput_tokens_per_s"],
+        "mean_ttft_ratio": stock_joined["mean_ttft_s"] / ours_joined["mean_ttft_s"],
+    }
+
+
+def _compact_part(item: str) -> tuple[str, dict[str, Any]]:
+    """`FILE:RUN` -> (item, that compact run)."""
+    path, sep, name = item.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"each part is FILE:RUN, got {item!r}")
+    data = lzma.decompress(Path(path).read_bytes()) if path.endswith(".xz") else Path(path).read_bytes()
+    runs = json.loads(data)["runs"]
+    if name not in runs:
+        raise ValueError(f"{path} has no run {name!r} (it has {', '.join(runs)})")
+    return item, runs[name]

@@ -22,6 +22,7 @@ from .cache import handoff
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
 from .scoring import SCORERS
+from .selection import SELECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -269,27 +270,9 @@ def pick_blocks(
         picked, valid: (B, Hkv, U) block indices each KV head loads and their validity.
         head_mask: (B, Hq, U) which of them each query head attends; None = all of them.
     """
-    if config.selection == "group_union":  # the default: one op (one kernel with Triton)
-        picked, valid = ops.select_group_union(
-            scores,
-            num_blocks,
-            config.selected_full_blocks,
-            config.sink_blocks,
-            config.window_blocks,
-            num_kv_heads,
-            SCORERS[config.metadata].score_floor(config),
-            config.load_blocks,
-        )  # (B, Hkv, U): U = G*K, or the config's load cap
-        return picked, valid, None
-    if config.selection == "kv_head":
-        scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
-    per_query_head = config.selection == "query_head"  # a union follows, which orders the blocks itself
-    picked, valid = ops.select_blocks(
-        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, not per_query_head
-    )  # (B, H, K), H = Hq or Hkv
-    if not per_query_head:
-        return picked, valid, None
-    return ops.union_over_group(picked, valid, num_kv_heads, capacity, True)  # (B, Hkv, U) and (B, Hq, U)
+    selection = SELECTIONS[config.selection]
+    floor = SCORERS[config.metadata].score_floor(config)
+    return selection.pick(ops, config, scores, num_blocks, num_kv_heads, capacity, floor)
 
 
 def _capturing(tensor: torch.Tensor) -> bool:

@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .scoring import SCORERS
+from .selection import SELECTIONS
 
 METADATA_KINDS = tuple(SCORERS)
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")
 KV_DTYPES = ("auto", "float8_e4m3fn")
-SELECTION_GRANULARITIES = ("query_head", "group_union", "kv_head")
+SELECTION_GRANULARITIES = tuple(SELECTIONS)
 GROUP_AGGREGATIONS = ("max", "sum")
 BACKENDS = ("auto", "torch", "triton", "flash")
 PREFILL_MODES = ("layer_segmented", "chunked", "full")

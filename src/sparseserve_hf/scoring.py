@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .ops import channels
+from .selection import SELECTIONS
 
 if TYPE_CHECKING:
     from .config import SparseServeConfig
@@ -143,9 +144,8 @@ class BlockSummaries:
 
 
 def rank_depth(config: SparseServeConfig) -> int | None:
-    """How deep hybrid scoring must rank: each head's top-k is all a per-query-head selection reads;
-    a per-KV-head selection aggregates scores over the group, so there every rank counts."""
-    return None if config.selection == "kv_head" else config.selected_full_blocks
+    """How deep hybrid scoring must rank: the config's selection granularity says (None = every rank)."""
+    return SELECTIONS[config.selection].rank_depth(config)
 
 
 class ChannelScores:

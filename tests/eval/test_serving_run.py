@@ -10,7 +10,8 @@ import lzma
 import pytest
 import torch
 from eval.serving.__main__ import main
-from eval.serving.report import run_label
+from eval.serving.metrics import RequestRecord, summarize
+from eval.serving.report import join_parts, run_label
 from eval.serving.trace import Trace, build_trace
 
 SMALL = ["--shape", "tiny", "--hbm-cap-gib", "0.25", "--headroom-gib", "0.05", "--dram-gib", "0.05"]
@@ -216,3 +217,36 @@ def test_the_probe_times_batches_new_to_the_warm_process_with_and_without_cudnn(
                 len(trace.requests[index].prompt)
             ]
     assert torch.backends.cuda.cudnn_sdp_enabled()  # switched back on
+
+
+def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_path):
+    folder, _ = runs
+    common = ["--trace", str(folder / "trace.pt"), *SMALL, "--out", str(tmp_path / "parts")]
+    main(["run", "--system", "stock_generate", "--rate", "inf", "--requests", "2", *common])
+    main(["run", "--system", "stock_generate", "--rate", "inf", "--skip", "2", *common])
+    main(["run", "--system", "ours_sparse", "--rate", "inf", *common])
+    files = {path.stem: path for path in (tmp_path / "parts").glob("run_*.json")}
+    names = {"first2": "run_stock_generate_inf", "last1": "run_stock_generate_inf_from2", "ours": "run_ours_sparse_inf"}
+    small = tmp_path / "small.json.xz"
+    main(["compact", *(f"{n}={files[stem]}" for n, stem in names.items()), "--note", "CPU", "--out", str(small)])
+    out = tmp_path / "joined.json"
+    main(["join", "--stock", f"{small}:first2", f"{small}:last1", "--ours", f"{small}:ours", "--out", str(out)])
+    joined = json.loads(out.read_text())
+    parts = [json.loads(files[names[n]].read_text()) for n in ("first2", "last1")]
+    full = summarize([RequestRecord.from_dict(r) for r in join_parts(parts)["records"]])
+    stock = joined["stock"]["joined"]
+    assert stock["requests"] == 3 and joined["stock"]["served"] == joined["ours"]["served"] == [0, 1, 2]
+    assert stock["span_s"] == pytest.approx(full["span_s"], abs=1e-9)
+    assert stock["throughput_tokens_per_s"] == pytest.approx(full["throughput_tokens_per_s"], rel=1e-9)
+    assert stock["mean_ttft_s"] == pytest.approx(full["mean_ttft_s"], abs=1e-3)  # compact rounds to 0.1 ms
+    ours = json.loads(files[names["ours"]].read_text())["summary"]
+    assert joined["throughput_ratio"] == pytest.approx(
+        ours["throughput_tokens_per_s"] / stock["throughput_tokens_per_s"]
+    )
+    assert joined["mean_ttft_ratio"] == pytest.approx(stock["mean_ttft_s"] / ours["mean_ttft_s"], rel=1e-3)
+    assert joined["stock"]["parts"][1]["command"].endswith(parts[1]["command"].split("run", 1)[1])
+    with pytest.raises(ValueError, match="same requests"):
+        main(["join", "--stock", f"{small}:first2", "--ours", f"{small}:ours", "--out", str(tmp_path / "bad.json")])
+    with pytest.raises(ValueError, match="no run 'nope'"):
+        main(["join", "--stock", f"{small}:nope", "--ours", f"{small}:ours", "--out", str(tmp_path / "bad.json")])
+    assert not (tmp_path / "bad.json").exists()

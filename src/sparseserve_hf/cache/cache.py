@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..config import SparseServeConfig
 from ..host_memory import check_host_bytes
 from ..ops import resolve_backend
+from ..selection import SELECTIONS
 from . import handoff
 from .block_cache import rows_that_fit
 from .forward_log import ForwardLog, ModelShape
@@ -637,11 +638,8 @@ def _is_rank_share(model_heads: int, given: int) -> bool:
 
 def selected_blocks_per_kv_head(model_config: Any, config: SparseServeConfig) -> int:
     """Head-blocks one layer can select per KV head for one request (the union over a KV group)."""
-    if config.selection == "kv_head":
-        return config.selected_full_blocks
     group = model_config.get_text_config().num_attention_heads // _model_shape(model_config).num_kv_heads
-    union = group * config.selected_full_blocks
-    return union if config.load_blocks is None else min(union, config.load_blocks)
+    return SELECTIONS[config.selection].pick_width(config, group)
 
 
 def _text_config(model_config: Any) -> PretrainedConfig:

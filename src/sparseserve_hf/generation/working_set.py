@@ -15,6 +15,7 @@ from ..cache import SparseServeCache
 from ..cache.grow import grown
 from ..cache.plain import plain_tensors
 from ..config import SparseServeConfig
+from ..selection import SELECTIONS
 
 NEVER = -(2**62)
 
@@ -103,18 +104,14 @@ def _stacked(layers: list) -> list[tuple[torch.Tensor, torch.Tensor | None, torc
 def initial_working_set(config: SparseServeConfig, model_config, num_tokens: int, tp_size: int = 1) -> int:
     """Head-blocks a request will select per decode step, right after prefill (no history yet).
 
-    Per sparse layer and KV head: sink + window + top-k blocks, times the group size when every
-    query head picks its own blocks (the KV head loads their union), capped at the row's blocks
-    and at the config's `load_blocks`.
+    Per sparse layer and KV head: the most different blocks its pick holds (the selection
+    granularity's `distinct_blocks`), capped at the row's blocks.
     `tp_size`: tensor-parallel ranks; a rank holds (and counts) its share of the KV heads.
     """
     text = model_config.get_text_config()
     model_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    group = 1 if config.selection == "kv_head" else text.num_attention_heads // model_kv_heads
+    per_head = SELECTIONS[config.selection].distinct_blocks(config, text.num_attention_heads // model_kv_heads)
     num_kv_heads = model_kv_heads // tp_size
-    per_head = config.sink_blocks + config.window_blocks + group * config.topk_blocks
-    if config.load_blocks is not None:
-        per_head = min(per_head, config.load_blocks)
     full_blocks = max(num_tokens - 1, 0) // config.block_size  # the tail keeps 1..block_size tokens
     num_sparse_layers = text.num_hidden_layers - len(config.dense_layers)
     return num_sparse_layers * num_kv_heads * min(per_head, full_blocks)

@@ -1,0 +1,62 @@
+"""Every selection granularity (`selection.SELECTIONS`) against the same contract: its pick fits the
+width it declares (what the HBM cache is sized for), holds at most the distinct blocks it declares
+(what admission counts; a KV head's own pick holds exactly that), always keeps the sink and window blocks, and gives dense attention's
+tokens through the cache when the budget covers the sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseserve_hf import SparseServeCache, SparseServeConfig
+from sparseserve_hf.attention import pick_blocks
+from sparseserve_hf.ops import TORCH_OPS
+from sparseserve_hf.selection import SELECTIONS
+from tiny_models import greedy, random_ids, tiny_model
+
+GROUP, KV_HEADS, TABLE = 3, 2, 40
+
+
+def config_for(selection: str, **overrides) -> SparseServeConfig:
+    return SparseServeConfig(**{"block_size": 16, "token_budget": 128, "selection": selection, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("selection", "load_budget"), [(name, None) for name in SELECTIONS] + [("group_union", 160)]
+)  # load_budget caps the group union only
+def test_pick_fits_the_declared_width_and_distinct_blocks(selection, load_budget):
+    config = config_for(selection, load_budget=load_budget)
+    granularity = SELECTIONS[selection]
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = torch.tensor([TABLE, 25, 3])  # a long row, a medium one, one with fewer blocks than the budget
+    scores = torch.randn(3, KV_HEADS * GROUP, TABLE, generator=generator)
+    scores = scores.masked_fill(torch.arange(TABLE)[None, None, :] >= num_blocks[:, None, None], float("-inf"))
+    picked, valid, head_mask = pick_blocks(TORCH_OPS, config, scores, num_blocks, KV_HEADS, TABLE)
+    assert picked.shape[:2] == valid.shape[:2] == (3, KV_HEADS)
+    assert picked.shape[-1] <= granularity.pick_width(config, GROUP)
+    assert (head_mask is not None) == (selection == "query_head")
+    for row, count in enumerate(num_blocks.tolist()):
+        for head in range(KV_HEADS):
+            chosen = set(picked[row, head][valid[row, head]].tolist())
+            assert len(chosen) == int(valid[row, head].sum())  # no block loaded twice
+            most = min(granularity.distinct_blocks(config, GROUP), count)
+            assert len(chosen) == most if selection == "kv_head" else len(chosen) <= most  # a union may overlap
+            assert all(0 <= block < count for block in chosen)
+            kept = set(range(config.sink_blocks)) | set(range(count - config.window_blocks, count))
+            assert kept <= chosen
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_rank_depth_covers_every_pick(selection):
+    config = config_for(selection)
+    depth = SELECTIONS[selection].rank_depth(config)
+    assert depth is None or depth >= config.selected_full_blocks
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_full_budget_gives_dense_tokens(selection):
+    ids = random_ids(1, 77)
+    expected = greedy(tiny_model("llama", "sdpa", num_heads=6, num_kv_heads=2), ids)
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2)
+    cache = SparseServeCache(model.config, config_for(selection, token_budget=4096))
+    assert torch.equal(greedy(model, ids, cache), expected)
