@@ -15,7 +15,7 @@ import torch
 from eval.bench.common import add_config_overrides, config_overrides, current_commit
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
-from eval.serving.compact import join_saturated, write_compact
+from eval.serving.compact import join_saturated, merge_saturated, write_compact
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     join.add_argument("--stock", nargs="+", required=True, metavar="FILE:RUN", help="a stock system's parts, in order")
     join.add_argument("--ours", nargs="+", required=True, metavar="FILE:RUN", help="ours' parts, in order")
     join.add_argument("--out", type=Path, required=True, help="the joined figures and ratios (.json)")
+    join.add_argument(
+        "--serving-block", default=None, help="also write them as this trace's saturated point in serving.json"
+    )
+    join.add_argument("--serving-json", type=Path, default=Path("eval/results/serving.json"))
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     commands = {
@@ -110,6 +114,8 @@ def make_join(args) -> None:
     result = join_saturated(args.stock, args.ours) | {"command": args.command_line}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.serving_block is not None:
+        merge_saturated(args.serving_json, args.serving_block, result, args.out)
     print(json.dumps({k: result[k] for k in ("throughput_ratio", "mean_ttft_ratio")}))
 
 

@@ -119,6 +119,24 @@ def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
     }
 
 
+def merge_saturated(serving_json: Path, name: str, joined: dict[str, Any], source: Path) -> None:
+    """`join_saturated`'s result (written to `source`) as trace `name`'s saturated point in serving.json,
+    under the keys `report` gives a saturated point (`saturated_best_stock`, `saturated_throughput_ratio`,
+    `saturated_ttft_ratio`), with the joined figures and `source` under `saturated_joined`; the block's
+    other keys and the other blocks are kept."""
+    merged = json.loads(serving_json.read_text()) if serving_json.is_file() else {}
+    block = merged.setdefault(name, {})
+    block["saturated_best_stock"] = joined["stock"]["system"]
+    block["saturated_throughput_ratio"] = joined["throughput_ratio"]
+    block["saturated_ttft_ratio"] = joined["mean_ttft_ratio"]
+    block["saturated_joined"] = {
+        "source": str(source),
+        "stock": joined["stock"]["joined"],
+        "ours": joined["ours"]["joined"],
+    }
+    serving_json.write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def _compact_part(item: str) -> tuple[str, dict[str, Any]]:
     """`FILE:RUN` -> (item, that compact run)."""
     path, sep, name = item.rpartition(":")

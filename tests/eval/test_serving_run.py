@@ -230,7 +230,10 @@ def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_p
     small = tmp_path / "small.json.xz"
     main(["compact", *(f"{n}={files[stem]}" for n, stem in names.items()), "--note", "CPU", "--out", str(small)])
     out = tmp_path / "joined.json"
-    main(["join", "--stock", f"{small}:first2", f"{small}:last1", "--ours", f"{small}:ours", "--out", str(out)])
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"paper": {"kept": 1}, "dense_iteration_s": 0.5}))
+    main(["join", "--stock", f"{small}:first2", f"{small}:last1", "--ours", f"{small}:ours", "--out", str(out),
+          "--serving-block", "decode_heavy", "--serving-json", str(serving)])  # fmt: skip
     joined = json.loads(out.read_text())
     parts = [json.loads(files[names[n]].read_text()) for n in ("first2", "last1")]
     full = summarize([RequestRecord.from_dict(r) for r in join_parts(parts)["records"]])
@@ -243,7 +246,14 @@ def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_p
     assert joined["throughput_ratio"] == pytest.approx(
         ours["throughput_tokens_per_s"] / stock["throughput_tokens_per_s"]
     )
-    assert joined["mean_ttft_ratio"] == pytest.approx(stock["mean_ttft_s"] / ours["mean_ttft_s"], rel=1e-3)
+    assert joined["ours"]["joined"]["mean_ttft_s"] == pytest.approx(ours["mean_ttft_s"], abs=1e-3)
+    assert joined["mean_ttft_ratio"] == pytest.approx(stock["mean_ttft_s"] / joined["ours"]["joined"]["mean_ttft_s"])
+    merged = json.loads(serving.read_text())
+    assert merged["paper"] == {"kept": 1} and merged["dense_iteration_s"] == 0.5
+    block = merged["decode_heavy"]
+    assert block["saturated_best_stock"] == "stock_generate" and block["saturated_joined"]["stock"] == stock
+    assert block["saturated_joined"] == {"source": str(out), "stock": stock, "ours": joined["ours"]["joined"]}
+    assert block["saturated_throughput_ratio"] == joined["throughput_ratio"]
     assert joined["stock"]["parts"][1]["command"].endswith(parts[1]["command"].split("run", 1)[1])
     with pytest.raises(ValueError, match="same requests"):
         main(["join", "--stock", f"{small}:first2", "--ours", f"{small}:ours", "--out", str(tmp_path / "bad.json")])
