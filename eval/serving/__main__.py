@@ -16,6 +16,7 @@ from eval.bench.common import add_config_overrides, config_overrides, current_co
 from eval.bench.selection_trace import RECORDED_TRACE
 from eval.serving import report as report_mod
 from eval.serving.compact import join_saturated, merge_saturated, write_compact
+from eval.serving.kernels_seen import KernelsFirstSeen
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
@@ -170,12 +171,13 @@ def run_point(args) -> None:
         args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides, saturated_only
     )
     for rate in args.rate:
-        run = runner(rate, deadline_s=args.deadline_s)
+        with KernelsFirstSeen() as kernels:
+            run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)
         result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
                   "locality": "real" if selections is not None else "random", "requests_from": args.skip,
                   "deadline_s": args.deadline_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                  "overrides": overrides,
+                  "overrides": overrides, "kernels_first_seen": kernels.events,
                   "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
         _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip, overrides), result)
         print(json.dumps({"system": args.system, "rate": rate} | summary, indent=2))

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
-KEPT = ("system", "command", "device", "git_commit", "locality", "overrides", "hbm_cap", "trace", "summary", "engine")
+KEPT = ("system", "command", "device", "git_commit", "locality", "overrides", "hbm_cap", "trace", "summary", "engine",
+        "kernels_first_seen")  # fmt: skip
 
 
 def compact_run(run: dict[str, Any]) -> dict[str, Any]:

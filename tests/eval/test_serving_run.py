@@ -49,6 +49,7 @@ def test_every_request_is_served_in_order_of_its_times(runs, system):
         times = rec["token_times"]
         assert len(times) == request.output_tokens == rec["output_tokens"] and rec["error"] is None
         assert rec["arrival"] <= rec["admitted"] <= times[0] and times == sorted(times)
+    assert result["kernels_first_seen"] == []  # the CPU runs launch no Triton kernel
     assert "--system" in result["command"] and result["trace"]["requests"] == 3 and len(result["git_commit"]) == 40
     engine = result["engine"]  # the warm-up request is served first and counted nowhere
     if system == "stock_generate":

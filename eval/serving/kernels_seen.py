@@ -1,0 +1,45 @@
+"""Triton kernels a process meets for the first time while a run is timed.
+
+A warm-up is meant to leave no kernel compilation inside the timed run, but it only reaches the
+shapes it serves: a specialization first needed later (another batch size, another table width)
+is compiled (or loaded from Triton's disk cache) mid-run, and shows as a gap between tokens. Triton
+calls `knobs.runtime.jit_cache_hook` exactly when a JIT function meets a specialization its
+in-process cache lacks; recording those calls says what the warm-up missed, and when.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Self
+
+
+class KernelsFirstSeen:
+    """Context manager: `events`, one `{"t_s", "kernel"}` per specialization first met inside the block
+    (seconds from entering it; `kernel` is Triton's repr: name, launch options, argument types).
+    Any hook installed before is still called, and put back on exit. Without Triton it records nothing."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._start = 0.0
+        self._knobs: Any = None
+        self._before: Any = None
+
+    def __enter__(self) -> Self:
+        self._start = time.perf_counter()
+        try:
+            from triton import knobs
+        except ImportError:  # a CPU machine without Triton: nothing can be compiled
+            return self
+        self._knobs, self._before = knobs, knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._seen
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._knobs is not None:
+            self._knobs.runtime.jit_cache_hook = self._before
+
+    def _seen(self, *args: Any, **kwargs: Any) -> bool | None:
+        """Triton's hook: a truthy answer would skip the compilation, so only the earlier hook answers."""
+        name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")
+        self.events.append({"t_s": round(time.perf_counter() - self._start, 4), "kernel": str(name)})
+        return self._before(*args, **kwargs) if self._before is not None else None
