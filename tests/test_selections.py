@@ -10,7 +10,7 @@ import torch
 
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.attention import pick_blocks
-from sparseserve_hf.ops import TORCH_OPS
+from sparseserve_hf.ops import TORCH_OPS, reference
 from sparseserve_hf.selection import SELECTIONS
 from tiny_models import greedy, random_ids, tiny_model
 
@@ -47,10 +47,37 @@ def test_pick_fits_the_declared_width_and_distinct_blocks(selection, load_budget
 
 
 @pytest.mark.parametrize("selection", list(SELECTIONS))
-def test_rank_depth_covers_every_pick(selection):
-    config = config_for(selection)
+def test_ranking_only_to_the_rank_depth_picks_what_a_full_ranking_picks(selection):
+    """The hybrid interleave ranks each ranking's top `rank_depth` blocks only; the pick must not see it."""
+    config = config_for(selection, metadata="hybrid")
     depth = SELECTIONS[selection].rank_depth(config)
-    assert depth is None or depth >= config.selected_full_blocks
+    generator = torch.Generator().manual_seed(1)
+    num_blocks = torch.tensor([TABLE, 30])
+    unused = torch.arange(TABLE)[None, None, :] >= num_blocks[:, None, None]  # -inf there, as a table scores
+    quest, means = torch.randn(2, 2, KV_HEADS * GROUP, TABLE, generator=generator).masked_fill(unused, float("-inf"))
+    shallow = reference.combine_by_rank(quest, means, depth=depth)  # distinct scores: no ties to break
+    full = reference.combine_by_rank(quest, means, depth=None)
+    picks = [pick_blocks(TORCH_OPS, config, scores, num_blocks, KV_HEADS, TABLE) for scores in (shallow, full)]
+    (picked, valid, _), (picked_full, valid_full, _) = picks
+    for row in range(2):
+        for head in range(KV_HEADS):
+            chosen, chosen_full = picked[row, head][valid[row, head]], picked_full[row, head][valid_full[row, head]]
+            assert set(chosen.tolist()) == set(chosen_full.tolist())
+
+
+def test_query_head_mask_marks_each_head_s_own_picks():
+    config = config_for("query_head")
+    generator = torch.Generator().manual_seed(2)
+    num_blocks = torch.tensor([TABLE])
+    scores = torch.randn(1, KV_HEADS * GROUP, TABLE, generator=generator)
+    union, valid, head_mask = pick_blocks(TORCH_OPS, config, scores, num_blocks, KV_HEADS, TABLE)
+    own, own_valid = TORCH_OPS.select_blocks(
+        scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, True
+    )  # (1, Hq, K)
+    for head in range(KV_HEADS * GROUP):
+        kv = head // GROUP
+        marked = set(union[0, kv][valid[0, kv] & head_mask[0, head]].tolist())
+        assert marked == set(own[0, head][own_valid[0, head]].tolist())
 
 
 @pytest.mark.parametrize("selection", list(SELECTIONS))

@@ -11,14 +11,15 @@ from __future__ import annotations
 import itertools
 import json
 import lzma
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
-KEPT = ("system", "command", "device", "git_commit", "locality", "overrides", "hbm_cap", "trace", "summary", "engine",
-        "kernels_first_seen")  # fmt: skip
+KEPT = ("system", "rate", "requests_from", "command", "device", "git_commit", "locality", "overrides", "hbm_cap",
+        "trace", "summary", "engine", "kernels_first_seen")  # fmt: skip
 
 
 def compact_run(run: dict[str, Any]) -> dict[str, Any]:
@@ -74,25 +75,41 @@ def join_compact(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Compact saturated runs of one system over consecutive parts of a trace (each `--skip`-ped past the
     parts before it, listed in that order) as the one run they stand for, as `report.join_parts` joins
     full runs: a part starts when the parts before it have ended, so its requests' TTFTs grow by the
-    spans before it. Returns that run's requests, generated tokens, span, tokens/s and mean TTFT."""
-    offset, tokens, ttfts, served, failed = 0.0, 0, [], [], 0
-    for part in parts:
-        summary = part["summary"]
-        tokens += summary["generated_tokens"]
-        ttfts += [offset + r["ttft_s"] for r in part["requests"] if r["error"] is None and r["ttft_s"] is not None]
-        served += [r["index"] for r in part["requests"]]
-        failed += summary["failed"]
-        offset += summary["span_s"]
-    if len(set(served)) < len(served):
-        raise ValueError("parts to join must serve distinct requests")
+    spans before it. Returns that run's requests, generated tokens, span, tokens/s and mean TTFT.
+
+    ValueError where the parts cannot stand for one run: a part that did not serve every request it
+    was given (a ratio over the rest would flatter it), a run at a finite rate, or parts whose
+    requests are not consecutive in the listed order."""
+    offset, tokens, ttfts, last = 0.0, 0, [], None
+    for number, part in enumerate(parts):
+        _check_part(number, part, last)
+        tokens += part["summary"]["generated_tokens"]
+        ttfts += [offset + r["ttft_s"] for r in part["requests"]]
+        offset += part["summary"]["span_s"]
+        last = part["requests"][-1]["index"]
     return {
-        "requests": len(served),
-        "failed": failed,
+        "requests": len(ttfts),
         "generated_tokens": tokens,
         "span_s": offset,
-        "throughput_tokens_per_s": tokens / offset if offset else 0.0,
-        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "throughput_tokens_per_s": tokens / offset,
+        "mean_ttft_s": sum(ttfts) / len(ttfts),
     }
+
+
+def _check_part(number: int, part: dict[str, Any], last_index: int | None) -> None:
+    """ValueError naming part `number` where it is not a saturated run that served all its requests,
+    or its requests do not follow `last_index` (the part before's last request) one by one."""
+    summary, indices = part["summary"], [r["index"] for r in part["requests"]]
+    if float(part.get("rate", math.inf)) != math.inf:
+        raise ValueError(f"part {number} ran at {part['rate']} requests/s: only saturated runs join")
+    served = [r for r in part["requests"] if r["error"] is None and r["ttft_s"] is not None]
+    if not indices or summary["failed"] or summary["completed"] != len(indices) or len(served) != len(indices):
+        raise ValueError(
+            f"part {number} completed {summary['completed']} of {len(indices)} requests: a joined run needs all"
+        )
+    first = indices[0] if last_index is None else last_index + 1
+    if indices != list(range(first, first + len(indices))):
+        raise ValueError(f"part {number} serves requests {indices[0]}..{indices[-1]}, not the ones after {last_index}")
 
 
 def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
@@ -123,15 +140,18 @@ def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
 def merge_saturated(serving_json: Path, name: str, joined: dict[str, Any], source: Path) -> None:
     """`join_saturated`'s result (written to `source`) as trace `name`'s saturated point in serving.json,
     under the keys `report` gives a saturated point (`saturated_best_stock`, `saturated_throughput_ratio`,
-    `saturated_ttft_ratio`), with the joined figures and `source` under `saturated_joined`; the block's
-    other keys and the other blocks are kept."""
+    `saturated_ttft_ratio`), with the joined figures, `source` and the stock systems compared (one: the
+    joined one) under `saturated_joined`. Other keys and blocks are kept, but an earlier saturated note
+    goes. A later `report --name` rewrites the whole block: join again after it."""
     merged = json.loads(serving_json.read_text()) if serving_json.is_file() else {}
     block = merged.setdefault(name, {})
+    block.pop("saturated_note", None)
     block["saturated_best_stock"] = joined["stock"]["system"]
     block["saturated_throughput_ratio"] = joined["throughput_ratio"]
     block["saturated_ttft_ratio"] = joined["mean_ttft_ratio"]
     block["saturated_joined"] = {
         "source": str(source),
+        "stock_systems_compared": [joined["stock"]["system"]],
         "stock": joined["stock"]["joined"],
         "ours": joined["ours"]["joined"],
     }

@@ -10,16 +10,20 @@ in-process cache lacks; recording those calls says what the warm-up missed, and 
 from __future__ import annotations
 
 import time
-from typing import Any, Self
+from typing import Any
+
+from typing_extensions import Self
 
 
 class KernelsFirstSeen:
     """Context manager: `events`, one `{"t_s", "kernel"}` per specialization first met inside the block
-    (seconds from entering it; `kernel` is Triton's repr: name, launch options, argument types).
-    Any hook installed before is still called, and put back on exit. Without Triton it records nothing."""
+    (seconds from entering it; `kernel` is Triton's repr: qualified name, launch options, argument
+    types). Any hook installed before is still called (its answer is Triton's: truthy skips the
+    launch), and put back on exit. `events` is None where no hook could be installed (no Triton, or
+    one without `knobs`): nothing was watched, which is not "nothing was compiled"."""
 
     def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] | None = None
         self._start = 0.0
         self._knobs: Any = None
         self._before: Any = None
@@ -28,8 +32,9 @@ class KernelsFirstSeen:
         self._start = time.perf_counter()
         try:
             from triton import knobs
-        except ImportError:  # a CPU machine without Triton: nothing can be compiled
+        except ImportError:  # no Triton, or one older than its knobs: nothing is watched
             return self
+        self.events = []
         self._knobs, self._before = knobs, knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self._seen
         return self

@@ -62,7 +62,10 @@ class GroupUnion:
         """A query head's top-k is all the union reads."""
         return config.selected_full_blocks
 
-    def pick(self, ops, config, scores, num_blocks, num_kv_heads, capacity, score_floor):
+    def pick(
+        self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
+        capacity: int, score_floor: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """`ops.select_group_union`: U = G x K, or the config's load cap."""
         picked, valid = ops.select_group_union(
             scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks,
@@ -71,11 +74,26 @@ class GroupUnion:
         return picked, valid, None
 
 
-class QueryHead(GroupUnion):
+class QueryHead:
     """ "query_head": every query head picks its own blocks and attends only them; its KV head loads the
-    union of its group's picks."""
+    union of its group's picks (never capped: `load_budget` is refused with it)."""
 
-    def pick(self, ops, config, scores, num_blocks, num_kv_heads, capacity, score_floor):
+    def pick_width(self, config: SparseServeConfig, group: int) -> int:
+        """G x the blocks a query head picks."""
+        return group * config.selected_full_blocks
+
+    def distinct_blocks(self, config: SparseServeConfig, group: int) -> int:
+        """Sink and window once, G x the top-k."""
+        return config.sink_blocks + config.window_blocks + group * config.topk_blocks
+
+    def rank_depth(self, config: SparseServeConfig) -> int | None:
+        """A query head's top-k is all it reads."""
+        return config.selected_full_blocks
+
+    def pick(
+        self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
+        capacity: int, score_floor: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Per-head top-k (`ops.select_blocks`, unsorted: the union orders the blocks), then
         `ops.union_over_group` with the per-query-head mask."""
         picked, valid = ops.select_blocks(
@@ -100,7 +118,10 @@ class KvHead:
         """The group's scores are combined before the pick, so every rank counts."""
         return None
 
-    def pick(self, ops, config, scores, num_blocks, num_kv_heads, capacity, score_floor):
+    def pick(
+        self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
+        capacity: int, score_floor: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """`ops.aggregate_group_scores`, then one sorted top-k per KV head (`ops.select_blocks`)."""
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
         picked, valid = ops.select_blocks(

@@ -10,6 +10,7 @@ import lzma
 import pytest
 import torch
 from eval.serving.__main__ import main
+from eval.serving.compact import join_compact
 from eval.serving.metrics import RequestRecord, summarize
 from eval.serving.report import join_parts, run_label
 from eval.serving.trace import Trace, build_trace
@@ -23,6 +24,15 @@ CPU_SYSTEMS = [
     "ours_offload",
     "ours",
 ]
+
+
+def _triton_knobs() -> bool:
+    """Whether this machine's Triton has the knobs `KernelsFirstSeen` hooks into."""
+    try:
+        from triton import knobs  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,7 @@ def test_every_request_is_served_in_order_of_its_times(runs, system):
         times = rec["token_times"]
         assert len(times) == request.output_tokens == rec["output_tokens"] and rec["error"] is None
         assert rec["arrival"] <= rec["admitted"] <= times[0] and times == sorted(times)
-    assert result["kernels_first_seen"] == []  # the CPU runs launch no Triton kernel
+    assert result["kernels_first_seen"] == ([] if _triton_knobs() else None)  # CPU runs launch no Triton kernel
     assert "--system" in result["command"] and result["trace"]["requests"] == 3 and len(result["git_commit"]) == 40
     engine = result["engine"]  # the warm-up request is served first and counted nowhere
     if system == "stock_generate":
@@ -253,9 +263,18 @@ def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_p
     assert merged["paper"] == {"kept": 1} and merged["dense_iteration_s"] == 0.5
     block = merged["decode_heavy"]
     assert block["saturated_best_stock"] == "stock_generate" and block["saturated_joined"]["stock"] == stock
-    assert block["saturated_joined"] == {"source": str(out), "stock": stock, "ours": joined["ours"]["joined"]}
+    assert block["saturated_joined"] == {
+        "source": str(out), "stock_systems_compared": ["stock_generate"], "stock": stock, "ours": joined["ours"]["joined"]
+    }  # fmt: skip
     assert block["saturated_throughput_ratio"] == joined["throughput_ratio"]
     assert joined["stock"]["parts"][1]["command"].endswith(parts[1]["command"].split("run", 1)[1])
+    with pytest.raises(ValueError, match="part 1 serves requests 0..1, not the ones after 2"):
+        main(["join", "--stock", f"{small}:last1", f"{small}:first2", "--ours", f"{small}:ours", "--out", str(out)])
+    cut_short = json.loads(lzma.decompress(small.read_bytes()))["runs"]["last1"]
+    cut_short["summary"] |= {"completed": 0, "failed": 1}
+    cut_short["requests"][0] |= {"error": "deadline", "ttft_s": None}
+    with pytest.raises(ValueError, match="part 0 completed 0 of 1 requests"):
+        join_compact([cut_short])
     with pytest.raises(ValueError, match="same requests"):
         main(["join", "--stock", f"{small}:first2", "--ours", f"{small}:ours", "--out", str(tmp_path / "bad.json")])
     with pytest.raises(ValueError, match="no run 'nope'"):
