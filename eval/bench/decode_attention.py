@@ -1,6 +1,8 @@
 """Decode attention benchmark: the sparse kernel and select + attend against dense SDPA.
 
     python -m eval.bench.decode_attention --out eval/results/decode_attention.json   # ~2-3 min on the H200
+    python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only \
+        --knob triton_rank.COMBINE_WARPS=16    # the default config's rows alone, a launch constant changed
 
 One layer of one decode step, Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, 32-token blocks),
 budget 2048 tokens: each KV head attends U = 2048/32 - 1 = 63 selected blocks plus its tail.
@@ -40,7 +42,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eval.bench.common import graph_ms, pick_device, prepare_triton, print_table, run_record, time_ms, write_json
+from eval.bench.common import (
+    apply_knobs,
+    graph_ms,
+    pick_device,
+    prepare_triton,
+    print_table,
+    run_record,
+    time_ms,
+    write_json,
+)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -55,6 +66,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-dense-gib", type=float, default=40.0, help="skip SDPA where its K/V exceed this")
     parser.add_argument("--profile", action="store_true", help="print select + attend's kernels at the headline point")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="a kernel launch constant of sparseserve_hf.ops, e.g. triton_rank.COMBINE_WARPS=16 (recorded)",
+    )
+    parser.add_argument(
+        "--default-only", action="store_true", help="only SparseServeConfig()'s rows (real and random locality)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 
@@ -270,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = pick_device(args.dry_run)
     prepare_triton(device)
+    knobs = apply_knobs(args.knob)  # after prepare_triton: the interpreter switch comes before the kernel module
     global Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK  # dry run: tiny shapes (set in main() only)
     if args.dry_run:
         Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 1, 16, 16
@@ -277,12 +299,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_gb_per_s = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 20))
     flash = flash_decode_module(device)
     rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            rows.append(measure(batch, context, args, device, group_union=False, flash=flash))
     headline = (args.contexts[-1], args.batches[-1]) if args.dry_run else HEADLINE
-    rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
-    rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
+    if not args.default_only:
+        for context in args.contexts:
+            for batch in args.batches:
+                rows.append(measure(batch, context, args, device, group_union=False, flash=flash))
+        rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
+        rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
     for locality in ("real", "random"):  # SparseServeConfig() end to end
         rows.append(measure(headline[1], headline[0], args, device, group_union=True, locality=locality))
     for row in rows:
@@ -298,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     default = {r["locality"]: r for r in rows if r["locality"] is not None}
     result = {
         **run_record(device),
+        "knobs": knobs,
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "dtype": str(DTYPE)},
         "budget": args.budget,
         "headline": {"context": headline[0], "batch": headline[1]},

@@ -312,3 +312,15 @@ def test_a_knob_may_name_a_constant_of_a_nested_package_module(monkeypatch):
     monkeypatch.setattr(block_cache, "FREE_AHEAD", block_cache.FREE_AHEAD)  # restored after the test
     assert apply_knobs(["cache.block_cache.FREE_AHEAD=0"]) == {"cache.block_cache.FREE_AHEAD": 0}
     assert block_cache.FREE_AHEAD == 0
+
+
+def test_decode_attention_default_rows_alone_with_a_knob(tmp_path):
+    out = tmp_path / "decode_default.json"
+    run_module(
+        "eval.bench.decode_attention", "--dry-run", "--default-only", "--knob", "triton_rank.COMBINE_WARPS=4",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [row["locality"] for row in result["rows"]] == ["real", "random"]
+    assert result["knobs"] == {"triton_rank.COMBINE_WARPS": 4} and result["select_and_attend_speedup_default"] > 0
+    assert result["speedup_vs_dense_sdpa"] is None  # the Quest rows did not run
