@@ -118,6 +118,7 @@ def _fill_from_generator(record: RequestRecord, times: dict, clock: Clock) -> No
 
 COUNTED = (
     "hits", "misses", "h2d_bytes", "iterations", "decode_rows", "prefill_token_layers", "sat_out", "graph_captures",
+    "graph_capture_s",
 )  # fmt: skip
 PEAKS = ("hbm_peak_bytes", "admitted_working_set_peak_bytes", "hbm_cache_bytes", "cuda_peak_bytes")
 

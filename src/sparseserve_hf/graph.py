@@ -28,6 +28,7 @@ the model, is this step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +155,7 @@ class DecodeGraphRunner:
         self.layers: list[SparseServeLayer] = list(cache.layers)
         self.graphs = CudaGraphs() if self.capture else None
         self.num_captures = 0
+        self.capture_s = 0.0  # host seconds in `_capture`: each eager warm-up step and its recording
         self.capture_error: Exception | None = None  # why capturing was switched off, if it was
         self.logits: torch.Tensor | None = None  # (B, V) of the last step; a replay overwrites it
         self._captured: OrderedDict[tuple[int, int], _Captured] = OrderedDict()  # least recently replayed first
@@ -307,7 +309,15 @@ class DecodeGraphRunner:
 
         A capture that fails (out of memory, a kernel that cannot be captured) keeps the warm-up's
         result and switches capturing off, with one warning: later steps run the static step
-        eagerly (`capture_error` says why). A warm-up that fails is the step's own failure."""
+        eagerly (`capture_error` says why). A warm-up that fails is the step's own failure.
+        Its host time, compilation of kernels first met included, adds to `capture_s`."""
+        start = time.perf_counter()
+        try:
+            return self._warm_up_and_record(key)
+        finally:
+            self.capture_s += time.perf_counter() - start
+
+    def _warm_up_and_record(self, key: tuple[int, int]) -> torch.Tensor:
         logits = self.graphs.warm_up(self._static_step)
         self._check_state()  # the warm-up may have grown an unlimited cache: older graphs are stale
         step_picks = [layer.last_pick for layer in self.layers]  # this step's selections (the warm-up ran it)

@@ -332,7 +332,8 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
         step()
     assert gen.slots == ids
     tensors = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
-    captures = gen._runner.num_captures
+    captures, capture_s = gen._runner.num_captures, gen._runner.capture_s
+    assert captures >= 1 and capture_s > 0 and gen.metrics()["totals"]["graph_capture_s"] == capture_s
     while ids[1] not in outputs:
         step()
     step()
@@ -340,6 +341,7 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
     now = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
     assert all(a is b for a, b in zip(now, tensors))  # the rows that stayed did not move
     assert gen._runner.num_captures == captures  # the same (rows, table width): replayed, not captured
+    assert gen._runner.capture_s == capture_s  # a replay adds no capture time
     ids.append(gen.submit(prompts[3], params[3]))
     while gen.slots[1] is None:
         step()

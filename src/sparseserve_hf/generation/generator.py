@@ -295,6 +295,7 @@ class Generator(RequestFrontend):
                 "dram_bytes_in_use": self.dram_bytes_in_use(),
                 "hbm_cache_bytes": self.config.hbm_cache_bytes,
                 "graph_captures": self._runner.num_captures,
+                "graph_capture_s": self._runner.capture_s,
             }
             | self.store.load_summary()
             | (self.prefixes.totals() if self.prefixes is not None else {})

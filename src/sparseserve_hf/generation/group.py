@@ -32,7 +32,8 @@ from .params import SamplingParams
 
 SUMMED_TOTALS = (
     "requests", "finished", "generated_tokens", "iterations", "decode_rows", "sat_out", "prefill_token_layers",
-    "hits", "misses", "h2d_bytes", "hbm_bytes_in_use", "dram_bytes_in_use", "graph_captures", "decode_steps",
+    "hits", "misses", "h2d_bytes", "hbm_bytes_in_use", "dram_bytes_in_use", "graph_captures", "graph_capture_s",
+    "decode_steps",
 )  # fmt: skip
 WEIGHTED_TOTALS = {  # engine means -> the weight each engine's mean carries
     "mean_ttft_s": "finished", "mean_tbt_s": "generated_tokens", "mean_queueing_delay_s": "requests",
