@@ -62,14 +62,19 @@ class RunResult:
 
 
 def warmup_batch(trace: Trace) -> list[TraceRequest]:
-    """The trace's WARMUP_ROWS longest prompts, whole, WARMUP_NEW_TOKENS out each; not measured.
+    """The trace's WARMUP_ROWS longest prompts, WARMUP_NEW_TOKENS out each; not measured. The longest
+    is lengthened (its own tokens again) so that its decode reaches the trace's longest context,
+    its longest prompt plus its longest output.
 
     What the Generator serves, together, before a run: its kernels meet the run's largest shapes (the
-    longest prefill, the widest block tables, a decode row beside a prefill, paced splits) before the
-    clock starts, as stock's warm-up calls run the run's own first batches. A short prompt alone left
-    compilation for shapes first seen inside the timed run."""
+    longest prefill, the widest block tables a decode reaches, a decode row beside a prefill, paced
+    splits) before the clock starts, as stock's warm-up calls run the run's own first batches. A
+    short prompt alone left compilation for shapes first seen inside the timed run."""
     longest = sorted(trace.requests, key=lambda r: len(r.prompt), reverse=True)[:WARMUP_ROWS]
-    return [TraceRequest(index=-1, gap=0.0, prompt=r.prompt, output_tokens=WARMUP_NEW_TOKENS) for r in longest]
+    widest = max(len(r.prompt) + r.output_tokens for r in trace.requests) - WARMUP_NEW_TOKENS
+    first = longest[0].prompt
+    prompts = [(first * -(-widest // len(first)))[: max(widest, len(first))], *(r.prompt for r in longest[1:])]
+    return [TraceRequest(index=-1, gap=0.0, prompt=prompt, output_tokens=WARMUP_NEW_TOKENS) for prompt in prompts]
 
 
 def warmup_request(trace: Trace) -> TraceRequest:

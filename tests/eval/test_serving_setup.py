@@ -53,12 +53,16 @@ def test_the_warmup_request_is_a_short_cut_of_the_first_prompt():
     assert warmup.prompt == trace.requests[0].prompt[:4096] and warmup.output_tokens == 8 and warmup.index == -1
 
 
-def test_the_generator_warms_up_on_the_trace_s_longest_prompts_whole():
-    trace = build_trace(list(range(10, 9000)), num_requests=4, prompt_range=(3000, 6000), output_range=(3, 5))
-    longest = sorted((r.prompt for r in trace.requests), key=len)[-2:]
+def test_the_generator_warms_up_on_the_trace_s_longest_prompts_up_to_its_longest_context():
+    trace = build_trace(list(range(10, 9000)), num_requests=4, prompt_range=(3000, 6000), output_range=(30, 500))
+    second, first = sorted((r.prompt for r in trace.requests), key=len)[-2:]
+    widest = max(len(r.prompt) + r.output_tokens for r in trace.requests)
     warmup = warmup_batch(trace)
-    assert sorted((r.prompt for r in warmup), key=len) == longest
-    assert all(r.output_tokens == 8 and r.index == -1 for r in warmup)
+    assert [len(r.prompt) + r.output_tokens for r in warmup] == [widest, len(second) + 8]
+    assert (
+        warmup[0].prompt[: len(first)] == first and warmup[0].prompt[len(first) :] == first[: widest - 8 - len(first)]
+    )
+    assert warmup[1].prompt == second and all(r.output_tokens == 8 and r.index == -1 for r in warmup)
 
 
 def test_only_the_last_rung_replays_cuda_graphs(tiny):
