@@ -3,6 +3,7 @@
     python -m eval.bench.kernel_sass channels                      # the channel-score kernel at the step's shape
     python -m eval.bench.kernel_sass channels --knob BLOCK_N=16    # one of its launch knobs changed
     python -m eval.bench.kernel_sass combine --warps 4             # the rank interleave on 4 warps
+    python -m eval.bench.kernel_sass union --knob BLOCK_N=4096     # the top-k and union over 4,096-block tables
     python -m eval.bench.kernel_sass decode --stages 2             # the attention split kernel, 2 stages
     python -m eval.bench.kernel_sass channels --json out.json
 
@@ -79,6 +80,23 @@ def combine_kernel() -> Kernel:
     return Kernel(triton_rank._combine_kernel, signature, constants, warps, aligned_ints=("num_table", "DEPTH"))
 
 
+def union_kernel() -> Kernel:
+    """The default selection's per-head top-k and GQA union (`ops.triton_select`) over the rank
+    interleave's integer scores: 1,024-block tables, K = 63, sink and window 1, 4 query heads per KV head."""
+    from sparseserve_hf.ops import triton_select
+
+    signature = {"scores_ptr": "*fp32", "num_blocks_ptr": "*i64", "union_ptr": "*i64", "valid_ptr": "*i8",
+                 "stride_sb": "i32", "stride_sh": "i32", "num_table": "i32", "num_kv_heads": "i32",
+                 "score_floor": "fp32"}  # fmt: skip
+    selected, group = 63, 4
+    integer_keys, bits = triton_select.key_bits(-2 * selected)  # the interleave's floor at depth K
+    constants = dict(K=selected, SINK=1, WINDOW=1, G=group, BLOCK_G=group, BLOCK_N=1024, U=group * selected,
+                     BLOCK_U=256, STEPS=0, INTEGER_KEYS=integer_keys, BITS=bits)  # fmt: skip
+    warps = triton_select.UNION_WARPS or 4
+    return Kernel(triton_select._select_union_kernel, signature, constants, warps,
+                  aligned_ints=("stride_sb", "stride_sh", "num_table"))  # fmt: skip
+
+
 def decode_kernel() -> Kernel:
     """The sparse decode attention's split kernel (`ops.triton_decode`), as the step launches its resident
     half: 4 query heads per KV head, head_dim 128, bf16 32-token blocks, a 256-entry selection (G x 63
@@ -105,6 +123,7 @@ def decode_kernel() -> Kernel:
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "channels": channels_kernel,
     "combine": combine_kernel,
+    "union": union_kernel,
     "decode": decode_kernel,
 }
 
@@ -128,7 +147,7 @@ def build(kernel: Kernel) -> tuple[bytes, int]:
 
 
 def report(cubin: bytes) -> dict[str, Any]:
-    """registers, instructions and their kinds (opcodes without modifiers), and each loop (a backward
+    """registers, bytes spilled to the stack, instructions and their kinds (opcodes without modifiers), and each loop (a backward
     branch's body) with its own count and kinds."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
@@ -136,12 +155,13 @@ def report(cubin: bytes) -> dict[str, Any]:
         path.write_bytes(cubin)
         usage = _run(tools / "cuobjdump", "--dump-resource-usage", str(path))
         sass = _run(tools / "nvdisasm", "-c", str(path))
-    registers = re.search(r"REG:(\d+)", usage)
+    registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     if registers is None:
         raise RuntimeError(f"cuobjdump reported no register count:\n{usage}")
     lines = sass.splitlines()
     return {
         "registers": int(registers.group(1)),
+        "stack_bytes": int(stack.group(1)) if stack else 0,  # per thread: registers spilled to local memory
         "instructions": sum(1 for line in lines if INSTRUCTION.match(line)),
         "kinds": dict(_kinds(lines).most_common()),
         "loops": _loops(lines),
@@ -206,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_stages": kernel.num_stages, "constants": kernel.constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
     result["programs_per_sm"] = programs_per_sm(result["registers"], result["num_warps"], shared)
     print(f"{args.kernel}: Triton {triton.__version__}, sm_{ARCH}, {result['num_warps']} warps, "
-          f"{result['registers']} registers, {shared} bytes of shared memory ({result['programs_per_sm']} programs "
+          f"{result['registers']} registers ({result['stack_bytes']} bytes spilled), {shared} bytes of shared memory ({result['programs_per_sm']} programs "
           f"per SM at most), {result['instructions']} instructions")  # fmt: skip
     for number, loop in enumerate(result["loops"]):
         top = ", ".join(f"{kind} {count}" for kind, count in list(loop["kinds"].items())[:10])

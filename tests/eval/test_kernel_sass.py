@@ -69,3 +69,13 @@ def test_programs_per_sm_take_the_tightest_of_registers_shared_memory_and_thread
     assert programs_per_sm(registers=127, num_warps=4, shared_bytes=39936) == 4  # 4,096 registers a warp
     assert programs_per_sm(registers=64, num_warps=4, shared_bytes=100 * 1024) == 2  # shared memory
     assert programs_per_sm(registers=32, num_warps=1, shared_bytes=0) == 64  # threads: 2,048 / 32
+
+
+def test_the_union_kernel_builds_and_reports_its_spills(tmp_path):
+    out = tmp_path / "union.json"
+    run = kernel_sass("union", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert 0 < result["registers"] <= 255 and result["stack_bytes"] >= 0 and result["constants"]["K"] == 63
+    assert f"{result['registers']} registers ({result['stack_bytes']} bytes spilled)" in run.stdout
+    assert result["kinds"]["LDG"] > 0  # the group's scores are read
