@@ -1,7 +1,7 @@
 """Every selection granularity (`selection.SELECTIONS`) against the same contract: its pick fits the
 width it declares (what the HBM cache is sized for), holds at most the distinct blocks it declares
-(what admission counts; a KV head's own pick holds exactly that), always keeps the sink and window blocks, and gives dense attention's
-tokens through the cache when the budget covers the sequence."""
+(what admission counts; a KV head's own pick holds exactly that), always keeps the sink and window
+blocks, and gives dense attention's tokens through the cache when the budget covers the sequence."""
 
 from __future__ import annotations
 

@@ -147,8 +147,8 @@ def build(kernel: Kernel) -> tuple[bytes, int]:
 
 
 def report(cubin: bytes) -> dict[str, Any]:
-    """registers, bytes spilled to the stack, instructions and their kinds (opcodes without modifiers), and each loop (a backward
-    branch's body) with its own count and kinds."""
+    """registers, bytes spilled to the stack, instructions and their kinds (opcodes without modifiers),
+    and each loop (a backward branch's body) with its own count and kinds."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.cubin"
@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_stages": kernel.num_stages, "constants": kernel.constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
     result["programs_per_sm"] = programs_per_sm(result["registers"], result["num_warps"], shared)
     print(f"{args.kernel}: Triton {triton.__version__}, sm_{ARCH}, {result['num_warps']} warps, "
-          f"{result['registers']} registers ({result['stack_bytes']} bytes spilled), {shared} bytes of shared memory ({result['programs_per_sm']} programs "
-          f"per SM at most), {result['instructions']} instructions")  # fmt: skip
+          f"{result['registers']} registers ({result['stack_bytes']} bytes spilled), {shared} bytes of shared "
+          f"memory ({result['programs_per_sm']} programs per SM at most), "
+          f"{result['instructions']} instructions")  # fmt: skip
     for number, loop in enumerate(result["loops"]):
         top = ", ".join(f"{kind} {count}" for kind, count in list(loop["kinds"].items())[:10])
         print(f"  loop {number}: {loop['instructions']} instructions ({top})")

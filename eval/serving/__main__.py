@@ -1,4 +1,6 @@
-"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact`, `join` (see eval/serving/__init__.py)."""
+"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact`, `join`.
+
+See eval/serving/__init__.py."""
 
 from __future__ import annotations
 
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     commands = {
-        "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock, "report": make_report,
-        "compact": make_compact, "join": make_join,
+        "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock,
+        "report": make_report, "compact": make_compact, "join": make_join,
     }  # fmt: skip
     commands[args.command](args)
 

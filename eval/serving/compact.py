@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
+PART_KEYS = ("command", "device", "git_commit")  # what a joined run says of each part
 KEPT = ("system", "rate", "requests_from", "command", "device", "git_commit", "locality", "overrides", "hbm_cap",
         "trace", "summary", "engine", "kernels_first_seen")  # fmt: skip
 
@@ -124,7 +125,7 @@ def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
             raise ValueError(f"{side}'s parts come from several systems: {sorted(systems)}")
         sides[side] = {
             "system": systems.pop(),
-            "parts": [{"part": item, **{k: part.get(k) for k in ("command", "device", "git_commit")}} for item, part in parts],
+            "parts": [{"part": item, **{k: part.get(k) for k in PART_KEYS}} for item, part in parts],
             "joined": join_compact([part for _, part in parts]),
             "served": sorted(r["index"] for _, part in parts for r in part["requests"]),
         }  # fmt: skip

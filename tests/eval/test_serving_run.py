@@ -264,7 +264,8 @@ def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_p
     block = merged["decode_heavy"]
     assert block["saturated_best_stock"] == "stock_generate" and block["saturated_joined"]["stock"] == stock
     assert block["saturated_joined"] == {
-        "source": str(out), "stock_systems_compared": ["stock_generate"], "stock": stock, "ours": joined["ours"]["joined"]
+        "source": str(out), "stock_systems_compared": ["stock_generate"], "stock": stock,
+        "ours": joined["ours"]["joined"],
     }  # fmt: skip
     assert block["saturated_throughput_ratio"] == joined["throughput_ratio"]
     assert joined["stock"]["parts"][1]["command"].endswith(parts[1]["command"].split("run", 1)[1])
