@@ -5,6 +5,8 @@ blocks, and gives dense attention's tokens through the cache when the budget cov
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -87,3 +89,11 @@ def test_full_budget_gives_dense_tokens(selection):
     model = tiny_model("llama", num_heads=6, num_kv_heads=2)
     cache = SparseServeCache(model.config, config_for(selection, token_budget=4096))
     assert torch.equal(greedy(model, ids, cache), expected)
+
+
+def test_only_the_group_union_is_capped_by_a_load_budget():
+    """`load_budget` is refused with the other granularities today; were it not, their widths would still
+    be what their ops produce (neither op takes the cap), so the cache is never sized below its pick."""
+    limits = SimpleNamespace(selected_full_blocks=8, sink_blocks=1, window_blocks=1, topk_blocks=6, load_blocks=10)
+    widths = {name: (s.pick_width(limits, GROUP), s.distinct_blocks(limits, GROUP)) for name, s in SELECTIONS.items()}
+    assert widths == {"group_union": (10, 10), "query_head": (24, 20), "kv_head": (8, 8)}

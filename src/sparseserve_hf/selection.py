@@ -48,19 +48,22 @@ class GroupUnion:
     of its group's picks (capped by `load_budget`), and every query head attends all of them. One op
     (one kernel with Triton)."""
 
+    capped = True  # `load_budget` caps the union
+
     def pick_width(self, config: SparseServeConfig, group: int) -> int:
         """G x the blocks a query head picks, or the config's load cap."""
-        union = group * config.selected_full_blocks
-        return union if config.load_blocks is None else min(union, config.load_blocks)
+        return self._cap(config, group * config.selected_full_blocks)
 
     def distinct_blocks(self, config: SparseServeConfig, group: int) -> int:
         """Sink and window once, G x the top-k, or the load cap."""
-        union = config.sink_blocks + config.window_blocks + group * config.topk_blocks
-        return union if config.load_blocks is None else min(union, config.load_blocks)
+        return self._cap(config, config.sink_blocks + config.window_blocks + group * config.topk_blocks)
 
     def rank_depth(self, config: SparseServeConfig) -> int | None:
         """A query head's top-k is all the union reads."""
         return config.selected_full_blocks
+
+    def _cap(self, config: SparseServeConfig, blocks: int) -> int:
+        return blocks if config.load_blocks is None or not self.capped else min(blocks, config.load_blocks)
 
     def pick(
         self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
@@ -74,21 +77,11 @@ class GroupUnion:
         return picked, valid, None
 
 
-class QueryHead:
+class QueryHead(GroupUnion):
     """ "query_head": every query head picks its own blocks and attends only them; its KV head loads the
-    union of its group's picks (never capped: `load_budget` is refused with it)."""
+    union of its group's picks, never capped (the config refuses `load_budget` with it)."""
 
-    def pick_width(self, config: SparseServeConfig, group: int) -> int:
-        """G x the blocks a query head picks."""
-        return group * config.selected_full_blocks
-
-    def distinct_blocks(self, config: SparseServeConfig, group: int) -> int:
-        """Sink and window once, G x the top-k."""
-        return config.sink_blocks + config.window_blocks + group * config.topk_blocks
-
-    def rank_depth(self, config: SparseServeConfig) -> int | None:
-        """A query head's top-k is all it reads."""
-        return config.selected_full_blocks
+    capped = False
 
     def pick(
         self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
