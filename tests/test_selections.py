@@ -1,4 +1,4 @@
-"""Every selection granularity (`selection.SELECTIONS`) against the same contract: its pick fits the
+"""Every selection granularity (`scoring.SELECTIONS`) against the same contract: its pick fits the
 width it declares (what the HBM cache is sized for), holds at most the distinct blocks it declares
 (what admission counts; a KV head's own pick holds exactly that), always keeps the sink and window
 blocks, and gives dense attention's tokens through the cache when the budget covers the sequence."""
@@ -13,7 +13,7 @@ import torch
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.attention import pick_blocks
 from sparseserve_hf.ops import TORCH_OPS, reference
-from sparseserve_hf.selection import SELECTIONS
+from sparseserve_hf.scoring import SELECTIONS
 from tiny_models import greedy, random_ids, tiny_model
 
 GROUP, KV_HEADS, TABLE = 3, 2, 40

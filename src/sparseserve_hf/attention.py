@@ -21,8 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from .cache import handoff
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
-from .scoring import SCORERS
-from .selection import SELECTIONS
+from .scoring import SCORERS, SELECTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .scoring import SCORERS
-from .selection import SELECTIONS
+from .scoring import SCORERS, SELECTIONS
 
 METADATA_KINDS = tuple(SCORERS)
 METADATA_DTYPES = ("auto", "kv", "float8_e4m3fn")

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from ..config import SparseServeConfig
 from ..host_memory import check_host_bytes
 from ..ops import resolve_backend
-from ..selection import SELECTIONS
+from ..scoring import SELECTIONS
 from . import handoff
 from .block_cache import rows_that_fit
 from .forward_log import ForwardLog, ModelShape

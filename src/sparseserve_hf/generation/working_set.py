@@ -15,7 +15,7 @@ from ..cache import SparseServeCache
 from ..cache.grow import grown
 from ..cache.plain import plain_tensors
 from ..config import SparseServeConfig
-from ..selection import SELECTIONS
+from ..scoring import SELECTIONS
 
 NEVER = -(2**62)
 
