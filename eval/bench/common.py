@@ -44,6 +44,17 @@ def add_config_overrides(parser: argparse.ArgumentParser, example: str) -> None:
     )
 
 
+def add_knob_option(parser: argparse.ArgumentParser, example: str) -> None:
+    """The repeatable `--knob MODULE.NAME=VALUE` option (into `args.knob`; `apply_knobs` sets them)."""
+    parser.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help=f"a kernel launch constant of sparseserve_hf.ops (repeatable, recorded), e.g. {example}",
+    )
+
+
 def config_overrides(settings: list[str]) -> dict[str, Any]:
     """`--set` FIELD=VALUE options -> SparseServeConfig overrides (validated; ValueError names a bad one)."""
     if not settings:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.bench.common import (
+    add_knob_option,
     apply_knobs,
     graph_ms,
     pick_device,
@@ -66,13 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-dense-gib", type=float, default=40.0, help="skip SDPA where its K/V exceed this")
     parser.add_argument("--profile", action="store_true", help="print select + attend's kernels at the headline point")
     parser.add_argument("--out", default=None, help="JSON output path")
-    parser.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="MODULE.NAME=VALUE",
-        help="a kernel launch constant of sparseserve_hf.ops, e.g. triton_rank.COMBINE_WARPS=16 (recorded)",
-    )
+    add_knob_option(parser, "triton_rank.COMBINE_WARPS=16")
     parser.add_argument(
         "--default-only", action="store_true", help="only SparseServeConfig()'s rows (real and random locality)"
     )

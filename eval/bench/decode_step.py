@@ -52,6 +52,7 @@ import torch
 from eval.bench.common import (
     EXPANDABLE_SEGMENTS,
     add_config_overrides,
+    add_knob_option,
     apply_knobs,
     config_overrides,
     free_memory,
@@ -120,13 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--equal-steps", type=int, default=40, help="--graph token check: steps compared")
     parser.add_argument("--out", default=None, help="JSON output path")
     add_config_overrides(parser, "metadata_dtype=float8_e4m3fn")
-    parser.add_argument(
-        "--knob",
-        action="append",
-        default=[],
-        metavar="MODULE.NAME=VALUE",
-        help="a kernel launch constant of sparseserve_hf.ops, e.g. triton_decode.PROGRAMS_PER_SM=2 (recorded)",
-    )
+    add_knob_option(parser, "triton_decode.PROGRAMS_PER_SM=2")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
 

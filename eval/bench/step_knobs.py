@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-from eval.bench.common import add_config_overrides, apply_knobs, bench_setup, config_overrides, run_record, sync
+from eval.bench.common import (
+    add_config_overrides,
+    add_knob_option,
+    apply_knobs,
+    bench_setup,
+    config_overrides,
+    run_record,
+    sync,
+)
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.graph import DecodeGraphRunner
@@ -40,9 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=32576)
     parser.add_argument("--warmup", type=int, default=40, help="steps before timing (the hit rate settles)")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed window (three windows)")
-    parser.add_argument(
-        "--knob", action="append", default=[], metavar="MODULE.NAME=VALUE", help="e.g. triton_decode.PROGRAMS_PER_SM=2"
-    )
+    add_knob_option(parser, "triton_decode.PROGRAMS_PER_SM=2")
     add_config_overrides(parser, "fused_activation=False")
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None, help="JSON lines file to append to")

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from eval.results_io import DECOMPRESS, read_json
+
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
 PART_KEYS = ("command", "device", "git_commit")  # what a joined run says of each part
 KEPT = ("system", "rate", "requests_from", "command", "device", "git_commit", "locality", "overrides", "hbm_cap",
@@ -117,9 +119,11 @@ def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
     """Stock's and ours' saturated runs, each given as `FILE:RUN` parts of compact files (`write_compact`)
     in trace order, joined (`join_compact`) and compared: ours' tokens/s and stock's mean TTFT over
     ours'. Both must have served the same requests."""
+    files = {item.rpartition(":")[0]: None for item in stock + ours}
+    runs = {path: read_json(_plain_name(path))["runs"] for path in files if path}  # each file read once
     sides = {}
     for side, items in (("stock", stock), ("ours", ours)):
-        parts = [_compact_part(item) for item in items]
+        parts = [_compact_part(item, runs) for item in items]
         systems = {part["system"] for _, part in parts}
         if len(systems) != 1:
             raise ValueError(f"{side}'s parts come from several systems: {sorted(systems)}")
@@ -159,13 +163,17 @@ def merge_saturated(serving_json: Path, name: str, joined: dict[str, Any], sourc
     serving_json.write_text(json.dumps(merged, indent=2) + "\n")
 
 
-def _compact_part(item: str) -> tuple[str, dict[str, Any]]:
-    """`FILE:RUN` -> (item, that compact run)."""
+def _compact_part(item: str, runs: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """`FILE:RUN` -> (item, that compact run), from `runs` ({file: its runs})."""
     path, sep, name = item.rpartition(":")
     if not sep or not path or not name:
         raise ValueError(f"each part is FILE:RUN, got {item!r}")
-    data = lzma.decompress(Path(path).read_bytes()) if path.endswith(".xz") else Path(path).read_bytes()
-    runs = json.loads(data)["runs"]
-    if name not in runs:
-        raise ValueError(f"{path} has no run {name!r} (it has {', '.join(runs)})")
-    return item, runs[name]
+    if name not in runs[path]:
+        raise ValueError(f"{path} has no run {name!r} (it has {', '.join(runs[path])})")
+    return item, runs[path][name]
+
+
+def _plain_name(path: str) -> Path:
+    """The name `results_io` reads a file by: a compressed file's without its `.gz` / `.xz`."""
+    found = Path(path)
+    return found.with_suffix("") if found.suffix in DECOMPRESS else found
