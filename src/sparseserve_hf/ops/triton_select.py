@@ -230,9 +230,15 @@ def select_group_union(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
         BLOCK_U=triton.next_power_of_2(width), STEPS=cap_search_steps(num_selected, group, width),
-        INTEGER_KEYS=integer_keys, BITS=bits, num_warps=UNION_WARPS or (4 if block_n <= 1024 else 8),
+        INTEGER_KEYS=integer_keys, BITS=bits, num_warps=UNION_WARPS or union_warps(block_n),
     )  # fmt: skip
     return union, valid
+
+
+def union_warps(block_n: int) -> int:
+    """The union kernel's warps for a table of `block_n` (a power of two) blocks: from 4,096 blocks up a
+    program holds so many registers at 8 warps that one fits an SM, and 16 warps hide its reductions."""
+    return 4 if block_n <= 1024 else 8 if block_n < 4096 else 16
 
 
 def union_outputs(
