@@ -1,4 +1,4 @@
-"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact`, `join`.
+"""CLI of the serving benchmark: `trace`, `calibrate`, `run`, `report`, `compact`, `join`, `plot-saturated`.
 
 See eval/serving/__init__.py."""
 
@@ -21,6 +21,7 @@ from eval.serving.compact import join_saturated, merge_saturated, write_compact
 from eval.serving.kernels_seen import KernelsFirstSeen
 from eval.serving.metrics import summarize
 from eval.serving.probe import stock_step_probe
+from eval.serving.saturated_plot import plot_saturated, saturated_points
 from eval.serving.setup import ALLOCATOR, LADDER, SYSTEMS, HbmCap, build, dense_iteration_s
 from eval.serving.stock import CACHES
 from eval.serving.trace import PRESETS, Trace, build_trace, essay_token_ids
@@ -93,11 +94,16 @@ def main(argv: list[str] | None = None) -> None:
         "--serving-block", default=None, help="also write them as this trace's saturated point in serving.json"
     )
     join.add_argument("--serving-json", type=Path, default=Path("eval/results/serving.json"))
+    bars = sub.add_parser("plot-saturated", help="the saturated points that `join` wrote, as one figure")
+    bars.add_argument(
+        "points", nargs="+", metavar="LABEL=JOINED_JSON", help="a trace's join (LABEL starts with its name)"
+    )
+    bars.add_argument("--out", type=Path, required=True, help="the figure (.png)")
     args = parser.parse_args(argv)
     args.command_line = " ".join(["python -m eval.serving", *(sys.argv[1:] if argv is None else argv)])
     commands = {
         "trace": make_trace, "calibrate": calibrate, "run": run_point, "probe-stock": probe_stock,
-        "report": make_report, "compact": make_compact, "join": make_join,
+        "report": make_report, "compact": make_compact, "join": make_join, "plot-saturated": make_saturated_plot,
     }  # fmt: skip
     commands[args.command](args)
 
@@ -120,6 +126,17 @@ def make_join(args) -> None:
     if args.serving_block is not None:
         merge_saturated(args.serving_json, args.serving_block, result, args.out)
     print(json.dumps({k: result[k] for k in ("throughput_ratio", "mean_ttft_ratio")}))
+
+
+def make_saturated_plot(args) -> None:
+    named = {}
+    for item in args.points:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"each point is LABEL=JOINED_JSON, got {item!r}")
+        named[label] = Path(path)
+    plot_saturated(saturated_points(named), args.out)
+    print(f"wrote {args.out}")
 
 
 def make_trace(args) -> None:

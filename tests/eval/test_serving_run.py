@@ -13,6 +13,7 @@ from eval.serving.__main__ import main
 from eval.serving.compact import join_compact
 from eval.serving.metrics import RequestRecord, summarize
 from eval.serving.report import join_parts, run_label
+from eval.serving.saturated_plot import saturated_points
 from eval.serving.trace import Trace, build_trace
 
 SMALL = ["--shape", "tiny", "--hbm-cap-gib", "0.25", "--headroom-gib", "0.05", "--dram-gib", "0.05"]
@@ -281,3 +282,12 @@ def test_join_of_compact_parts_equals_the_report_s_join_of_full_runs(runs, tmp_p
     with pytest.raises(ValueError, match="no run 'nope'"):
         main(["join", "--stock", f"{small}:nope", "--ours", f"{small}:ours", "--out", str(tmp_path / "bad.json")])
     assert not (tmp_path / "bad.json").exists()
+    figure = tmp_path / "saturated.png"
+    main(["plot-saturated", f"decode_heavy, CPU={out}", "--out", str(figure)])
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (row,) = saturated_points({"decode_heavy, CPU": out})
+    assert row["trace"] == "decode_heavy" and row["requests"] == 3 and row["stock"] == stock
+    assert row["throughput_ratio"] == joined["throughput_ratio"] and row["stock_system"] == "stock_generate"
+    assert row["devices"] == ["cpu"]  # every part ran on the CPU
+    with pytest.raises(ValueError, match="not written by `python -m eval.serving join`"):
+        saturated_points({"paper": serving})
