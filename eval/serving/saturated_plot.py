@@ -42,11 +42,20 @@ def saturated_points(named: dict[str, Path]) -> list[dict[str, Any]]:
 
 
 def plot_saturated(rows: list[dict[str, Any]], path: Path) -> None:
-    """Two panels (tokens/s, mean TTFT on a log scale), a stock and an ours bar per trace; above each
-    pair its ratio and, where the trace has one, T5's target."""
+    """`draw_saturated`'s figure saved as a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw_saturated(rows)
+    save_plot(fig, path)
+    plt.close(fig)
+
+
+def draw_saturated(rows: list[dict[str, Any]]):
+    """Two panels (tokens/s, mean TTFT on a log scale), a stock and an ours bar per trace; above each
+    pair its ratio and, where the trace has one, T5's target. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -69,8 +78,7 @@ def plot_saturated(rows: list[dict[str, Any]], path: Path) -> None:
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Saturated serving: every request at t=0, 40 GiB HBM cap, Llama-3-8B shape", fontsize=10)
     fig.tight_layout()
-    save_plot(fig, path)
-    plt.close(fig)
+    return fig
 
 
 def _tick(row: dict[str, Any]) -> str:
