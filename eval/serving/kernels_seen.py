@@ -9,6 +9,7 @@ in-process cache lacks; recording those calls says what the warm-up missed, and 
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -16,9 +17,9 @@ from typing_extensions import Self
 
 
 class KernelsFirstSeen:
-    """Context manager: `events`, one `{"t_s", "kernel"}` per specialization first met inside the block
-    (seconds from entering it; `kernel` is Triton's repr: qualified name, launch options, argument
-    types). Any hook installed before is still called (its answer is Triton's: truthy skips the
+    """Context manager: `events`, one `{"t_s", "kernel", "specialization"}` per specialization first met
+    inside the block (seconds from entering it; `kernel` is Triton's repr: qualified name, launch
+    options, argument types; `specialization` its cache key's argument part, where Triton gives one). Any hook installed before is still called (its answer is Triton's: truthy skips the
     launch), and put back on exit. `events` is None where no hook could be installed (no Triton, or
     one without `knobs`): nothing was watched, which is not "nothing was compiled"."""
 
@@ -46,5 +47,15 @@ class KernelsFirstSeen:
     def _seen(self, *args: Any, **kwargs: Any) -> bool | None:
         """Triton's hook: a truthy answer would skip the compilation, so only the earlier hook answers."""
         name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?")
-        self.events.append({"t_s": round(time.perf_counter() - self._start, 4), "kernel": str(name)})
+        event = {"t_s": round(time.perf_counter() - self._start, 4), "kernel": str(name)}
+        if kwargs.get("key") is not None:
+            event["specialization"] = _specialization(kwargs["key"])
+        self.events.append(event)
         return self._before(*args, **kwargs) if self._before is not None else None
+
+
+def _specialization(key: Any) -> str:
+    """What tells two specializations of one kernel apart: Triton's cache key without its launch options
+    (the `kernel` repr names those). The repr's own argument list cannot: some Triton versions (3.6)
+    build it by pairing the arguments with the characters of a string key."""
+    return re.sub(r"\w*Options\(.*", "", str(key), flags=re.DOTALL)

@@ -19,7 +19,8 @@ def test_every_first_seen_specialization_is_recorded_and_the_earlier_hook_still_
     try:
         with KernelsFirstSeen() as seen:
             hook = triton.knobs.runtime.jit_cache_hook  # what Triton calls on an in-process cache miss
-            assert hook(key=1, repr="_score_kernel[num_warps=4](q: *bf16)", fn=None, compile={}) is None
+            key = "[('*bf16', 'D'), ('i32', '')]CUDAOptions(num_warps=4, extern_libs=None)"  # Triton 3.6's form
+            assert hook(key=key, repr="_score_kernel[num_warps=4](q: *bf16)", fn=None, compile={}) is None
             assert hook(key=2, repr="_combine_kernel[num_warps=8](x: *fp32)", fn=None, compile={}) is None
         assert triton.knobs.runtime.jit_cache_hook is earlier
         with pytest.raises(RuntimeError, match="mid-run"), KernelsFirstSeen():
@@ -35,6 +36,7 @@ def test_every_first_seen_specialization_is_recorded_and_the_earlier_hook_still_
         "_combine_kernel[num_warps=8](x: *fp32)",
     ]
     assert calls == [e["kernel"] for e in seen.events] and 0 <= seen.events[0]["t_s"] <= seen.events[1]["t_s"]
+    assert [e["specialization"] for e in seen.events] == ["[('*bf16', 'D'), ('i32', '')]", "2"]
 
 
 @pytest.mark.gpu
@@ -54,4 +56,5 @@ def test_a_kernel_first_launched_inside_is_seen_once_and_not_after():
         _add_one[(1,)](x, 8, BLOCK=8)
     names = [e["kernel"].split("[")[0].rsplit(".", 1)[-1] for e in seen.events]  # Triton names it by qualname
     assert names == ["_add_one"] and again.events == []
+    assert "i32" in seen.events[0]["specialization"] and "Options(" not in seen.events[0]["specialization"]
     assert torch.equal(x, torch.full((8,), 3.0, device="cuda"))
