@@ -87,7 +87,7 @@ case $part in
   tests)
     python -m pytest -q -rf -p no:cacheprovider --ignore tests/ops/test_bench_scripts.py tests/ops tests/cache/test_pools.py tests/test_cuda.py \
       tests/test_sync_free_decode.py tests/test_decode_graph.py tests/test_generate_graphs.py \
-      tests/test_graph_runner.py tests/test_layer_graphs.py tests/cache/test_ablation_switches.py \
+      tests/test_static_decoder.py tests/test_layer_graphs.py tests/cache/test_ablation_switches.py \
       2>&1 | tee "$out/gpu_pytest.log" | tail -30 ;;
   benchtests)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_bench_scripts.py 2>&1 | tee "$out/gpu_pytest_bench.log" | tail -15 ;;
@@ -220,7 +220,7 @@ case $part in
       --out "$out/generator_256k.json" 2>&1 | tee "$out/generator_256k.log" | tail -12 ;;
   addnorm)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_norm.py tests/test_decode_graph.py \
-      tests/test_graph_runner.py 2>&1 | tee "$out/gpu_pytest_addnorm.log" | tail -5
+      tests/test_static_decoder.py 2>&1 | tee "$out/gpu_pytest_addnorm.log" | tail -5
     for knob in "" "--knob fused_ops.ADD_INTO_NORMS=False" "" "--knob fused_ops.ADD_INTO_NORMS=False"; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs_addnorm.jsonl" 2>&1 | tail -1
     done ;;

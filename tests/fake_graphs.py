@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import StaticDecoder
 
 
 class FakeGraphs:
@@ -20,8 +20,8 @@ class FakeGraphs:
     run once a tensor it holds has moved (a real graph would read the old address).
     """
 
-    def __init__(self, runner: DecodeGraphRunner) -> None:
-        self.runner = runner
+    def __init__(self, decoder: StaticDecoder) -> None:
+        self.decoder = decoder
         self.pool: weakref.WeakSet | None = None  # the graphs captured into the current pool
 
     def new_pool(self) -> None:
@@ -45,17 +45,17 @@ class FakeGraphs:
         self.pool = weakref.WeakSet() if self.pool is None else self.pool
         # No kernel ran: what the capture produced holds nothing yet (here: zeros) until a replay.
         out.zero_()
-        for layer in self.runner.layers:
+        for layer in self.decoder.layers:
             for t in layer.last_pick or ():
                 if isinstance(t, torch.Tensor):
                     t.zero_()
         graph = FakeGraph(self, fn, out, {name: t.data_ptr() for name, t in tensors.items()})
-        graph.picks = [layer.last_pick for layer in self.runner.layers]  # outputs a replay writes into
+        graph.picks = [layer.last_pick for layer in self.decoder.layers]  # outputs a replay writes into
         self.pool.add(graph)
         return graph, out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return self.runner.cache.graph_tensors() | {"ids": self.runner._ids, "positions": self.runner._positions}
+        return self.decoder.cache.graph_tensors() | {"ids": self.decoder._ids, "positions": self.decoder._positions}
 
 
 class FakeGraph:
@@ -66,7 +66,7 @@ class FakeGraph:
     def replay(self) -> None:
         moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
         assert not moved, f"replayed a graph whose tensors moved: {moved}"
-        layers = self.graphs.runner.layers
+        layers = self.graphs.decoder.layers
         counters = [(layer.num_positions, layer._tail_len_mirror, layer.last_pick) for layer in layers]
         self.out.copy_(self.fn())
         for layer, static in zip(layers, self.picks):  # kernels write the captured outputs in place

@@ -89,8 +89,8 @@ def test_cuda_generate_replaying_whole_steps_equals_the_eager_path(dtype, pools)
         plain = SparseServeCache(model.config, replace(config, layer_graphs=layer_graphs))
         assert torch.equal(got, greedy(model, ids, plain, max_new_tokens=40, attention_mask=mask)), layer_graphs
     route = routed.generate_graphs
-    assert route.steps == 39 and route.runner.capture and route.runner.capture_error is None
-    assert 1 <= route.runner.num_captures <= 4
+    assert route.steps == 39 and route.decoder.capture and route.decoder.capture_error is None
+    assert 1 <= route.decoder.num_captures <= 4
     assert routed.stats()["misses"] > 0
 
 
@@ -117,7 +117,7 @@ def test_cuda_8bit_kv_decodes_alike_on_every_route_and_close_to_model_dtype_kv(d
     routed = SparseServeCache(model, config)
     got = greedy(model, ids, routed, max_new_tokens=40)
     assert routed.store.dram.storage.dtype == routed.store.hbm.pool.dtype == torch.float8_e4m3fn
-    assert routed.store.dram.storage.is_pinned() and routed.generate_graphs.runner.num_captures >= 1
+    assert routed.store.dram.storage.is_pinned() and routed.generate_graphs.decoder.num_captures >= 1
     for layer_graphs in (True, False):
         plain = SparseServeCache(model.config, replace(config, layer_graphs=layer_graphs))
         assert torch.equal(got, greedy(model, ids, plain, max_new_tokens=40)), layer_graphs
@@ -162,7 +162,7 @@ def test_cuda_a_collection_during_capture_cannot_free_pinned_memory_inside_it():
             cache = SparseServeCache(built_from, config)
             got = greedy(model, ids, cache, max_new_tokens=20)
             gc.set_threshold(*threshold)
-            graphs = cache.store.layer_graphs if built_from is model.config else cache.generate_graphs.runner
+            graphs = cache.store.layer_graphs if built_from is model.config else cache.generate_graphs.decoder
             assert graphs.num_captures >= 1 and getattr(graphs, "enabled", True)
             assert torch.equal(got, greedy(model, ids, SparseServeCache(model.config, config), max_new_tokens=20))
     finally:

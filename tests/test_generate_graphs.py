@@ -54,8 +54,8 @@ def routed(model, config: SparseServeConfig, replay: bool) -> SparseServeCache:
     cache = SparseServeCache(model.config, config)
     assert route_generate(model, cache, capture=False)
     if replay:
-        runner = cache.generate_graphs.runner
-        runner.capture, runner.graphs = True, FakeGraphs(runner)
+        decoder = cache.generate_graphs.decoder
+        decoder.capture, decoder.graphs = True, FakeGraphs(decoder)
     return cache
 
 
@@ -75,7 +75,7 @@ def test_routed_generate_returns_what_the_eager_path_returns(model, replay):
     route = cache.generate_graphs
     assert route.steps == NEW - 1  # every decode forward took the route, the prefill did not
     if replay:
-        assert route.runner.num_captures == 1 and route.runner.capture_error is None
+        assert route.decoder.num_captures == 1 and route.decoder.capture_error is None
     plain = SparseServeCache(model.config, config)  # the same model, an unrouted cache: its own forward
     assert torch.equal(generate(model, plain), want) and plain.generate_graphs is None
 
@@ -107,7 +107,7 @@ def test_growing_pools_and_an_unlimited_hbm_cache(model, replay):
     assert torch.equal(got, want)
     assert cache.generate_graphs.steps == 79
     if replay:
-        assert cache.generate_graphs.runner.num_captures >= 2  # captured again over the grown pool
+        assert cache.generate_graphs.decoder.num_captures >= 2  # captured again over the grown pool
     cache.store.free(fill.spare)
 
 
@@ -195,12 +195,12 @@ def test_the_wrapper_keeps_the_signature_and_is_installed_once(model):
 
 
 def test_a_cache_from_the_model_on_cpu_routes_the_same_step_uncaptured(model):
-    """By default a cache built from the model routes its decode steps through the runner: captured
+    """By default a cache built from the model routes its decode steps through the decoder: captured
     where a CUDA graph can capture them, eagerly elsewhere (here), the same step either way."""
     config = static_config()
     want = generate(model, SparseServeCache(model.config, config))
     cache = SparseServeCache(model, config)
-    assert cache.generate_graphs.runner.capture is False and model.forward._sparseserve_routed_forward
+    assert cache.generate_graphs.decoder.capture is False and model.forward._sparseserve_routed_forward
     assert torch.equal(generate(model, cache), want) and cache.generate_graphs.steps == NEW - 1
     assert SparseServeCache(model, replace(config, generate_graphs=False)).generate_graphs is None
     assert SparseServeConfig().generate_graphs is True
@@ -219,19 +219,19 @@ def test_a_failed_capture_keeps_the_step_and_falls_back_to_the_eager_path(model,
     config = static_config()
     want = generate(model, SparseServeCache(model.config, config))
     cache = routed(model, config, replay=False)
-    runner = cache.generate_graphs.runner
-    runner.capture, runner.graphs = True, FailingGraphs(runner)
+    decoder = cache.generate_graphs.decoder
+    decoder.capture, decoder.graphs = True, FailingGraphs(decoder)
     with caplog.at_level(logging.WARNING, logger="sparseserve_hf.graph"):
         got = generate(model, cache)
     assert torch.equal(got, want)
-    assert "capturing a decode step failed" in caplog.text and isinstance(runner.capture_error, RuntimeError)
+    assert "capturing a decode step failed" in caplog.text and isinstance(decoder.capture_error, RuntimeError)
     assert cache.generate_graphs.steps == 1 and not cache.generate_graphs.enabled  # one warm-up, then eager
 
 
 def test_a_routed_model_and_its_cache_are_freed_by_del_without_a_garbage_collection():
     """No reference cycle: their GiBs of weights and pools go when the user lets go of them."""
     model = tiny_model("llama")
-    cache = routed(model, static_config(), replay=False)  # (the CPU stand-in for graphs refers to its runner)
+    cache = routed(model, static_config(), replay=False)  # (the CPU stand-in for graphs refers to its decoder)
     generate(model, cache, new=3)
     alive = [weakref.ref(model), weakref.ref(cache)]
     gc.disable()

@@ -3,7 +3,7 @@
 A stand-in for the CUDA side (`fake_graphs.FakePieceCapture`) does to state what a capture and
 a replay do: a capture runs no kernel, a replay no Python. The eager path with pieces must decode
 exactly what it decodes without them, through block fills, table growth, pool growth and rows
-that move, and a whole-step caller (`DecodeGraphRunner`) must never replay a piece.
+that move, and a whole-step caller (`StaticDecoder`) must never replay a piece.
 tests/test_cuda.py runs real pieces on CUDA (`model.generate`).
 """
 
@@ -15,7 +15,7 @@ import torch
 from fake_graphs import FakePieceCapture
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import StaticDecoder
 from sparseserve_hf.layer_graphs import LayerGraphs, garbage_collection_paused
 from test_static_decode import LENGTHS, batch_cache, eager_step, static_config
 from tiny_models import random_ids
@@ -92,13 +92,13 @@ def test_rows_that_move_are_captured_again(llama):
 
 @pytest.mark.core
 def test_a_whole_step_caller_never_replays_a_piece(llama):
-    """The runner's static step (eager here, captured on CUDA) runs the attention inline."""
+    """The decoder's static step (eager here, captured on CUDA) runs the attention inline."""
     cache, tokens = batch_cache(llama, static_config())
     capture = with_pieces(cache)
-    runner = DecodeGraphRunner(llama, cache, capture=False)
-    runner.start(tokens)
+    decoder = StaticDecoder(llama, cache, capture=False)
+    decoder.start(tokens)
     for _ in range(4):
-        runner.step()
+        decoder.step()
     assert cache.store.layer_graphs.num_captures == 0 and capture.replays == 0
 
 

@@ -21,7 +21,7 @@ two blocks on one cache:
   the real default model's selections (`selection_trace.TraceReplay` through the store's
   `selection_override`), so the HBM cache sees a real model's step-to-step locality.
 Each block reports `overlap_1step` / `overlap_union12` of the selections it ran, ms/step eager
-(`sparse_ms`) and as CUDA-graph replays (`graph_ms`, `graph.DecodeGraphRunner`), the hit rate,
+(`sparse_ms`) and as CUDA-graph replays (`graph_ms`, `graph.StaticDecoder`), the hit rate,
 the floor ((weights + loaded KV + metadata bytes) / HBM copy bandwidth + missed-block bytes /
 PCIe H2D bandwidth, both measured in this run), `speedup_vs_best_stock`, one layer's selection +
 lookup (`attention.select_and_fetch`) as a graph replay (`bookkeeping_us_per_layer`) beside its
@@ -80,7 +80,7 @@ from eval.bench.selection_trace import (
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import select_and_fetch, select_blocks
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import StaticDecoder
 from sparseserve_hf.ops.reference import kv_storage_dtype
 
 GIB = 1 << 30
@@ -342,26 +342,26 @@ def _group(cache) -> int:
 def measure_graph(args, model, cache, tokens: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
     """ms per step of the same greedy decode as CUDA-graph replays (on CPU: the static step, eagerly)."""
     device, store = tokens.device, cache.store
-    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
-    runner.start(tokens)
+    decoder = StaticDecoder(model, cache, capture=device.type == "cuda")
+    decoder.start(tokens)
     sync(device)
     start = time.perf_counter()
     for _ in range(GRAPH_WARMUP):
-        runner.step()
+        decoder.step()
     sync(device)
     first_s = time.perf_counter() - start
     store.reset_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
-        tokens = runner.step()
+        tokens = decoder.step()
     sync(device)
     ms = (time.perf_counter() - start) * 1e3 / max(args.steps, 1)
     stats = store.read_stats()
     looked_up = stats.hits + stats.misses
     return {
         "graph_ms": ms,
-        "graph_captured": runner.capture,
-        "graph_captures": runner.num_captures,
+        "graph_captured": decoder.capture,
+        "graph_captures": decoder.num_captures,
         "graph_first_steps_seconds": first_s,  # GRAPH_WARMUP steps, the capture included
         "graph_hit_rate": stats.hits / looked_up if looked_up else 0.0,
         "graph_table_width": cache.layers[0].block_ids.shape[2],
@@ -390,8 +390,8 @@ def graph_equality(args, device, dtype, shape: str, config: SparseServeConfig) -
         return sparse_cache(model, config, args.batch, context, spare_blocks=steps // size + 2)
 
     start = torch.randint(1, model.config.vocab_size, (args.batch, 1), device=device)
-    graph = DecodeGraphRunner(model, filled(), capture=device.type == "cuda")
-    eager = DecodeGraphRunner(model, filled(), capture=False)
+    graph = StaticDecoder(model, filled(), capture=device.type == "cuda")
+    eager = StaticDecoder(model, filled(), capture=False)
     graph.start(start)
     eager.start(start)
     plain, plain_tokens = filled(), start

@@ -209,7 +209,7 @@ def measure_ours(args, device, dtype, shape, batch, context, prompt, locality: s
         "loaded_tokens_per_kv_head": stats["loaded_tokens_per_kv_head"],
         "metadata_bytes_read_per_step": stats["metadata_bytes_read_per_step"],
         "piece_captures": None if graphs is None else graphs.num_captures,
-        "step_captures": None if route is None else route.runner.num_captures,
+        "step_captures": None if route is None else route.decoder.num_captures,
         "routed_steps": None if route is None else route.steps,
         "config": asdict(config),
     }

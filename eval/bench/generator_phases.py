@@ -11,8 +11,8 @@ has its first token, `--steps` iterations are timed twice:
 - instrumented: the device is synchronized before and after each phase, so a phase's time is its
   host work plus the device work it queued, and `replay_gpu_ms` is the CUDA-event time of the
   decode step itself (from its launch to its end, inside `step`). Phases: `candidates` and
-  `schedule` (admission), `arrange` (the batch's slots), `step` (`Generator._runner_step`: the
-  runner's host work and the CUDA-graph replay), `working_sets` (`WorkingSetTracker.observe`),
+  `schedule` (admission), `arrange` (the batch's slots), `step` (`Generator._decoder_step`: the
+  decoder's host work and the CUDA-graph replay), `working_sets` (`WorkingSetTracker.observe`),
   `sample` (`sample_next`), `readback` (the rest of `_launch_decode` and the read-back: the one
   host sync and the host lists), `emit` (tokens into requests and events), `hbm_peak` and `other` (the rest).
 The syncs serialize what would overlap, so the phases add up to more than a plain iteration;
@@ -53,7 +53,7 @@ METHODS = {
     "candidates": "_candidates",
     "arrange": "_arrange_batch",
     "launch": "_launch_decode",
-    "step": "_runner_step",
+    "step": "_decoder_step",
     "emit": "_emit_tokens",
     "hbm_peak": "_track_hbm_peak",
 }

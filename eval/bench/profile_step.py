@@ -5,7 +5,7 @@
     python -m eval.bench.profile_step --graph --set kv_dtype=float8_e4m3fn   # any SparseServeConfig field
     python -m eval.bench.profile_step --dry-run                             # tiny shapes on CPU
 
-`--graph` profiles the step users run fastest: `graph.DecodeGraphRunner`'s CUDA-graph replays (on
+`--graph` profiles the step users run fastest: `graph.StaticDecoder`'s CUDA-graph replays (on
 CPU its static step, eagerly), fused ops included; without it, eager steps of `model(...)`.
 
 The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the
@@ -27,7 +27,7 @@ from eval.bench.common import add_config_overrides, bench_setup, config_override
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import StaticDecoder
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--trace", default=str(RECORDED_TRACE))
     parser.add_argument("--out", default=None)
-    parser.add_argument("--graph", action="store_true", help="profile DecodeGraphRunner replays")
+    parser.add_argument("--graph", action="store_true", help="profile StaticDecoder replays")
     parser.add_argument(
         "--no-fused-norms", dest="fused_norms", action="store_false", help="SparseServeConfig(fused_norms=False)"
     )
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> str:
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
     kwargs = {cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
 
-    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda") if args.graph else None
-    if runner is not None:
-        runner.start(tokens)
+    decoder = StaticDecoder(model, cache, capture=device.type == "cuda") if args.graph else None
+    if decoder is not None:
+        decoder.start(tokens)
 
-    def step(tokens):  # a runner feeds its own greedy picks back
-        if runner is not None:
-            return runner.step()
+    def step(tokens):  # a decoder feeds its own greedy picks back
+        if decoder is not None:
+            return decoder.step()
         return model(input_ids=tokens, **kwargs).logits[:, -1:].argmax(-1)
 
     with torch.no_grad():

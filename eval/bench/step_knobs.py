@@ -8,7 +8,7 @@
 The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the default
 config with an HBM cache of 25% of the dense KV, loads following the recorded selection trace) cut
 to a few layers (8 by default: the LM head's read then weighs 1/8 of a layer), timed as
-`graph.DecodeGraphRunner` replays after a warm-up long enough for the HBM cache's hit rate to
+`graph.StaticDecoder` replays after a warm-up long enough for the HBM cache's hit rate to
 settle. A knob is a module constant of `sparseserve_hf.ops` (`MODULE.NAME=VALUE`, the value a
 Python literal) set before any kernel runs, so its launches use it; run each setting in its own
 process (the constants are read at launch, but a Triton kernel compiles once per process). Each
@@ -38,7 +38,7 @@ from eval.bench.common import (
 )
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
-from sparseserve_hf.graph import DecodeGraphRunner
+from sparseserve_hf.graph import StaticDecoder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,17 +67,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cache = replayed_cut(model, args.batch, args.context, args.trace, args.dry_run, **overrides)
     text = model.config
     tokens = torch.randint(1, text.vocab_size, (args.batch, 1), device=device)
-    runner = DecodeGraphRunner(model, cache, capture=device.type == "cuda")
+    decoder = StaticDecoder(model, cache, capture=device.type == "cuda")
     windows = []
     with torch.no_grad():
-        runner.start(tokens)
+        decoder.start(tokens)
         for _ in range(args.warmup):
-            runner.step()
+            decoder.step()
         sync(device)
         for _ in range(3):
             start = time.perf_counter()
             for _ in range(args.steps):
-                runner.step()
+                decoder.step()
             sync(device)
             windows.append((time.perf_counter() - start) / args.steps * 1e3)
     result = {

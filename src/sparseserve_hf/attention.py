@@ -163,7 +163,7 @@ def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scalin
     """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D).
 
     An eager caller on CUDA replays the layer's captured piece (`LayerGraphs`); a caller that runs
-    the whole step itself (`graph.DecodeGraphRunner`, eager or capturing) runs it inline."""
+    the whole step itself (`graph.StaticDecoder`, eager or capturing) runs it inline."""
     q = query[:, :, 0]  # (B, Hq, D)
     graphs = layer.store.layer_graphs
     if graphs is not None and not layer.in_static_step and not _capturing(q):

@@ -162,7 +162,7 @@ class SparseServeConfig:
             GPU-direct UVA scatter launch, close to bulk D2H bandwidth) or "flash_d2h" (the paper's
             FlashD2H: one contiguous D2H copy into pinned staging, CPU threads scatter it; slower,
             as the CPU scatter bounds it).
-        cuda_graphs: whether the `Generator`'s decode step (`graph.DecodeGraphRunner`'s static
+        cuda_graphs: whether the `Generator`'s decode step (`graph.StaticDecoder`'s static
             step, the one step every decode of the engine runs) is replayed as a captured CUDA
             graph instead of launching ~100 kernels per layer from Python. True needs a CUDA
             model, the "triton" or "flash" backend and `transfer="kernel"` (checked; on CPU True

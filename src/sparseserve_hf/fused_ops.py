@@ -2,7 +2,7 @@
 
 Eager transformers runs a decode layer's RMSNorms as eight kernels each and its rotary embedding
 as ten; in a step of a few KiB per row each of those is launch and latency. While the
-`DecodeGraphRunner` runs its static step (the one a CUDA graph captures) it swaps in the op
+`StaticDecoder` runs its static step (the one a CUDA graph captures) it swaps in the op
 set's fused versions, and only then:
 - the rotary embedding (`ops.rope`, `config.fused_rope`, bit for bit the model's): the defining module's
   `apply_rotary_pos_emb`, where it is Llama's function instruction for instruction, is wrapped
@@ -131,7 +131,7 @@ def rope_fusable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 class FusedModelOps:
-    """The fused ops one runner's static step uses on `model` (see the module docstring).
+    """The fused ops one decoder's static step uses on `model` (see the module docstring).
 
     Args:
         model: the causal LM.

@@ -4,7 +4,7 @@ Eager, a decode step of the drop-in launches every kernel of the whole model fro
 own layers as much as ours), and at a few rows that launching, not the GPU, sets the step time.
 A cache built from the model itself (`SparseServeCache(model, ...)`) can do better: it routes
 each decode forward of that model through the step the batching Generator replays
-(`graph.DecodeGraphRunner`), one CUDA-graph launch for the whole model.
+(`graph.StaticDecoder`), one CUDA-graph launch for the whole model.
 
 The route is a wrapper around the model instance's `forward` (installed once per model; it
 keeps the signature, so `generate` prepares the same inputs). A forward takes the route only
@@ -29,7 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache.cache import SparseServeCache
 from .cache.layer import SparseServeLayer
 from .compat import OUTPUT_CACHE_FIELD
-from .graph import DecodeGraphRunner, can_capture, graph_obstacle
+from .graph import StaticDecoder, can_capture, graph_obstacle
 
 CACHE_KWARGS = ("past_key_values", "cache")  # transformers 5.17 / 5.24 names of the cache argument
 ROUTED_KWARGS = frozenset(("input_ids", "position_ids", "attention_mask", "logits_to_keep", "use_cache", "return_dict"))
@@ -49,14 +49,14 @@ class GenerateGraphs:
     def __init__(self, model: torch.nn.Module, cache: SparseServeCache, *, capture: bool = True) -> None:
         self.model = model
         self.cache = weakref.proxy(cache)  # the cache holds this route: a strong reference back would be a cycle
-        self.runner = DecodeGraphRunner(model, self.cache, capture=capture)
+        self.decoder = StaticDecoder(model, self.cache, capture=capture)
         self.steps = 0  # decode forwards this route ran
-        self._running = False  # inside `forward`: the runner's own call of the model is not routed again
+        self._running = False  # inside `forward`: the decoder's own call of the model is not routed again
 
     @property
     def enabled(self) -> bool:
-        """False once capturing failed (`runner.capture_error`): forwards run the model's own again."""
-        return self.runner.capture or self.runner.capture_error is None
+        """False once capturing failed (`decoder.capture_error`): forwards run the model's own again."""
+        return self.decoder.capture or self.decoder.capture_error is None
 
     def takes(self, args: tuple, kwargs: dict[str, Any]) -> bool:
         """True when this forward is a decode step the static step computes exactly (see the module doc)."""
@@ -87,20 +87,20 @@ class GenerateGraphs:
         return not checks or bool(torch.stack(checks).all())  # one small readback
 
     def forward(self, kwargs: dict[str, Any]) -> CausalLMOutputWithPast:
-        """The decode step of `kwargs` (accepted by `takes`) through the runner: (B, 1, V) logits."""
+        """The decode step of `kwargs` (accepted by `takes`) through the decoder: (B, 1, V) logits."""
         self._running = True
         try:
-            self.runner.start(kwargs["input_ids"], kwargs["position_ids"])
-            self.runner.step()
+            self.decoder.start(kwargs["input_ids"], kwargs["position_ids"])
+            self.decoder.step()
         finally:
             self._running = False
         self.steps += 1
         cache = next(kwargs[name] for name in CACHE_KWARGS if name in kwargs)
-        return CausalLMOutputWithPast(logits=self.runner.logits[:, None].clone(), **{OUTPUT_CACHE_FIELD: cache})
+        return CausalLMOutputWithPast(logits=self.decoder.logits[:, None].clone(), **{OUTPUT_CACHE_FIELD: cache})
 
 
 def route_generate(model: torch.nn.Module, cache: SparseServeCache, capture: bool | None = None) -> bool:
-    """Route `model`'s decode forwards over `cache` through the runner's static step, if it can
+    """Route `model`'s decode forwards over `cache` through the decoder's static step, if it can
     serve them: returns whether they are. `capture`: None = as CUDA graphs wherever one can
     capture them (a CUDA model, the "triton" or "flash" backend), else eagerly; False = eagerly."""
     if capture is None:

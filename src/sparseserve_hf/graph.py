@@ -1,4 +1,5 @@
-"""DecodeGraphRunner: the sparse decode step captured in a CUDA graph.
+"""StaticDecoder: the decode step at fixed addresses and shapes, captured in a CUDA graph where it can be
+(`capture=False` runs the very same static step eagerly: the CPU path and the reference of a replay).
 
 Eager PyTorch spends most of a sparse decode step launching ~100 small kernels per layer from
 Python; a CUDA graph replays them with one launch. A captured step may not sync with the host,
@@ -74,11 +75,11 @@ class _Captured:
 class CudaGraphs:
     """The CUDA side of capturing: a warm-up on a side stream, then a capture into a shared pool.
 
-    Apart from the runner so that tests can stand a fake in for it on CPU.
+    Apart from the decoder so that tests can stand a fake in for it on CPU.
     """
 
     def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph of one runner
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph of one decoder
 
     def new_pool(self) -> None:
         """Capture later graphs into a fresh pool: once every graph of a pool is gone, PyTorch
@@ -106,7 +107,7 @@ class CudaGraphs:
         return graph, out
 
 
-class DecodeGraphRunner:
+class StaticDecoder:
     """Greedy decode of every row of a prefilled SparseServeCache, one token per row per `step()`.
 
     With `capture` a step is a CUDA-graph replay (captured on the first step and again whenever
@@ -126,9 +127,9 @@ class DecodeGraphRunner:
             replayed one is dropped (with its memory), so a long-running server stays bounded.
 
     Example:
-        >>> runner = DecodeGraphRunner(model, cache)
-        >>> runner.start(first_tokens)  # (B, 1); positions default to each row's stored length
-        >>> tokens = [runner.step().clone() for _ in range(32)]  # (B, 1) greedy picks each
+        >>> decoder = StaticDecoder(model, cache)
+        >>> decoder.start(first_tokens)  # (B, 1); positions default to each row's stored length
+        >>> tokens = [decoder.step().clone() for _ in range(32)]  # (B, 1) greedy picks each
     """
 
     def __init__(
@@ -170,13 +171,13 @@ class DecodeGraphRunner:
         """Begin decoding: `tokens` (B, 1) are the next inputs, at `positions` (B, 1).
 
         positions: None = each row's stored length (rows of a SparseServeCache hold no padding).
-        Reads the rows' tail lengths and block counts back once; from here on the runner keeps
+        Reads the rows' tail lengths and block counts back once; from here on the decoder keeps
         them on the host, and the caller must not change the cache's rows between steps. A row
         that holds nothing (a vacant slot) stays empty: its token and position are ignored.
         """
         layer = self.layers[0]
         if not layer.is_initialized:
-            raise ValueError("DecodeGraphRunner.start needs a prefilled cache (run the prompt through the model first)")
+            raise ValueError("StaticDecoder.start needs a prefilled cache (run the prompt through the model first)")
         batch = layer.tail.shape[0]
         if tokens.numel() != batch:
             raise ValueError(f"the cache holds {batch} rows, got tokens of shape {tuple(tokens.shape)}")
@@ -221,7 +222,7 @@ class DecodeGraphRunner:
         tokens: (B, 1) inputs for this step instead of the last step's greedy picks (a sampler's).
         """
         if self._ids is None:
-            raise RuntimeError("call DecodeGraphRunner.start(tokens) before step()")
+            raise RuntimeError("call StaticDecoder.start(tokens) before step()")
         self._pre_step()
         if tokens is not None:
             self._ids.copy_(tokens.reshape(self._ids.shape), non_blocking=True)
@@ -343,7 +344,7 @@ class DecodeGraphRunner:
             layer.num_positions, layer.staged, layer.last_pick = count, None, pick
         self._drop_graphs()
         self.capture, self.graphs, self.capture_error = False, None, exc
-        logger.warning("DecodeGraphRunner: capturing a decode step failed (%s); decoding without CUDA graphs", exc)
+        logger.warning("StaticDecoder: capturing a decode step failed (%s); decoding without CUDA graphs", exc)
 
     def _seat(self, captured: _Captured) -> None:
         """Put the current rows into the tensors `captured` reads and writes (copies where they differ).
@@ -381,9 +382,9 @@ def can_capture(model: torch.nn.Module, cache: SparseServeCache) -> bool:
 
 def graph_obstacle(model: torch.nn.Module, cache: SparseServeCache, capture: bool) -> Exception | None:
     """What keeps `model` + `cache` from a static decode step (captured when `capture`), as the
-    exception to raise, or None when nothing does. Pools may grow: the runner recaptures then."""
+    exception to raise, or None when nothing does. Pools may grow: the decoder recaptures then."""
     if getattr(model.config, "_attn_implementation", None) != "sparseserve":
-        return ValueError("DecodeGraphRunner needs a model loaded with attn_implementation='sparseserve'")
+        return ValueError("StaticDecoder needs a model loaded with attn_implementation='sparseserve'")
     if not all(isinstance(layer, SparseServeLayer) for layer in cache.layers):
         return NotImplementedError(
             "graph mode needs every layer to be a SparseServeLayer: dense_layers and sliding-window layers "

@@ -5,7 +5,7 @@ layer's decode attention (scoring, top-k, GQA union, block-cache lookup, loading
 sparse attention) as ~20 kernels from Python, for every layer and token. Here each
 (layer, query shape, table width) captures that work once; later calls copy the query into the
 captured input and launch one graph. The model around it stays eager: the code captured is the
-attention call of the very step the whole-step graph (`graph.DecodeGraphRunner`) captures.
+attention call of the very step the whole-step graph (`graph.StaticDecoder`) captures.
 
 A captured piece reads, by address, the layer's tail, lengths and block table (the caller
 changes them only between calls: appending the new token, linking a saved block) and the

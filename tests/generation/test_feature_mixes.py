@@ -72,7 +72,7 @@ def serve(
 
     gen = Generator(model, None, SparseServeConfig(**fields, cuda_graphs=captured))
     if captured:
-        gen._runner.capture, gen._runner.graphs = True, FakeGraphs(gen._runner)
+        gen._decoder.capture, gen._decoder.graphs = True, FakeGraphs(gen._decoder)
     clock, costs = SimulatedClock(gen), random.Random(seed)
     index_of, outputs, iteration = {}, {}, 0
     while len(index_of) < len(prompts) or gen.has_unfinished:

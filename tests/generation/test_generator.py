@@ -238,7 +238,7 @@ GRAPH_CONFIG = dict(
 def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools, selector):
     """cuda_graphs=True: rows join, sit out and leave (a restart each time), tokens and admission must not move.
 
-    On CPU the runner runs the captured step eagerly; with the stand-in it captures and replays,
+    On CPU the decoder runs the captured step eagerly; with the stand-in it captures and replays,
     a replay running no Python (tests/fake_graphs.py), so the working sets come from captured outputs.
     """
     from fake_graphs import FakeGraphs
@@ -248,11 +248,11 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
     config = GRAPH_CONFIG | selector | ({"dram_bytes": None} if pools == "growing" else {})  # growing: during the run
     eager = Generator(llama, None, small_config(**config))
     graphed = Generator(llama, None, small_config(**config, cuda_graphs=True))
-    runner, starts = graphed._runner, []
+    decoder, starts = graphed._decoder, []
     if stand_in_graphs:
-        runner.capture, runner.graphs = True, FakeGraphs(runner)
-    start = runner.start
-    runner.start = lambda *args: starts.append(args) or start(*args)  # each change of the batch's rows
+        decoder.capture, decoder.graphs = True, FakeGraphs(decoder)
+    start = decoder.start
+    decoder.start = lambda *args: starts.append(args) or start(*args)  # each change of the batch's rows
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, params)]
     mine, theirs = graphed.metrics(), eager.metrics()
@@ -263,7 +263,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_
         assert graphed.store.epoch > 0  # the DRAM pool grew (and moved) during the run
     if stand_in_graphs and pools == "fixed":
         # one capture per (rows, table width) ever seen, however often the batch changed
-        assert mine["totals"]["graph_captures"] == len(runner._captured) and 2 <= len(runner._captured) < len(starts)
+        assert mine["totals"]["graph_captures"] == len(decoder._captured) and 2 <= len(decoder._captured) < len(starts)
     if stand_in_graphs:
         assert mine["totals"]["hits"] + mine["totals"]["misses"] > 0
 
@@ -303,12 +303,12 @@ def test_graphs_past_max_graphs_are_dropped_least_recently_used_first(llama):
     params = SamplingParams(max_new_tokens=24)
     config = GRAPH_CONFIG | dict(hbm_cache_bytes=72 * 2048)  # room for 3 decoding rows
     graphed = Generator(llama, None, small_config(**config, cuda_graphs=True))
-    runner = graphed._runner
-    runner.capture, runner.graphs, runner.max_graphs = True, FakeGraphs(runner), 2
+    decoder = graphed._decoder
+    decoder.capture, decoder.graphs, decoder.max_graphs = True, FakeGraphs(decoder), 2
     outs = graphed.generate(prompts, params)
     eager = Generator(llama, None, small_config(**config)).generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    assert len(runner._captured) == 2 and runner.num_captures > 3  # 3 batch sizes: evictions forced recaptures
+    assert len(decoder._captured) == 2 and decoder.num_captures > 3  # 3 batch sizes: evictions forced recaptures
 
 
 @pytest.mark.core
@@ -320,7 +320,7 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
 
     settings = GRAPH_CONFIG | dict(hbm_cache_bytes=None, max_inject_tokens=None)
     gen = Generator(llama, None, small_config(**settings, cuda_graphs=True))
-    gen._runner.capture, gen._runner.graphs = True, FakeGraphs(gen._runner)
+    gen._decoder.capture, gen._decoder.graphs = True, FakeGraphs(gen._decoder)
     prompts = [prompt(n, seed=n) for n in (40, 50, 60, 20)]
     params = [SamplingParams(max_new_tokens=m) for m in (30, 6, 30, 4)]
     ids, outputs = [gen.submit(p, q) for p, q in zip(prompts[:3], params[:3])], {}
@@ -332,7 +332,7 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
         step()
     assert gen.slots == ids
     tensors = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
-    captures, capture_s = gen._runner.num_captures, gen._runner.capture_s
+    captures, capture_s = gen._decoder.num_captures, gen._decoder.capture_s
     assert captures >= 1 and capture_s > 0 and gen.metrics()["totals"]["graph_capture_s"] == capture_s
     while ids[1] not in outputs:
         step()
@@ -340,8 +340,8 @@ def test_a_request_that_ends_leaves_its_slot_and_the_others_keep_their_tensors_a
     assert gen.slots == [ids[0], None, ids[2]] and gen.batch.vacant_slots == [1]
     now = [t for layer in gen.batch.layers for t in layer.graph_tensors().values()]
     assert all(a is b for a, b in zip(now, tensors))  # the rows that stayed did not move
-    assert gen._runner.num_captures == captures  # the same (rows, table width): replayed, not captured
-    assert gen._runner.capture_s == capture_s  # a replay adds no capture time
+    assert gen._decoder.num_captures == captures  # the same (rows, table width): replayed, not captured
+    assert gen._decoder.capture_s == capture_s  # a replay adds no capture time
     ids.append(gen.submit(prompts[3], params[3]))
     while gen.slots[1] is None:
         step()
@@ -368,22 +368,22 @@ def test_the_batch_cache_never_holds_more_rows_than_one_lookup_can_serve(llama):
     assert reasons == ["length"] * 5 and max(rows) == 5
 
 
-def test_graph_runner_refuses_a_bad_max_graphs(llama):
-    from sparseserve_hf.graph import DecodeGraphRunner
+def test_static_decoder_refuses_a_bad_max_graphs(llama):
+    from sparseserve_hf.graph import StaticDecoder
 
     gen = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=True))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_graphs must be a positive int"):
-            DecodeGraphRunner(llama, gen.batch, capture=False, max_graphs=bad)
+            StaticDecoder(llama, gen.batch, capture=False, max_graphs=bad)
 
 
-def test_every_decode_runs_the_runners_step_captured_only_where_a_capture_can_run(llama, monkeypatch):
-    """One decode step for every setting: `cuda_graphs` only says whether the runner's step is
+def test_every_decode_runs_the_decoders_step_captured_only_where_a_capture_can_run(llama, monkeypatch):
+    """One decode step for every setting: `cuda_graphs` only says whether the decoder's step is
     captured (None: where `graph_obstacle` finds nothing in the way, as on CUDA; never on a
     tensor-parallel rank)."""
     for setting in (None, True, False):
         gen = Generator(llama, None, small_config(**GRAPH_CONFIG, cuda_graphs=setting))
-        assert gen._runner.capture is False  # CPU: a capture cannot run
+        assert gen._decoder.capture is False  # CPU: a capture cannot run
     monkeypatch.setattr("sparseserve_hf.graph.graph_obstacle", lambda model, cache, capture: None)
     assert gen._captures(llama) is False  # cuda_graphs=False
     gen.config = small_config(**GRAPH_CONFIG)

@@ -55,7 +55,7 @@ class SimulatedClock:
         self.seconds = 0.0
         self.decode_s = DECODE_S  # what a decode step costs from now on
         gen.recorder.now = lambda: self.seconds
-        runner_step, run_unit = gen._runner_step, gen.prefill._run
+        runner_step, run_unit = gen._decoder_step, gen.prefill._run
         self.prefill_per_iteration: list[tuple[int, int]] = []  # (decoding rows, token-layers) of each iteration
 
         def decode(tokens, positions):
@@ -73,7 +73,7 @@ class SimulatedClock:
             self.prefill_per_iteration.append((len(plan.decode), ran))
             return ran
 
-        gen._runner_step, gen.prefill._run, gen._run_prefills = decode, prefill, iteration_prefill
+        gen._decoder_step, gen.prefill._run, gen._run_prefills = decode, prefill, iteration_prefill
 
 
 def serve(
@@ -150,7 +150,7 @@ def test_a_prompt_whose_layers_were_split_differently_decodes_in_the_batch(monke
             block_size=16, token_budget=48, target_tbt_ms=target_tbt_ms, decode_ahead=False, cuda_graphs=True
         )
         gen = Generator(tiny_model("llama", num_layers=LAYERS), None, config)
-        gen._runner.capture, gen._runner.graphs = True, FakeGraphs(gen._runner)
+        gen._decoder.capture, gen._decoder.graphs = True, FakeGraphs(gen._decoder)
         clock = SimulatedClock(gen)
         first = gen.submit(prompt(700, seed=1), SamplingParams(max_new_tokens=30))
         while not gen._requests[first].output:

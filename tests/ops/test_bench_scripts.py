@@ -265,7 +265,7 @@ def test_longdoc_dry_run_reports_the_prefix_targets_with_equal_tokens(tmp_path):
     "mode", [["--no-fused-norms"], ["--graph", "--set", "kv_dtype=float8_e4m3fn"]], ids=["eager", "graph_fp8_kv"]
 )
 def test_profile_step_dry_run_tables_the_kernels_per_layer(tmp_path, mode):
-    """The kernel profile of eager steps, or of `DecodeGraphRunner`'s static step (its CPU form),
+    """The kernel profile of eager steps, or of `StaticDecoder`'s static step (its CPU form),
     under config overrides."""
     out = tmp_path / "profile.md"
     run_module("eval.bench.profile_step", "--dry-run", *mode, "--out", str(out))

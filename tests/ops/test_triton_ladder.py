@@ -80,7 +80,7 @@ def test_lookup_beside_attention_keeps_the_static_steps_tokens_and_counts(monkey
     upkeep in the install or in a launch of its own, gives the tokens and hit/miss counts of the step
     that looks up first (the first steps miss, later ones hit)."""
     from sparseserve_hf.cache import block_cache
-    from sparseserve_hf.graph import DecodeGraphRunner
+    from sparseserve_hf.graph import StaticDecoder
 
     model = tiny_llama("sparseserve")
     ids = random_ids(2, 120)
@@ -92,7 +92,7 @@ def test_lookup_beside_attention_keeps_the_static_steps_tokens_and_counts(monkey
             first = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
         assert cache.store.lookup_beside == beside
         assert (cache.store.hbm.reorder is not None) == reorder_beside
-        runner = DecodeGraphRunner(model, cache, capture=False)
+        runner = StaticDecoder(model, cache, capture=False)
         runner.start(first)
         tokens = torch.cat([runner.step().clone() for _ in range(5)], dim=1)
         stats = cache.stats()

@@ -464,11 +464,11 @@ class SparseServeCache(Cache):
                 f"{verb} renumbers rows, but the cache has vacant slots {self.vacant_slots}: use place_rows / take_rows"
             )
 
-    # ---- graph-mode decode (graph.DecodeGraphRunner) ---------------------------------------------
+    # ---- graph-mode decode (graph.StaticDecoder) ---------------------------------------------
 
     @contextlib.contextmanager
     def static_step(self) -> Iterator[None]:
-        """Inside, a decode forward is the static step (`graph.DecodeGraphRunner`): the caller rolled
+        """Inside, a decode forward is the static step (`graph.StaticDecoder`): the caller rolled
         every full tail first (`roll_full_tails`) and feeds one real token per row, so each layer's
         commit only appends it, at fixed shapes and with no host decision (a CUDA graph may capture it)."""
         layers = self._sparse_layers()
@@ -512,7 +512,7 @@ class SparseServeCache(Cache):
         """Every cache tensor a captured decode step reads or writes by address (names: "store.x", "layer3.x").
 
         A CUDA graph replays with the addresses it was captured with: if any of these moves, the
-        graph must be recaptured (`graph.DecodeGraphRunner` compares them before every replay).
+        graph must be recaptured (`graph.StaticDecoder` compares them before every replay).
         """
         out = {f"store.{name}": t for name, t in self.store.graph_tensors().items()}
         for i, layer in enumerate(self._sparse_layers()):

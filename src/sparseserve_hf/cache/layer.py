@@ -472,7 +472,7 @@ class SparseServeLayer(CacheLayerMixin):
         `empty`: every row is known to hold nothing yet (the update made the layer), so no row's
         lengths are read back from the device: a prompt's commit then waits for no kernel."""
         if self.in_static_step:
-            # Graph mode: the runner feeds one real token per row and never reads `valid`
+            # Graph mode: the decoder feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self._known_counts = None  # the kernel below changes tail_len without a version bump
             # Every tail has room; a row that holds nothing is a vacant slot (`take_rows`) and stays empty.

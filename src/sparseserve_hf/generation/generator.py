@@ -33,7 +33,7 @@ from ..cache import SparseServeCache
 from ..cache.plain import plain_tensors
 from ..cache.store import TieredBlockStore
 from ..config import SparseServeConfig
-from ..graph import DecodeGraphRunner, can_capture
+from ..graph import StaticDecoder, can_capture
 from ..ops import get_ops
 from .frontend import Prompt, RequestFrontend
 from .in_flight import InFlightStep
@@ -109,9 +109,9 @@ class Generator(RequestFrontend):
         self._hbm_peak: torch.Tensor | None = None  # () on the device, see `_track_hbm_peak`
         target = self.config.target_tbt_ms
         self.pacer = None if target is None else PrefillPacer(target / 1e3)  # prefill work beside decoding rows
-        # Every decode step is the runner's: replayed where it captures, else the same step eagerly.
-        self._runner = DecodeGraphRunner(model, self.batch, capture=self._captures(model))
-        self._runner_slots: tuple[int | None, ...] | None = None  # the batch's slots the runner last started on
+        # Every decode step is the decoder's: replayed where it captures, else the same step eagerly.
+        self._decoder = StaticDecoder(model, self.batch, capture=self._captures(model))
+        self._decoder_slots: tuple[int | None, ...] | None = None  # the batch's slots the decoder last started on
         self._ahead: InFlightStep | None = None  # a decode step launched before the last one was read (`decode_ahead`)
         self._ahead_error: BaseException | None = None  # why launching it failed, reported after the last one
 
@@ -294,8 +294,8 @@ class Generator(RequestFrontend):
                 "hbm_bytes_in_use": self.hbm_bytes_in_use(),
                 "dram_bytes_in_use": self.dram_bytes_in_use(),
                 "hbm_cache_bytes": self.config.hbm_cache_bytes,
-                "graph_captures": self._runner.num_captures,
-                "graph_capture_s": self._runner.capture_s,
+                "graph_captures": self._decoder.num_captures,
+                "graph_capture_s": self._decoder.capture_s,
             }
             | self.store.load_summary()
             | (self.prefixes.totals() if self.prefixes is not None else {})
@@ -413,7 +413,7 @@ class Generator(RequestFrontend):
         the result is read back by `InFlightStep.read` (the step's one host sync)."""
         held, inputs = held_inputs
         tokens_in, positions_in, steps_in, at = inputs
-        logits = self._runner_step(tokens_in[:, None], positions_in[:, None])  # (rows, V)
+        logits = self._decoder_step(tokens_in[:, None], positions_in[:, None])  # (rows, V)
         working_sets = self.tracker.observe(self.batch, steps_in)  # (rows,) on the device
         rows = [request for _, request in held]
         chosen = sample_next(logits[at], [r.params for r in rows], [r.generator for r in rows])  # (B,)
@@ -445,7 +445,7 @@ class Generator(RequestFrontend):
         config = self.config
         if not config.decode_ahead or self.tp_size > 1 or self.prefixes is not None:
             return None
-        if tuple(self.slots) != self._runner_slots:
+        if tuple(self.slots) != self._decoder_slots:
             return None
         positions = self.stack.positions
         if not all(
@@ -463,25 +463,25 @@ class Generator(RequestFrontend):
         return plan, sum(c.kind == DECODE for c in candidates) - len(plan.decode)
 
     def _captures(self, model: torch.nn.Module) -> bool:
-        """Whether the decode runner captures CUDA graphs: `cuda_graphs` on a CUDA model (on CPU True
+        """Whether the decode decoder captures CUDA graphs: `cuda_graphs` on a CUDA model (on CPU True
         runs the step a graph would capture, eagerly), for None wherever a graph can capture the
         step, never on a tensor-parallel rank (its collectives are not captured; see the config)."""
         if self.config.cuda_graphs is None:
             return self.tp_size == 1 and can_capture(model, self.batch)
         return self.config.cuda_graphs and self.stack.device.type == "cuda"
 
-    def _runner_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits of the step through `DecodeGraphRunner` (a CUDA-graph replay where it captures).
+    def _decoder_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of the step through `StaticDecoder` (a CUDA-graph replay where it captures).
 
-        The runner restarts (reads the rows' lengths back once) whenever a slot changes hands (a
+        The decoder restarts (reads the rows' lengths back once) whenever a slot changes hands (a
         request joined, left or sat out); it captures only a (rows, table width) it has not seen.
         """
         slots = tuple(self.slots)
-        if self._runner_slots != slots:
-            self._runner.start(tokens, positions)
-            self._runner_slots = slots
-        self._runner.step(tokens)
-        return self._runner.logits
+        if self._decoder_slots != slots:
+            self._decoder.start(tokens, positions)
+            self._decoder_slots = slots
+        self._decoder.step(tokens)
+        return self._decoder.logits
 
     def _run_prefills(self, plan: Plan, events: list[StreamEvent]) -> int:
         """Start the newly admitted prefills, then advance all picked ones within the budget;
@@ -672,7 +672,7 @@ class Generator(RequestFrontend):
         self.tracker.forget(self.batch)
         self.batch.reset()  # also clears a half-done step's staged keys
         failed = [rid for rid in self.slots if rid is not None]
-        self.slots, self._runner_slots = [], None
+        self.slots, self._decoder_slots = [], None
         failed = failed + [rid for rid in request_ids if rid not in failed and rid in self._requests]
         for request_id in failed:
             events.append(self._finish(self._requests[request_id], "error", message))

@@ -1,9 +1,9 @@
-"""DecodeGraphRunner on CPU: its static step against the eager path, and its graph bookkeeping.
+"""StaticDecoder on CPU: its static step against the eager path, and its graph bookkeeping.
 
-On CPU the runner runs the very step a CUDA graph captures, eagerly (`capture=False`). These tests
+On CPU the decoder runs the very step a CUDA graph captures, eagerly (`capture=False`). These tests
 check what capture relies on: the same tokens as the ordinary eager decode path, no host sync
 inside the captured part on any step (block fills included), every tensor the graph holds staying
-at its address, and, with a stand-in for the CUDA graph, when the runner recaptures and what it
+at its address, and, with a stand-in for the CUDA graph, when the decoder recaptures and what it
 advances by hand after a replay. tests/test_decode_graph.py runs real graphs on CUDA.
 """
 
@@ -25,7 +25,7 @@ from sparseserve_hf import SparseServeCache, SparseServeConfig, fused_ops
 from sparseserve_hf.cache import block_cache
 from sparseserve_hf.cache.store import LOAD_SUMMARY_KEYS
 from sparseserve_hf.compat import cache_kwarg
-from sparseserve_hf.graph import DecodeGraphRunner, graph_obstacle, table_width
+from sparseserve_hf.graph import StaticDecoder, graph_obstacle, table_width
 from sparseserve_hf.ops import reference
 from sync_guard import forbid_host_syncs
 from test_static_decode import BLOCK, LENGTHS, batch_cache, eager_step, static_config
@@ -49,11 +49,11 @@ class EagerReference:
         return self.tokens
 
 
-def started_runner(model, config: SparseServeConfig, **kwargs) -> DecodeGraphRunner:
+def started_decoder(model, config: SparseServeConfig, **kwargs) -> StaticDecoder:
     cache, tokens = batch_cache(model, config)
-    runner = DecodeGraphRunner(model, cache, capture=False, **kwargs)
-    runner.start(tokens)
-    return runner
+    decoder = StaticDecoder(model, cache, capture=False, **kwargs)
+    decoder.start(tokens)
+    return decoder
 
 
 def addresses(cache: SparseServeCache) -> dict[str, int]:
@@ -65,9 +65,9 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
     """Plan tests (f) and (g): rows filling at different steps, table widths crossed, block evictions."""
     config = static_config()
     reference = EagerReference(llama, config)
-    runner = started_runner(llama, config, table_step=4)  # table widths of 4 x 1, 2, 3, 4 blocks
-    runner.cache.store.hbm.gather_blocks = fixed_shape_gather  # the torch reference's copy masks by value
-    static_step, seen_per_step = runner._static_step, []
+    decoder = started_decoder(llama, config, table_step=4)  # table widths of 4 x 1, 2, 3, 4 blocks
+    decoder.cache.store.hbm.gather_blocks = fixed_shape_gather  # the torch reference's copy masks by value
+    static_step, seen_per_step = decoder._static_step, []
 
     def guarded():  # what a graph captures, with the mask transformers 5.17 builds while a stream captures
         with forbid_host_syncs() as seen, mock.patch("transformers.masking_utils.is_tracing", lambda *_: True):
@@ -75,25 +75,25 @@ def test_static_step_equals_the_eager_path_with_no_host_sync_on_any_step(llama):
         seen_per_step.append(sorted(set(seen)))
         return out
 
-    runner._static_step = guarded
+    decoder._static_step = guarded
     fills = widths = 0
     for step in range(STEPS):
-        blocks, width = runner.cache.layers[0].num_blocks.sum(), runner.cache.layers[0].block_ids.shape[2]
+        blocks, width = decoder.cache.layers[0].num_blocks.sum(), decoder.cache.layers[0].block_ids.shape[2]
         expected = reference.step()
-        assert torch.equal(runner.step(), expected), f"step {step}"
-        assert torch.equal(runner.logits, reference.logits), f"step {step}"
+        assert torch.equal(decoder.step(), expected), f"step {step}"
+        assert torch.equal(decoder.logits, reference.logits), f"step {step}"
         assert seen_per_step[-1] == [], f"step {step}: {seen_per_step[-1]}"
-        fills += int(runner.cache.layers[0].num_blocks.sum() != blocks)
-        widths += int(runner.cache.layers[0].block_ids.shape[2] != width)
+        fills += int(decoder.cache.layers[0].num_blocks.sum() != blocks)
+        widths += int(decoder.cache.layers[0].block_ids.shape[2] != width)
     assert fills >= 5 and widths >= 1
-    loads = [cache.stats() for cache in (runner.cache, reference.cache)]
+    loads = [cache.stats() for cache in (decoder.cache, reference.cache)]
     for key in LOAD_SUMMARY_KEYS:  # the static step counts what it reads as the eager path does
         assert loads[0][key] == pytest.approx(loads[1][key]), key
     assert loads[0]["decode_steps"] == STEPS
-    stats = runner.cache.stats()
+    stats = decoder.cache.stats()
     assert stats["misses"] > 0 and stats["hits"] > 0
-    layer = runner.cache.layers[0]
-    assert layer.tail_len.tolist() == runner._tail_len and layer.num_blocks.tolist() == runner._num_blocks
+    layer = decoder.cache.layers[0]
+    assert layer.tail_len.tolist() == decoder._tail_len and layer.num_blocks.tolist() == decoder._num_blocks
 
 
 @pytest.mark.core
@@ -108,12 +108,12 @@ def test_a_vacant_slot_rides_along_storing_loading_and_counting_nothing(llama):
     pair = SparseServeCache(llama.config, config, store=again.store)
     for slot, row in enumerate((again.take_rows([0]), again.take_rows([2]))):
         pair.place_rows(row, [slot])
-    runners = []
+    decoders = []
     for cache, tokens in ((three, firsts), (pair, firsts[[0, 2]])):
-        runners.append(DecodeGraphRunner(llama, cache, capture=False, table_step=4))
-        runners[-1].start(tokens)
+        decoders.append(StaticDecoder(llama, cache, capture=False, table_step=4))
+        decoders[-1].start(tokens)
     for _ in range(STEPS):
-        with_vacancy, alone = (runner.step().clone() for runner in runners)
+        with_vacancy, alone = (decoder.step().clone() for decoder in decoders)
         assert torch.equal(with_vacancy[[0, 2]], alone)
     for layer in three.layers:
         assert int(layer.row_lengths()[1]) == 0 and not bool((layer.block_ids[1] >= 0).any())
@@ -122,34 +122,34 @@ def test_a_vacant_slot_rides_along_storing_loading_and_counting_nothing(llama):
 
 
 def test_static_step_with_a_host_syncing_rope_equals_the_eager_path():
-    """A rope that reads positions on the host keeps the step from a capture, not from the runner:
+    """A rope that reads positions on the host keeps the step from a capture, not from the decoder:
     uncaptured, the static step of a dynamic-NTK Llama gives the eager path's tokens."""
     model = tiny_model("llama")
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
     config = static_config()
-    reference, runner = EagerReference(model, config), started_runner(model, config)
+    reference, decoder = EagerReference(model, config), started_decoder(model, config)
     for step in range(12):
-        assert torch.equal(runner.step(), reference.step()), f"step {step}"
+        assert torch.equal(decoder.step(), reference.step()), f"step {step}"
 
 
 def test_every_captured_tensor_keeps_its_address_across_fills_stats_and_frees(llama):
     """Plan test (h): a graph holds these by address; nothing but a table-width change may move them."""
     config = static_config()
-    runner = started_runner(llama, config)
-    store = runner.cache.store
+    decoder = started_decoder(llama, config)
+    store = decoder.cache.store
     other = SparseServeCache(llama.config, config, store=store)  # a second request over the same pools
     with torch.no_grad():
         llama(random_ids(1, 70, seed=9), **{cache_kwarg(llama): other})
-    runner.step()  # the first step sets the table width
-    before, epoch = addresses(runner.cache), store.epoch
+    decoder.step()  # the first step sets the table width
+    before, epoch = addresses(decoder.cache), store.epoch
     for step in range(STEPS):
-        runner.step()
-        runner.cache.stats()  # folds the device counters in: must reset them in place
+        decoder.step()
+        decoder.cache.stats()  # folds the device counters in: must reset them in place
         if step == STEPS // 2:
             other.reset()  # frees its blocks from both tiers
-        assert addresses(runner.cache) == before, f"step {step}"
-    assert store.epoch == epoch and runner.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
+        assert addresses(decoder.cache) == before, f"step {step}"
+    assert store.epoch == epoch and decoder.cache.layers[0].num_blocks.tolist() == [12, 11, 11]
 
 
 @pytest.mark.parametrize("beside", [True, False], ids=["lookup_beside", "lookup_first"])
@@ -160,12 +160,12 @@ def test_static_step_over_a_growing_hbm_cache_equals_the_eager_path(llama, besid
     monkeypatch.setattr(block_cache, "UNLIMITED_INITIAL_SLOTS", 120)  # the rows' blocks pass it mid-run
     config = static_config(hbm_cache_bytes=None, lookup_beside_attention=beside)
     reference = EagerReference(llama, static_config(hbm_cache_bytes=None))
-    runner = started_runner(llama, config)
-    assert runner.cache.store.lookup_beside == beside
+    decoder = started_decoder(llama, config)
+    assert decoder.cache.store.lookup_beside == beside
     epochs = set()
     for step in range(STEPS):
-        assert torch.equal(runner.step(), reference.step()), f"step {step}"
-        epochs.add(runner.cache.store.epoch)
+        assert torch.equal(decoder.step(), reference.step()), f"step {step}"
+        epochs.add(decoder.cache.store.epoch)
     assert len(epochs) > 1  # the cache really grew during the steps
 
 
@@ -173,57 +173,57 @@ def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(
     """Plan test (i), with a stand-in graph: recapture triggers, Python counters, then plain eager decode."""
     config = static_config()
     reference = EagerReference(llama, config)
-    runner = started_runner(llama, config, table_step=10)  # width 10, then 20 once a row holds 10 blocks
-    runner.capture, runner.graphs = True, FakeGraphs(runner)
+    decoder = started_decoder(llama, config, table_step=10)  # width 10, then 20 once a row holds 10 blocks
+    decoder.capture, decoder.graphs = True, FakeGraphs(decoder)
     captures = []
     for step in range(20):
         if step == 12:
-            store = runner.cache.store
+            store = decoder.cache.store
             store.metadata = store.metadata.clone()  # as if the pool had been reallocated
-        assert torch.equal(runner.step(), reference.step()), f"step {step}"
-        captures.append(runner.num_captures)
-        for mine, theirs in zip(runner.layers, reference.cache.layers):  # what the working-set tracker reads
+        assert torch.equal(decoder.step(), reference.step()), f"step {step}"
+        captures.append(decoder.num_captures)
+        for mine, theirs in zip(decoder.layers, reference.cache.layers):  # what the working-set tracker reads
             ours, eager = mine.last_selection, theirs.last_selection
             assert torch.equal(ours.sort(-1).values, eager.sort(-1).values), f"step {step}: selections differ"
     # step 0: first capture; step 1: the table widens to 20 blocks; step 12: the metadata moved
     assert captures == [1] + [2] * 11 + [3] * 8
-    layers = runner.cache.layers
+    layers = decoder.cache.layers
     assert [layer.num_positions for layer in layers] == [layer.num_positions for layer in reference.cache.layers]
-    assert layers[0].tail_len.tolist() == runner._tail_len and all(layer._tail_len_mirror is None for layer in layers)
-    tokens, positions = runner._ids.clone(), reference.positions.clone()
+    assert layers[0].tail_len.tolist() == decoder._tail_len and all(layer._tail_len_mirror is None for layer in layers)
+    tokens, positions = decoder._ids.clone(), reference.positions.clone()
     for step in range(BLOCK + 2):  # the ordinary eager path takes over: every row fills once more
-        logits = eager_step(llama, runner.cache, tokens, positions + step)
+        logits = eager_step(llama, decoder.cache, tokens, positions + step)
         tokens = logits.argmax(-1, keepdim=True)
         assert torch.equal(tokens, reference.step()), f"eager step {step}"
 
 
-def test_runner_refuses_what_a_captured_step_cannot_follow():
+def test_decoder_refuses_what_a_captured_step_cannot_follow():
     model = tiny_model("llama")
     fixed = static_config()
     with pytest.raises(NotImplementedError, match="dense_layers"):
-        DecodeGraphRunner(model, SparseServeCache(model.config, replace(fixed, dense_layers=(1,))), capture=False)
+        StaticDecoder(model, SparseServeCache(model.config, replace(fixed, dense_layers=(1,))), capture=False)
     copying = SparseServeCache(model.config, replace(fixed, transfer="copy"))
     with pytest.raises(ValueError, match="transfer='kernel'"):
-        DecodeGraphRunner(model, copying, capture=True)
+        StaticDecoder(model, copying, capture=True)
     assert graph_obstacle(model, copying, capture=False) is None  # eager static steps may copy per block
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=True)
+        StaticDecoder(model, SparseServeCache(model.config, fixed), capture=True)
     with pytest.raises(ValueError, match="attn_implementation"):
         sdpa = tiny_model("llama", "sdpa")
-        DecodeGraphRunner(sdpa, SparseServeCache(sdpa.config, fixed), capture=False)
+        StaticDecoder(sdpa, SparseServeCache(sdpa.config, fixed), capture=False)
     gemma = tiny_model("gemma3")
     with pytest.raises(NotImplementedError, match="sliding"):
-        DecodeGraphRunner(gemma, SparseServeCache(gemma.config, fixed), capture=False)
+        StaticDecoder(gemma, SparseServeCache(gemma.config, fixed), capture=False)
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(NotImplementedError, match="dynamic"):
-        DecodeGraphRunner(model, SparseServeCache(model.config, fixed), capture=True)
+        StaticDecoder(model, SparseServeCache(model.config, fixed), capture=True)
     assert graph_obstacle(model, SparseServeCache(model.config, fixed), capture=False) is None  # eager: it may sync
     fresh = tiny_model("llama")
-    runner = DecodeGraphRunner(fresh, SparseServeCache(fresh.config, fixed), capture=False)
+    decoder = StaticDecoder(fresh, SparseServeCache(fresh.config, fixed), capture=False)
     with pytest.raises(RuntimeError, match="start"):
-        runner.step()
+        decoder.step()
     with pytest.raises(ValueError, match="prefilled"):
-        runner.start(torch.ones(1, 1, dtype=torch.long))
+        decoder.start(torch.ones(1, 1, dtype=torch.long))
 
 
 def test_cuda_graphs_config_field_is_validated():
@@ -238,22 +238,22 @@ def test_cuda_graphs_config_field_is_validated():
     SparseServeConfig(cuda_graphs=True, offload=False, dram_bytes=1 << 20)
 
 
-def test_runner_refuses_positions_past_the_model_limit(llama):
-    runner = started_runner(llama, static_config())
-    runner._last_position = llama.config.max_position_embeddings
+def test_decoder_refuses_positions_past_the_model_limit(llama):
+    decoder = started_decoder(llama, static_config())
+    decoder._last_position = llama.config.max_position_embeddings
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        runner.step()
+        decoder.step()
 
 
 @pytest.mark.core
 def test_table_widths_follow_the_geometric_buckets(llama):
     """Each step's table is `table_width` wide: 12 blocks, not 11, for rows needing 11 (step 1)."""
-    runner = started_runner(llama, static_config(), table_step=1)
+    decoder = started_decoder(llama, static_config(), table_step=1)
     widths = []
     for _ in range(BLOCK + 2):  # every row fills a block
-        runner.step()
-        needed = max(runner._num_blocks) + 1
-        widths.append((needed, runner.layers[0].block_ids.shape[2]))
+        decoder.step()
+        needed = max(decoder._num_blocks) + 1
+        widths.append((needed, decoder.layers[0].block_ids.shape[2]))
     assert all(width == table_width(needed, 1) for needed, width in widths)
     assert any(width != needed for needed, width in widths)  # a linear width would fail the line above
 
@@ -263,14 +263,14 @@ def test_captured_steps_count_their_loads_once_and_never_move_the_counters(llama
     each step once, as the eager path's do, and stay where the first capture found them."""
     config = static_config()
     reference = EagerReference(llama, config)
-    runner = started_runner(llama, config, table_step=64)  # one table width for all these steps
-    runner.capture, runner.graphs = True, FakeGraphs(runner)
-    counters = runner.cache.store.load_totals.data_ptr()
+    decoder = started_decoder(llama, config, table_step=64)  # one table width for all these steps
+    decoder.capture, decoder.graphs = True, FakeGraphs(decoder)
+    counters = decoder.cache.store.load_totals.data_ptr()
     for step in range(12):
-        assert torch.equal(runner.step(), reference.step()), f"step {step}"
-    assert runner.num_captures == 1
-    assert runner.cache.store.load_totals.data_ptr() == counters
-    loads = [cache.stats() for cache in (runner.cache, reference.cache)]
+        assert torch.equal(decoder.step(), reference.step()), f"step {step}"
+    assert decoder.num_captures == 1
+    assert decoder.cache.store.load_totals.data_ptr() == counters
+    loads = [cache.stats() for cache in (decoder.cache, reference.cache)]
     for key in LOAD_SUMMARY_KEYS:
         assert loads[0][key] == pytest.approx(loads[1][key]), key
 
@@ -290,7 +290,7 @@ def test_fused_ops_run_inside_the_step_only(llama):
 
         return run
 
-    own_rope, runners = modeling_llama.apply_rotary_pos_emb, []
+    own_rope, decoders = modeling_llama.apply_rotary_pos_emb, []
     for fused_norms in (True, False):
         config = replace(static_config(), fused_norms=fused_norms)
         cache, tokens = batch_cache(llama, config)
@@ -302,11 +302,11 @@ def test_fused_ops_run_inside_the_step_only(llama):
             silu_mul=counted("silu_mul", reference.silu_mul),
             add_rms_norm=counted("add_rms_norm", ops.add_rms_norm),
         )
-        runners.append(DecodeGraphRunner(llama, cache, capture=False))
-        runners[-1].start(tokens)  # first tries each fused op against the model's own
+        decoders.append(StaticDecoder(llama, cache, capture=False))
+        decoders[-1].start(tokens)  # first tries each fused op against the model's own
     checks = len(fused_ops.NORM_CHECK_ROWS)
     assert calls == {"rope": 2, "rms_norm": checks, "silu_mul": 2, "add_rms_norm": checks}
-    assert len(runners[0]._fused.decoders) == llama.config.num_hidden_layers
+    assert len(decoders[0]._fused.decoders) == llama.config.num_hidden_layers
     calls.update(rope=0, rms_norm=0, silu_mul=0, add_rms_norm=0)
     eager = EagerReference(llama, static_config())
     layers = llama.config.num_hidden_layers
@@ -314,12 +314,12 @@ def test_fused_ops_run_inside_the_step_only(llama):
     per_step = {"rope": layers, "rms_norm": 2, "silu_mul": layers, "add_rms_norm": 2 * layers - 1}
     for step in range(6):
         want = eager.step()  # the model's own ops: counts nothing
-        assert torch.equal(runners[0].step(), want), f"step {step}"
+        assert torch.equal(decoders[0].step(), want), f"step {step}"
         assert calls == {name: count * (step + 1) for name, count in per_step.items()}
         assert all("forward" not in module.__dict__ for module in llama.modules())
         assert modeling_llama.apply_rotary_pos_emb is own_rope  # the module's own function again
-        assert runners[0]._fused._handed is None
-    runners[1].step()  # fused_norms off: the rotary embedding and the activation only
+        assert decoders[0]._fused._handed is None
+    decoders[1].step()  # fused_norms off: the rotary embedding and the activation only
     assert calls == {
         "rope": layers * 7,
         "rms_norm": 2 * 6,
@@ -352,12 +352,12 @@ def test_a_layers_handed_norm_is_taken_only_by_that_norm_of_that_tensor(llama, m
     )
 
 
-def test_a_forward_set_after_the_runner_started_stays_in_place(llama, monkeypatch):
+def test_a_forward_set_after_the_decoder_started_stays_in_place(llama, monkeypatch):
     """A hook or a test's fault set on a layer (or a norm, an MLP) after the fused ops were chosen
     runs in the step, and is still there after it; the other layers keep the fused ops."""
     cache, tokens = batch_cache(llama, static_config())
-    runner = DecodeGraphRunner(llama, cache, capture=False)
-    runner.start(tokens)
+    decoder = StaticDecoder(llama, cache, capture=False)
+    decoder.start(tokens)
     layer, calls = llama.model.layers[1], []
     own = functools.partial(type(layer).forward, layer)
     monkeypatch.setattr(layer, "forward", lambda *a, **k: calls.append(1) or own(*a, **k))
@@ -365,21 +365,21 @@ def test_a_forward_set_after_the_runner_started_stays_in_place(llama, monkeypatc
     eager = EagerReference(llama, static_config())
     for step in range(3):
         before = len(calls)
-        assert torch.equal(runner.step(), eager.step()), f"step {step}"
+        assert torch.equal(decoder.step(), eager.step()), f"step {step}"
         assert layer.forward is hooked and len(calls) > before
     assert "forward" not in llama.model.layers[0].__dict__
     norm, norm_calls = llama.model.layers[0].post_attention_layernorm, []
     own_norm = functools.partial(type(norm).forward, norm)
     monkeypatch.setattr(norm, "forward", lambda *a: norm_calls.append(1) or own_norm(*a))
-    assert torch.equal(runner.step(), eager.step()) and norm_calls  # its layer calls it: not joined to an add
+    assert torch.equal(decoder.step(), eager.step()) and norm_calls  # its layer calls it: not joined to an add
 
 
 def test_fused_activation_off_runs_the_models_own_mlp(llama):
     cache, tokens = batch_cache(llama, replace(static_config(), fused_activation=False))
     cache.store.ops = replace(cache.store.ops, silu_mul=reference.silu_mul)
-    runner = DecodeGraphRunner(llama, cache, capture=False)
-    runner.start(tokens)
-    assert runner._fused is None or not runner._fused.mlps
+    decoder = StaticDecoder(llama, cache, capture=False)
+    decoder.start(tokens)
+    assert decoder._fused is None or not decoder._fused.mlps
 
 
 def test_only_llamas_rms_norm_mlp_and_rotary_embedding_are_fused_and_never_over_a_hook():
@@ -434,10 +434,10 @@ def test_a_fused_op_that_differs_or_fails_is_left_out_with_a_warning(llama, capl
 
     cache, tokens = batch_cache(llama, replace(static_config(), fused_norms=True))
     cache.store.ops = replace(cache.store.ops, rope=off_by_a_bit, rms_norm=broken)
-    runner = DecodeGraphRunner(llama, cache, capture=False)
+    decoder = StaticDecoder(llama, cache, capture=False)
     with caplog.at_level("WARNING", logger="sparseserve_hf.fused_ops"):
-        runner.start(tokens)
-    assert runner._fused is None
+        decoder.start(tokens)
+    assert decoder._fused is None
     assert "fused rope is not used (its result differs" in caplog.text
     assert "fused rms_norm is not used (RuntimeError: no kernel for this device)" in caplog.text
-    assert torch.equal(runner.step(), EagerReference(llama, static_config()).step())
+    assert torch.equal(decoder.step(), EagerReference(llama, static_config()).step())
