@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         help="ours: loads follow the recorded selection trace (real) or the random model's own picks",
     )
     run.add_argument("--deadline-s", type=float, default=300.0, help="a run stops here; unfinished requests fail")
+    run.add_argument(
+        "--stop-queueing-s",
+        type=float,
+        default=None,
+        help="stock's static batches: stop once 3 batches in a row waited past this, each longer (goodput's stock side)",
+    )
     add_config_overrides(run, "target_tbt_ms=150 (ours' rungs only: a variant of the rung)")
     probe = sub.choices["probe-stock"]
     probe.add_argument("--rows", type=int, default=3, help="the batch: the trace's first N prompts")
@@ -187,15 +193,16 @@ def run_point(args) -> None:
     dram_bytes = int(args.dram_gib * 2**30)
     saturated_only = all(math.isinf(rate) for rate in args.rate)
     runner = build(
-        args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides, saturated_only
-    )
+        args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides, saturated_only,
+        args.stop_queueing_s,
+    )  # fmt: skip
     for rate in args.rate:
         with KernelsFirstSeen() as kernels:
             run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)
         result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
                   "locality": "real" if selections is not None else "random", "requests_from": args.skip,
-                  "deadline_s": args.deadline_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                  "deadline_s": args.deadline_s, "stop_queueing_s": args.stop_queueing_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                   "overrides": overrides, "kernels_first_seen": kernels.events,
                   "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
         _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip, overrides), result)

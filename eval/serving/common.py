@@ -3,11 +3,13 @@
 Every runner (`stock.py`, `ours.py`) first serves one short warm-up request (kernel compilation and
 allocator growth are not serving), then starts its clock and returns a `RunResult`: one
 `RequestRecord` per trace request, times in seconds from that start, and what the engine reports
-about itself. A run stops at its deadline; requests unfinished then fail.
+about itself. A run stops at its deadline (or, for stock's static batches, once its queue grows past
+a limit: `QueueingStop`); requests unfinished then fail.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -93,6 +95,47 @@ def cuda_peak_bytes(model) -> dict[str, int]:
 def progress(total: int, desc: str) -> tqdm:
     """Requests served so far, on stderr (a sweep's log shows how far each point got)."""
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=10.0)
+
+
+class QueueingStop:
+    """Whether a run may stop before its trace ends: once the last `batches` batches each waited past
+    `limit_s` (their oldest request's queueing) and each longer than the one before. The goodput pair
+    needs only to show that stock misses the SLO at a rate; a queue still growing past the SLO's mean
+    queueing (2 s) will miss it, so the rest of such a run is device time that shows nothing new.
+    `limit_s` None: never."""
+
+    def __init__(self, limit_s: float | None, batches: int = 3) -> None:
+        if limit_s is not None and limit_s < 0:
+            raise ValueError(f"the queueing limit must be >= 0 s, got {limit_s}")
+        self.limit_s, self.batches = limit_s, batches
+        self.waits: list[float] = []
+        self.stopped_at_s: float | None = None
+        self._oldest: int | None = None
+
+    def stop(self, oldest: int, waited_s: float, now_s: float) -> bool:
+        """Record a batch about to start whose oldest request (index `oldest`) waited `waited_s`;
+        True: stop instead. A batch tried again (one row fewer after an out-of-memory) counts once."""
+        if self.limit_s is None or oldest == self._oldest:
+            return False
+        self._oldest = oldest
+        self.waits.append(waited_s)
+        last = self.waits[-self.batches :]
+        growing = all(later > earlier for earlier, later in itertools.pairwise(last))
+        if len(last) == self.batches and min(last) > self.limit_s and growing:
+            self.stopped_at_s = now_s
+            return True
+        return False
+
+    def fail_unstarted(self, records: list[RequestRecord]) -> None:
+        """Requests never admitted because the run stopped fail, saying why."""
+        if self.stopped_at_s is None:
+            return
+        for record in records:
+            if record.admitted is None and record.error is None:
+                record.error = (
+                    f"not started: the run stopped at {self.stopped_at_s:.1f} s, its queueing past "
+                    f"{self.limit_s:g} s and growing"
+                )
 
 
 def fail_unfinished(records: list[RequestRecord], deadline_s: float) -> None:

@@ -22,7 +22,7 @@ from eval.results_io import DECOMPRESS, read_json
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
 PART_KEYS = ("command", "device", "git_commit")  # what a joined run says of each part
 KEPT = ("system", "rate", "requests_from", "command", "device", "git_commit", "locality", "overrides", "hbm_cap",
-        "trace", "summary", "engine", "kernels_first_seen")  # fmt: skip
+        "trace", "summary", "engine", "kernels_first_seen", "deadline_s", "stop_queueing_s")  # fmt: skip
 
 
 def compact_run(run: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def plot_saturated(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig = draw_saturated(rows)
-    save_plot(fig, path)
+    save_plot(fig, path, dpi=90)
     plt.close(fig)
 
 

@@ -97,6 +97,7 @@ def build(
     selection_trace: Path | None = None,
     overrides: dict[str, Any] | None = None,
     saturated_only: bool = False,
+    stop_queueing_s: float | None = None,
 ) -> Runner:
     """`system` warmed up on its model under `cap`: a function (rate, deadline_s) -> RunResult.
 
@@ -106,11 +107,17 @@ def build(
     `overrides`: SparseServeConfig fields set over an ours rung's (a variant of it); stock takes none.
     `saturated_only`: every rate it will run is infinite (stock's static batches then warm only the
     sizes a saturated run forms).
+    `stop_queueing_s`: stock's static batches stop once their queue grows past it (`QueueingStop`:
+    a goodput point that only has to show stock missing the SLO); no other system takes it.
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
     if overrides and system not in LADDER:
         raise ValueError(f"config overrides {sorted(overrides)} apply to ours' rungs, not to {system}")
+    if stop_queueing_s is not None and system not in STOCK_CACHES:
+        raise ValueError(
+            f"a queueing stop applies to stock's static batches ({', '.join(STOCK_CACHES)}), not to {system}"
+        )
     cap.apply()
     model = _model(shape, trace, "sdpa" if system in STOCK else "sparseserve")
     budget = Budget(cap.kv_bytes(model), kv_bytes_per_token(model), max_batch)
@@ -119,7 +126,10 @@ def build(
     if system in STOCK_CACHES:
         cache = STOCK_CACHES[system]
         rows = stock.warm_static_generate(model, trace, budget, cache, saturated_only)
-        return functools.partial(stock.run_static_generate, model, trace, budget=budget, cache=cache, rows_cap=rows)
+        return functools.partial(
+            stock.run_static_generate, model, trace, budget=budget, cache=cache, rows_cap=rows,
+            stop_queueing_s=stop_queueing_s,
+        )  # fmt: skip
     if system == "stock_generate_batch":  # warms up inside: each run starts its own manager
         return functools.partial(stock.run_continuous_batching, model, trace, budget=budget)
     config = ours_config(system, model, budget, dram_bytes, overrides)

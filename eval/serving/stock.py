@@ -19,6 +19,7 @@ from eval.serving.common import (
     WARMUP_NEW_TOKENS,
     Budget,
     Clock,
+    QueueingStop,
     RunResult,
     cuda_peak_bytes,
     fail_unfinished,
@@ -97,12 +98,15 @@ def run_static_generate(
     cache: str = "dynamic",
     deadline_s: float = math.inf,
     rows_cap: int | None = None,
+    stop_queueing_s: float | None = None,
 ) -> RunResult:
     """FCFS static batches: whatever has arrived (up to the KV budget) runs to its longest output.
 
     A batch the cap cannot hold (the torch.cat-grown cache fragments the allocator past the budget's
     arithmetic) runs again with one row fewer, and later batches keep that many rows at most: stock
-    at the largest batch that runs. `rows_cap`: the rows to start from (`warm_static_generate`'s)."""
+    at the largest batch that runs. `rows_cap`: the rows to start from (`warm_static_generate`'s).
+    `stop_queueing_s`: stop once the queue grows past it (`QueueingStop`); the engine's
+    `stopped_at_s` says when."""
     if cache not in CACHES:
         raise ValueError(f"unknown cache {cache!r}; one of {', '.join(CACHES)}")
     if cache == "offloaded" and model.device.type != "cuda":
@@ -111,9 +115,12 @@ def run_static_generate(
     cache_len = static_cache_len(trace.requests)
     rows_cap = budget.max_batch if rows_cap is None else min(rows_cap, budget.max_batch)
     by_index = {r.index: r for r in trace.requests}
+    queue = QueueingStop(stop_queueing_s)
     with progress(len(records), f"static generate at {rate:g} req/s") as bar:
         while first < len(records) and records[first].arrival < deadline_s:
             clock.wait_until(records[first].arrival)
+            if queue.stop(first, clock.now() - records[first].arrival, clock.now()):
+                break
             batch = _static_batch(records, first, clock.now(), replace(budget, max_batch=rows_cap))
             for record in batch:
                 record.admitted = clock.now()
@@ -132,8 +139,10 @@ def run_static_generate(
             batch_sizes.append(len(batch))
             first += len(batch)
             bar.update(len(batch))
+    queue.fail_unstarted(records)
     fail_unfinished(records, deadline_s)
-    return RunResult(records, {"batch_sizes": batch_sizes, "rows_cap": rows_cap, **cuda_peak_bytes(model)})
+    engine = {"batch_sizes": batch_sizes, "rows_cap": rows_cap, "stopped_at_s": queue.stopped_at_s}
+    return RunResult(records, engine | cuda_peak_bytes(model))
 
 
 def _static_batch(records: list[RequestRecord], first: int, now: float, budget: Budget) -> list[RequestRecord]:

@@ -142,6 +142,36 @@ def test_a_run_cut_at_its_deadline_fails_the_rest_and_the_system_serves_the_next
     assert all(r.error is None for r in full.records)
 
 
+def test_a_stock_run_stops_once_its_queue_grows_past_the_limit_and_the_rest_fail(tmp_path):
+    trace = build_trace(list(range(10, 250)), num_requests=6, prompt_range=(40, 90), output_range=(3, 5), seed=1)
+    trace.save(tmp_path / "trace.pt")
+    common = ["--trace", str(tmp_path / "trace.pt"), *SMALL, "--out", str(tmp_path), "--max-batch", "1"]
+    main(["run", "--system", "stock_generate", "--rate", "inf", "--stop-queueing-s", "0", *common])
+    result = json.loads((tmp_path / "run_stock_generate_inf.json").read_text())
+    records = result["records"]  # one row per batch, all at t=0: each batch waited longer than the one before
+    assert [r["error"] is None for r in records] == [True, True, False, False, False, False]
+    assert all(r["admitted"] is None and r["error"].startswith("not started: the run stopped at") for r in records[2:])
+    assert result["stop_queueing_s"] == 0 and result["engine"]["stopped_at_s"] >= records[1]["token_times"][-1]
+    assert result["summary"]["completed"] == 2 and result["summary"]["failed"] == 4
+    with pytest.raises(ValueError, match="queueing stop applies to stock's static batches"):
+        main(["run", "--system", "stock_generate_batch", "--rate", "inf", "--stop-queueing-s", "2", *common])
+
+
+def test_a_queueing_stop_needs_batches_past_the_limit_each_waiting_longer():
+    from eval.serving.common import QueueingStop
+
+    never = QueueingStop(None)
+    assert not any(never.stop(i, 100.0 + i, 0.0) for i in range(5)) and never.stopped_at_s is None
+    queue = QueueingStop(2.0, batches=3)
+    assert not queue.stop(0, 3.0, 1.0) and not queue.stop(1, 4.0, 2.0)
+    assert not queue.stop(1, 9.0, 2.5)  # the same batch tried again (one row fewer) counts once
+    assert not queue.stop(2, 3.5, 3.0)  # past the limit, but shorter than the wait before: not growing
+    assert not queue.stop(3, 1.0, 4.0) and not queue.stop(4, 5.0, 5.0) and not queue.stop(5, 6.0, 6.0)  # 1.0 <= 2
+    assert queue.stop(6, 7.0, 7.0) and queue.stopped_at_s == 7.0
+    with pytest.raises(ValueError, match=">= 0 s"):
+        QueueingStop(-1.0)
+
+
 def test_several_rates_in_one_process_write_one_json_each(runs, tmp_path):
     folder, _ = runs
     main(["run", "--system", "ours", "--rate", "20", "5", "--trace", str(folder / "trace.pt"), *SMALL,
