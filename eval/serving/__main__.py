@@ -114,14 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     commands[args.command](args)
 
 
-def make_compact(args) -> None:
+def named_paths(items: list[str], form: str) -> dict[str, Path]:
+    """`NAME=PATH` arguments as {name: path}; SystemExit naming `form` for one without both parts."""
     named = {}
-    for item in args.runs:
+    for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"each run is NAME=RUN_JSON, got {item!r}")
+            raise SystemExit(f"each argument is {form}, got {item!r}")
         named[name] = Path(path)
-    result = write_compact(named, args.note, args.out)
+    return named
+
+
+def make_compact(args) -> None:
+    result = write_compact(named_paths(args.runs, "NAME=RUN_JSON"), args.note, args.out)
     print(f"wrote {args.out}: {', '.join(result['runs'])}")
 
 
@@ -135,13 +140,7 @@ def make_join(args) -> None:
 
 
 def make_saturated_plot(args) -> None:
-    named = {}
-    for item in args.points:
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            raise SystemExit(f"each point is LABEL=JOINED_JSON, got {item!r}")
-        named[label] = Path(path)
-    plot_saturated(saturated_points(named), args.out)
+    plot_saturated(saturated_points(named_paths(args.points, "LABEL=JOINED_JSON")), args.out)
     print(f"wrote {args.out}")
 
 
