@@ -6,8 +6,8 @@ typed by hand.
 
 Each row names one result file under eval/results (read through `results_io`, compressed or not) and
 a function that takes the figures it quotes out of that file; the row's text is a format string over
-them. A row whose figures no file holds in full (a run whose files did not come back) says where its
-figures are instead, and the table marks it so.
+them. A figure a run only printed (its file did not come back from the GPU machine) is read from where
+its result file keeps it as printed, and the row says so.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ class Row:
     target: str
     device: str | None = None  # None: the file's own "device"
     link: str | None = None  # what the last column links, from the repository root (None: `file`'s path)
-    note: str = field(default="")  # appended to the last column
+    note: str = ""  # appended to the last column (a format string over the figures too)
 
 
 def _dropin(context: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
