@@ -18,7 +18,7 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .cache import handoff
+from .cache import forward_log
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
 from .scoring import SCORERS, SELECTIONS
@@ -37,7 +37,7 @@ def sparseserve_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention backend. query (B, Hq, T, D); key/value (B, Hkv, T', D); returns (B, T, Hq, D)."""
-    got = handoff.take(getattr(module, "layer_idx", -1), key)
+    got = forward_log.take(getattr(module, "layer_idx", -1), key)
     if got is None:
         _hint_no_cache()
         return sdpa_attention_forward(

@@ -14,9 +14,8 @@ from ..config import SparseServeConfig
 from ..host_memory import check_host_bytes
 from ..ops import resolve_backend
 from ..scoring import SELECTIONS
-from . import handoff
 from .block_cache import rows_that_fit
-from .forward_log import ForwardLog, ModelShape
+from .forward_log import ForwardLog, ModelShape, hand_over
 from .grow import geometric_size
 from .layer import SparseServeLayer
 from .plain import plain_tensors
@@ -186,7 +185,7 @@ class SparseServeCache(Cache):
             self._log.undo()
             raise
         layer = self.layers[layer_idx]
-        handoff.hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
+        hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
         return keys, values
 
     def _adopt_rank_heads(self, key_states: torch.Tensor) -> None:
