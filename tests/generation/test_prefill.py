@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation import prefill as prefill_module
-from sparseserve_hf.generation.prefill import DecoderStack, PrefillJob, SegmentedPrefill
+from sparseserve_hf.generation.prefill import BudgetedPrefill, DecoderStack, PrefillJob
 from tiny_models import greedy, left_pad, random_ids, tiny_config, tiny_model
 
 LAYERS = 3  # Gemma-3: sliding, full, sliding
@@ -68,10 +68,10 @@ def make_cache(kind: str, m: torch.nn.Module, **overrides):
     return SparseServeCache(m.config, SparseServeConfig(block_size=16, token_budget=1024, **overrides))
 
 
-def prefill(m, ids, cache, plan: str) -> tuple[SegmentedPrefill, PrefillJob, list[int]]:
+def prefill(m, ids, cache, plan: str) -> tuple[BudgetedPrefill, PrefillJob, list[int]]:
     """Run a whole prefill the way a Generator would: one advance per iteration."""
     mode, max_inject, budget = PLANS[plan]
-    runner = SegmentedPrefill(DecoderStack(m), mode, max_inject)
+    runner = BudgetedPrefill(DecoderStack(m), mode, max_inject)
     job = runner.start(ids, cache)
     work = []
     while not job.done:
@@ -184,7 +184,7 @@ def test_prompt_after_a_past_continues_its_positions():
     cache = make_cache("dynamic", m)
     with torch.no_grad():
         m(ids[:, :40], **{cache_kwarg(m): cache})
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", 16)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", 16)
     job = runner.start(ids[:, 40:], cache)
     assert job.past_length == 40
     runner.advance(job, None)
@@ -246,7 +246,7 @@ def test_work_per_advance_follows_the_budget(plan, expected_work):
 
 def test_a_budget_below_one_unit_still_makes_progress():
     m = model("llama")
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", None)
     job = runner.start(random_ids(1, T), make_cache("dynamic", m))
     assert runner.advance(job, 1) == T and job.next_layer == 1  # one whole layer over the prompt
     assert runner.advance(job, None) == 2 * T and job.done
@@ -258,7 +258,7 @@ def test_a_paced_advance_splits_a_layer_too_long_for_its_budget_and_keeps_the_sp
     one per call; a layer never splits below PACED_MIN_CHUNK_TOKENS; the logits are the forward's."""
     monkeypatch.setattr(prefill_module, "PACED_MIN_CHUNK_TOKENS", 20)
     m = model("llama")
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", None)
     job = runner.start(random_ids(1, T), make_cache("sparse", m))
     assert runner.advance(job, 30, split_to_budget=True) == 25 and job.chunks == [(0, 25), (25, 51), (51, 77)]
     assert runner.advance(job, 30, split_to_budget=True) == 26  # the layer keeps its split
@@ -275,7 +275,7 @@ def test_a_paced_advance_splits_a_layer_too_long_for_its_budget_and_keeps_the_sp
 
 def test_from_config_reads_mode_and_cap():
     stack = DecoderStack(model("llama"))
-    runner = SegmentedPrefill.from_config(stack, SparseServeConfig(prefill_mode="chunked", max_inject_tokens=96))
+    runner = BudgetedPrefill.from_config(stack, SparseServeConfig(prefill_mode="chunked", max_inject_tokens=96))
     job = runner.start(random_ids(1, T), make_cache("dynamic", model("llama")))
     assert (runner.mode, runner.max_inject_tokens) == ("chunked", 96)
     assert job.chunks == [(0, 25), (25, 51), (51, 77)]  # chunks of <= 96 // 3 layers = 32 tokens
@@ -298,13 +298,13 @@ def test_from_config_reads_mode_and_cap():
 )
 def test_bad_settings_raise(mode, max_inject, message):
     with pytest.raises(ValueError, match=message):
-        SegmentedPrefill(DecoderStack(model("llama")), mode, max_inject)
+        BudgetedPrefill(DecoderStack(model("llama")), mode, max_inject)
 
 
 @pytest.mark.core
 def test_bad_prompts_and_calls_raise():
     m = model("llama")
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", 32)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", 32)
     with pytest.raises(ValueError, match="empty prompt"):
         runner.start(torch.zeros((1, 0), dtype=torch.long), make_cache("sparse", m))
     with pytest.raises(ValueError, match="one prompt"):
@@ -343,7 +343,7 @@ def test_each_layer_leaves_the_device_before_the_next(arch, max_inject):
     window, later layers are untouched, and a chunk reads back only its own layer's past."""
     m = model(arch)
     cache = make_cache("sparse", m)
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", max_inject)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", max_inject)
     types = runner.stack.layer_types
     calls = []
 
@@ -421,7 +421,7 @@ def peak_prefill_bytes(num_layers: int, cache_kind: str, tokens: int = 256) -> i
     m = tiny_model("llama", num_layers=num_layers)
     # A fixed DRAM pool: allocated once at the same size whatever the depth, so it cancels out.
     cache = make_cache(cache_kind, m) if cache_kind == "dynamic" else make_cache(cache_kind, m, dram_bytes=1 << 20)
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", None)
     job = runner.start(random_ids(1, tokens), cache)
     weights = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers()]}
     with LiveBytes(weights) as tracker:
@@ -496,7 +496,7 @@ def test_a_fresh_prompt_through_every_layer_reads_nothing_back_from_the_device()
     head_dim = m.config.hidden_size // m.config.num_attention_heads
     store = TieredBlockStore(config, ops, head_dim, torch.float32, torch.device("cpu"))
     ids, cache = random_ids(1, T), SparseServeCache(m.config, config, store=store)
-    runner = SegmentedPrefill(DecoderStack(m), "layer_segmented", None)
+    runner = BudgetedPrefill(DecoderStack(m), "layer_segmented", None)
     job = runner.start(ids, cache)
     with forbid_host_syncs() as seen:
         runner.advance(job, None)

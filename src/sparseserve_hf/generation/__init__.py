@@ -4,15 +4,15 @@ from .generator import Generator
 from .group import GeneratorGroup
 from .outputs import RequestOutput, StreamEvent
 from .params import SamplingParams
-from .prefill import DecoderStack, PrefillJob, SegmentedPrefill
+from .prefill import BudgetedPrefill, DecoderStack, PrefillJob
 
 __all__ = [
+    "BudgetedPrefill",
     "DecoderStack",
     "Generator",
     "GeneratorGroup",
     "PrefillJob",
     "RequestOutput",
     "SamplingParams",
-    "SegmentedPrefill",
     "StreamEvent",
 ]

@@ -5,7 +5,7 @@ Each `step()` is one iteration (the paper's Algorithm 1 around an iteration-leve
    rows, continuing prefills and newly started prefills, while their working sets fit in
    `hbm_cache_bytes` (when admission is on);
 2. one batched decode forward over the picked rows, each at its own length and position;
-3. prefill work (`SegmentedPrefill`) for the picked prefills, within the iteration's
+3. prefill work (`BudgetedPrefill`) for the picked prefills, within the iteration's
    token-layer budget; a prompt that finishes prefill samples its first token.
 
 Decode drives the decoder layers through `DecoderStack` rather than `model(...)`: rows sit at
@@ -43,7 +43,7 @@ from .metrics import MetricsRecorder
 from .outputs import RequestOutput, StreamEvent
 from .pacing import PrefillPacer
 from .params import SamplingParams
-from .prefill import DecoderStack, SegmentedPrefill
+from .prefill import BudgetedPrefill, DecoderStack
 from .prefix import PrefixCache
 from .request import PREFILLING, RUNNING, WAITING, Request
 from .sampling import make_generator, sample_next
@@ -91,7 +91,7 @@ class Generator(RequestFrontend):
         _check_model(model, self.config)
         self.model, self.tokenizer = model, tokenizer
         self.stack = DecoderStack(model)
-        self.prefill = SegmentedPrefill.from_config(self.stack, self.config)
+        self.prefill = BudgetedPrefill.from_config(self.stack, self.config)
         device, dtype = self.stack.device, model.dtype
         self.tp_size = tensor_parallel_size(model)  # > 1: one rank of a tensor-parallel engine (see `lockstep`)
         self.sizes = EngineSizes(model.config, self.config, dtype, self.tp_size)
@@ -526,7 +526,7 @@ class Generator(RequestFrontend):
     ) -> int:
         """Run `request`'s prefill within `budget` token-layers and, once the prompt is in, pick its
         first token; returns the token-layers run. `paced`: the budget is the pacer's, and a layer
-        too long for it is split to fit (`SegmentedPrefill.advance`'s `split_to_budget`). `forced`:
+        too long for it is split to fit (`BudgetedPrefill.advance`'s `split_to_budget`). `forced`:
         at least one unit runs even past the budget (a paced iteration forces only its first prefill
         work, so that the prompts after it cannot push the iteration past its target).
 

@@ -11,7 +11,7 @@ token-layers it ran). The budget is what fits the target beside the decode part:
     budget = (target - decode part) / time per token-layer
 
 Before it has timed any prefill the pacer answers one token-layer, so that an iteration runs one
-unit of prefill and the cost is learnt. `SegmentedPrefill.advance` always runs at least one unit
+unit of prefill and the cost is learnt. `BudgetedPrefill.advance` always runs at least one unit
 (a layer over the prompt, or over one chunk of it), so prompts progress whatever the target; a
 unit larger than the target's room overshoots it, and `max_inject_tokens` bounds the unit.
 An iteration with no decoding row has nobody waiting: its prefill is not paced.

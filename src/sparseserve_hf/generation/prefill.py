@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from ..config import PREFILL_MODES, SparseServeConfig
 from .stack import DecoderStack
 
-__all__ = ["DecoderStack", "PrefillJob", "SegmentedPrefill"]
+__all__ = ["BudgetedPrefill", "DecoderStack", "PrefillJob"]
 
 # The smallest chunk a paced layer is split into. Each chunk after the first reads its layer's earlier
 # chunks back through the cache (from DRAM with a SparseServeCache), so the smaller the chunks the more
@@ -41,7 +41,7 @@ PACED_MIN_CHUNK_TOKENS = 4096
 
 @dataclass
 class PrefillJob:
-    """One request's prompt being prefilled; `SegmentedPrefill` keeps its progress here.
+    """One request's prompt being prefilled; `BudgetedPrefill` keeps its progress here.
 
     Attributes:
         input_ids: (1, T) prompt ids (on the model's device).
@@ -104,7 +104,7 @@ class _Unit:
         return (self.stop - self.start) * (self.end - self.begin)
 
 
-class SegmentedPrefill:
+class BudgetedPrefill:
     """Runs `PrefillJob`s a budget of token-layers at a time (see the module docstring for modes).
 
     Args:
@@ -116,7 +116,7 @@ class SegmentedPrefill:
             max_inject_tokens // num_layers tokens through all layers; full ignores it.
 
     Example:
-        >>> prefill = SegmentedPrefill(DecoderStack(model), "layer_segmented", max_inject_tokens=8192)
+        >>> prefill = BudgetedPrefill(DecoderStack(model), "layer_segmented", max_inject_tokens=8192)
         >>> job = prefill.start(prompt_ids, SparseServeCache(model.config, config))
         >>> while not job.done:
         ...     prefill.advance(job, 8192)          # one Generator iteration's prefill share
@@ -140,7 +140,7 @@ class SegmentedPrefill:
         self.max_inject_tokens = max_inject_tokens
 
     @classmethod
-    def from_config(cls, stack: DecoderStack, config: SparseServeConfig) -> SegmentedPrefill:
+    def from_config(cls, stack: DecoderStack, config: SparseServeConfig) -> BudgetedPrefill:
         """The prefill `config.prefill_mode` and `config.max_inject_tokens` describe."""
         return cls(stack, config.prefill_mode, config.max_inject_tokens)
 
