@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparseserve_hf import numa, pinned
-from sparseserve_hf.cache.dram_pool import DramPool
+from sparseserve_hf.cache.block_pool import BlockPool
 from sparseserve_hf.pinned import pinned_empty
 
 needs_linux_numa = pytest.mark.skipif(
@@ -97,11 +97,11 @@ def test_a_node_the_host_lacks_is_refused_and_the_memory_is_allocated_anyway(cap
 @needs_linux_numa
 def test_a_pinned_dram_pool_puts_its_blocks_and_their_growth_on_its_node(monkeypatch):
     monkeypatch.setattr(pinned, "CudaRegistrar", Registrar)
-    pool = DramPool((2, 16, 8), torch.float32, None, pin=True, numa_node=0)  # growable: 256 blocks to start
+    pool = BlockPool((2, 16, 8), torch.float32, None, pin=True, numa_node=0)  # growable: 256 blocks to start
     assert pool.numa_node == 0 and numa.preferred_node(pool.storage.data_ptr()) == 0
     ids = pool.allocate(pool.capacity + 1)  # past the first allocation: the pool grows into new memory
     assert ids is not None and numa.preferred_node(pool.storage.data_ptr()) == 0
-    unpinned = DramPool((2, 16, 8), torch.float32, 1 << 16, pin=False, numa_node=0)  # only pinned pools bind
+    unpinned = BlockPool((2, 16, 8), torch.float32, 1 << 16, pin=False, numa_node=0)  # only pinned pools bind
     assert unpinned.numa_node is None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseserve_hf.cache.dram_pool import DramPool
+from sparseserve_hf.cache.block_pool import BlockPool
 from sparseserve_hf.ops import TORCH_OPS, block_copy, reference
 
 SHAPE = (2, 8, 16)
@@ -52,16 +52,16 @@ def test_with_copy_transfers_swaps_only_the_transfers():
 
 @pytest.mark.core
 def test_pool_on_a_device_grows_there_and_refuses_pinning():
-    pool = DramPool(SHAPE, torch.float32, None, pin=False, device="cpu")
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False, device="cpu")
     ids = pool.allocate(300)  # past the initial 256 blocks: grows
     blocks = torch.randn((300, *SHAPE))
     pool.storage[ids] = blocks
     assert pool.storage.device == pool.device and torch.equal(pool.storage[ids], blocks)
     with pytest.raises(ValueError, match="pin"):
-        DramPool(SHAPE, torch.float32, None, pin=True, device="meta")
+        BlockPool(SHAPE, torch.float32, None, pin=True, device="meta")
 
 
 @pytest.mark.gpu
 def test_pool_on_cuda():
-    pool = DramPool(SHAPE, torch.float16, 1 << 16, pin=False, device="cuda")
+    pool = BlockPool(SHAPE, torch.float16, 1 << 16, pin=False, device="cuda")
     assert pool.storage.is_cuda and not pool.storage.is_pinned()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparseserve_hf import pinned
-from sparseserve_hf.cache.dram_pool import DramPool
+from sparseserve_hf.cache.block_pool import BlockPool
 from sparseserve_hf.pinned import PAGE_BYTES, pinned_empty
 
 
@@ -68,7 +68,7 @@ def test_a_pinned_dram_pool_locks_exactly_its_blocks_and_unlocks_what_growth_rep
     registrar = Registrar()
     monkeypatch.setattr(pinned, "CudaRegistrar", lambda: registrar)
     shape = (2, 16, 8)
-    pool = DramPool(shape, torch.float32, None, pin=True)  # growable: 256 blocks to start
+    pool = BlockPool(shape, torch.float32, None, pin=True)  # growable: 256 blocks to start
     block_bytes = 2 * 16 * 8 * 4
     assert list(registrar.locked.values()) == [256 * block_bytes]
     ids = pool.allocate(300)  # grows: the new storage is locked, the old one let go
@@ -88,5 +88,5 @@ def test_a_pool_falls_back_to_pytorchs_pinned_allocator_when_registering_fails(m
         return real_empty(*args, **kwargs)  # CPU-only torch cannot pin: record the request instead
 
     monkeypatch.setattr(torch, "empty", empty)
-    pool = DramPool((2, 16, 8), torch.float32, 1 << 16, pin=True)
+    pool = BlockPool((2, 16, 8), torch.float32, 1 << 16, pin=True)
     assert pool.capacity == (1 << 16) // (2 * 16 * 8 * 4) and pinned_by_torch[-1] is True

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from sparseserve_hf.cache.block_cache import HbmBlockCache
-from sparseserve_hf.cache.dram_pool import DramPool
+from sparseserve_hf.cache.block_pool import BlockPool
 
 SHAPE = (2, 4, 8)  # (K/V, S, D)
 BLOCK_BYTES = 2 * 4 * 8 * 4
 
 
-def filled_pool(count: int) -> tuple[DramPool, torch.Tensor, torch.Tensor]:
-    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+def filled_pool(count: int) -> tuple[BlockPool, torch.Tensor, torch.Tensor]:
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(count)
     blocks = torch.randn(count, *SHAPE)
     pool.storage[ids] = blocks
@@ -22,7 +22,7 @@ def filled_pool(count: int) -> tuple[DramPool, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.core
 def test_dram_ids_are_ascending_and_reused_lowest_first():
-    pool = DramPool(SHAPE, torch.float32, 6 * BLOCK_BYTES, pin=False)
+    pool = BlockPool(SHAPE, torch.float32, 6 * BLOCK_BYTES, pin=False)
     assert pool.allocate(3).tolist() == [0, 1, 2]
     assert pool.allocate(2).tolist() == [3, 4]
     pool.free(torch.tensor([1, 0]))
@@ -37,13 +37,13 @@ def test_dram_grows_and_keeps_data_bit_exact():
     more = pool.allocate(300)  # past the initial capacity
     assert more.tolist() == list(range(200, 500))
     assert torch.equal(pool.storage[ids], blocks)
-    bf16 = DramPool(SHAPE, torch.bfloat16, None, pin=False)
+    bf16 = BlockPool(SHAPE, torch.bfloat16, None, pin=False)
     data = torch.randn(5, *SHAPE).to(torch.bfloat16)
     bf16.storage[bf16.allocate(5)] = data
     assert torch.equal(bf16.storage[:5], data)
 
 
-def lookup(cache: HbmBlockCache, pool: DramPool, ids: list[int]) -> tuple[torch.Tensor, int]:
+def lookup(cache: HbmBlockCache, pool: BlockPool, ids: list[int]) -> tuple[torch.Tensor, int]:
     """Slots of one row's ids (one KV head) and the misses of that lookup."""
     slots = cache.lookup(torch.tensor(ids).view(1, 1, -1), pool).view(-1)
     return slots, cache.counts()[1]
@@ -112,7 +112,7 @@ def test_invalidate_frees_slots_of_freed_blocks():
 
 @pytest.mark.core
 def test_dram_blocks_are_reference_counted():
-    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(3)
     pool.retain(torch.tensor([1, 1, 2]))
     assert pool.free(ids).tolist() == [0]  # 1 and 2 are still referenced
@@ -126,7 +126,7 @@ def test_a_growing_host_pool_grows_short_of_doubling_where_the_host_has_less(mon
     growth the host cannot hold at all is still refused by name."""
     from sparseserve_hf import host_memory
 
-    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False)
     full = pool.capacity
     pool.allocate(full)
     usable = lambda blocks: int(blocks * pool.block_bytes / (1 - host_memory.HOST_MEMORY_HEADROOM)) + 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseserve_hf.cache.block_cache import HbmBlockCache
-from sparseserve_hf.cache.dram_pool import DramPool
+from sparseserve_hf.cache.block_pool import BlockPool
 from sparseserve_hf.ops import lru
 
 SHAPE = (2, 4, 8)  # (K/V, S, D)
@@ -88,7 +88,7 @@ def test_misses_take_free_slots_then_least_recently_used_in_first_appearance_ord
 @pytest.mark.core
 def test_hbm_cache_loads_the_right_blocks_and_counts_on_the_device():
     heads, per_head = 2, 15
-    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(heads * per_head)
     blocks = torch.randn(heads * per_head, *SHAPE)
     pool.storage[ids] = blocks
@@ -113,7 +113,7 @@ def test_hbm_cache_loads_the_right_blocks_and_counts_on_the_device():
 @pytest.mark.parametrize("built_under_inference_mode", [False, True])
 def test_counts_reset_the_same_counter_tensor(built_under_inference_mode):
     """A captured decode step keeps adding into the counter tensor it saw: reading must zero it in place."""
-    pool = DramPool(SHAPE, torch.float32, None, pin=False)
+    pool = BlockPool(SHAPE, torch.float32, None, pin=False)
     ids = pool.allocate(4)
     with torch.inference_mode(built_under_inference_mode):
         cache = HbmBlockCache(8, SHAPE, torch.float32, torch.device("cpu"))

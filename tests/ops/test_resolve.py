@@ -240,12 +240,12 @@ def test_a_split_lookup_loads_every_block_and_decides_as_the_spec(per, reorder_b
     lookup, with blocks forgotten in between."""
     from sparseserve_hf.cache import block_cache
     from sparseserve_hf.cache.block_cache import HbmBlockCache
-    from sparseserve_hf.cache.dram_pool import DramPool
+    from sparseserve_hf.cache.block_pool import BlockPool
 
     monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
 
     heads, per_head, shape = 2, 60, (2, 4, 8)
-    dram = DramPool(shape, torch.float32, None, pin=False, device=DEVICE)
+    dram = BlockPool(shape, torch.float32, None, pin=False, device=DEVICE)
     ids = dram.allocate(heads * per_head)
     blocks = torch.randn(heads * per_head, *shape, device=DEVICE)
     dram.storage[ids] = blocks
@@ -281,11 +281,11 @@ def test_a_split_lookup_whose_late_copy_fails_forgets_its_misses(reorder_beside,
     never received), and the same lookup again loads and serves every block."""
     from sparseserve_hf.cache import block_cache
     from sparseserve_hf.cache.block_cache import HbmBlockCache
-    from sparseserve_hf.cache.dram_pool import DramPool
+    from sparseserve_hf.cache.block_pool import BlockPool
 
     monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
     shape, per = (2, 4, 8), 24
-    dram = DramPool(shape, torch.float32, None, pin=False, device=DEVICE)
+    dram = BlockPool(shape, torch.float32, None, pin=False, device=DEVICE)
     ids = dram.allocate(2 * 40)
     blocks = torch.randn(ids.numel(), *shape, device=DEVICE)
     dram.storage[ids] = blocks

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ..ops import lru, reference
-from .dram_pool import DramPool
+from .block_pool import BlockPool
 from .grow import grown
 from .plain import plain_tensors
 
@@ -151,7 +151,7 @@ class HbmBlockCache:
 
     @plain_tensors
     def lookup(
-        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True
     ) -> torch.Tensor:
         """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
@@ -182,7 +182,7 @@ class HbmBlockCache:
             raise
         return slots.view(block_ids.shape)
 
-    def _split_lookup(self, selection: torch.Tensor, dram: DramPool, first_partition: int) -> torch.Tensor:
+    def _split_lookup(self, selection: torch.Tensor, dram: BlockPool, first_partition: int) -> torch.Tensor:
         """`lookup` in two halves: the claims, then the copy of the early loads beside the install
         (on the install stream, on CUDA), then the late loads' copy, beside the eviction order's
         upkeep where `reorder` runs it. Returns the slots."""
@@ -228,7 +228,7 @@ class HbmBlockCache:
             torch.cuda.current_stream(self.device).wait_stream(self._install_stream)
             self._unsettled = False
 
-    def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
+    def prepare(self, shape: tuple[int, ...], dram: BlockPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape: refuse one
         that names missing partitions or may not fit, grow an unlimited cache to hold every live
         block (a host-known bound: it never evicts). `lookup` runs it; a replayed capture of a

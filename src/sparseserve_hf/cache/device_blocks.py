@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .dram_pool import DramPool
+from .block_pool import BlockPool
 
 
 @runtime_checkable
@@ -46,12 +46,12 @@ class DeviceBlocks(Protocol):
         """Raise ValueError when a selection this wide could need more slots than a partition has."""
         ...
 
-    def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
+    def prepare(self, shape: tuple[int, ...], dram: BlockPool, first_partition: int = 0) -> None:
         """The host side of a lookup of a (B, H, U) selection, decided from its shape."""
         ...
 
     def lookup(
-        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True
     ) -> torch.Tensor:
         """The slots holding `block_ids`, loading what misses; `settle=False` leaves `settle()` to the caller."""
         ...

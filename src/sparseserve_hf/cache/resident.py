@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .dram_pool import DramPool
+from .block_pool import BlockPool
 from .plain import plain_tensors
 
 
@@ -24,7 +24,7 @@ class ResidentBlocks:
     reallocations = 0  # the pool is the DRAM pool's storage: its growth is the store's to count
 
     @plain_tensors
-    def __init__(self, dram: DramPool) -> None:
+    def __init__(self, dram: BlockPool) -> None:
         self.dram = dram
         self._looked_up = torch.zeros(1, dtype=torch.long, device=dram.device)
 
@@ -49,7 +49,7 @@ class ResidentBlocks:
     def check_fits(self, entries_per_partition: int) -> None:
         """Always fits: nothing is loaded."""
 
-    def prepare(self, shape: tuple[int, ...], dram: DramPool, first_partition: int = 0) -> None:
+    def prepare(self, shape: tuple[int, ...], dram: BlockPool, first_partition: int = 0) -> None:
         """Nothing to do on the host before a lookup: every block is resident."""
 
     def invalidate(self, block_ids: torch.Tensor) -> None:
@@ -57,7 +57,7 @@ class ResidentBlocks:
 
     @plain_tensors
     def lookup(
-        self, block_ids: torch.Tensor, dram: DramPool, first_partition: int = 0, settle: bool = True
+        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True
     ) -> torch.Tensor:
         """Slots of `block_ids` (any shape, -1 = unused): the ids themselves (nothing misses)."""
         ordered = block_ids.reshape(-1).sort().values

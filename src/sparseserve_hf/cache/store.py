@@ -14,8 +14,8 @@ from ..ops import BlockOps, block_copy, reference
 from ..ops.flash_d2h import FlashD2HSaver
 from ..scoring import SCORERS
 from .block_cache import HbmBlockCache
+from .block_pool import BlockPool
 from .device_blocks import DeviceBlocks
-from .dram_pool import DramPool
 from .grow import grown
 from .plain import plain_tensors
 from .resident import ResidentBlocks
@@ -121,14 +121,14 @@ class TieredBlockStore:
         # Eager decode steps replay each layer's captured attention (None: launched op by op).
         self.layer_graphs = LayerGraphs(self) if _captures_layers(config, self.ops, device) else None
 
-    def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[DramPool, DeviceBlocks]:
+    def _tiers(self, block_shape: tuple[int, int, int]) -> tuple[BlockPool, DeviceBlocks]:
         """The block pool and the device cache in front of it (none needed when the pool is on the device)."""
         config, device = self.config, self.device
         if not config.offload:
-            dram = DramPool(block_shape, self.kv_dtype, config.dram_bytes, pin=False, device=device)
+            dram = BlockPool(block_shape, self.kv_dtype, config.dram_bytes, pin=False, device=device)
             return dram, ResidentBlocks(dram)
         pin = device.type == "cuda"  # on the GPU's NUMA node, where the host has several
-        dram = DramPool(
+        dram = BlockPool(
             block_shape, self.kv_dtype, config.dram_bytes, pin, numa_node=device_node(device) if pin else None
         )
         num_slots = None if config.hbm_cache_bytes is None else config.hbm_cache_bytes // dram.block_bytes

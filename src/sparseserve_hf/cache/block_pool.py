@@ -1,6 +1,5 @@
-"""DramPool: every full KV head-block lives here, in host memory (pinned when CUDA is present).
-
-With `offload=False` (the no-offload ablation) the same pool lives in device memory instead.
+"""BlockPool: every full KV head-block lives here: in host DRAM (pinned when CUDA is present), the
+store's DRAM tier, or, with `offload=False` (the no-offload ablation), in device memory.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ logger = logging.getLogger(__name__)
 INITIAL_BLOCKS = 256
 
 
-class DramPool:
-    """A growable array of head-blocks in host memory with a free list.
+class BlockPool:
+    """A growable array of head-blocks with a free list (in host memory unless `device` says otherwise).
 
     A head-block is (2, S, D): the keys and values of `S` tokens of one KV head. Block ids
     are handed out lowest first, so the blocks a prefilled layer saves in one call are
