@@ -28,11 +28,12 @@ def stored(path: Path) -> Path | None:
 
 
 def read_text(path: Path) -> str:
-    """The text of `path` or of a compressed sibling (FileNotFoundError naming `path` when none exists)."""
+    """The text of `path` or of a compressed sibling (FileNotFoundError naming `path` when none exists);
+    a `path` named with its own `.gz` / `.xz` is read decompressed too."""
     found = stored(path)
     if found is None:
         raise FileNotFoundError(f"{path} (nor {Path(path).name}.gz or .xz beside it)")
-    if found != Path(path):
+    if found.suffix in DECOMPRESS:
         return DECOMPRESS[found.suffix](found.read_bytes()).decode("utf-8")
     return found.read_text(encoding="utf-8")
 

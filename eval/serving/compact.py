@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.results_io import DECOMPRESS, read_json
+from eval.results_io import read_json
 
 TBT_QUANTILES = (0.1, 0.5, 0.9, 0.99)
 PART_KEYS = ("command", "device", "git_commit")  # what a joined run says of each part
@@ -120,7 +120,7 @@ def join_saturated(stock: list[str], ours: list[str]) -> dict[str, Any]:
     in trace order, joined (`join_compact`) and compared: ours' tokens/s and stock's mean TTFT over
     ours'. Both must have served the same requests."""
     files = {item.rpartition(":")[0]: None for item in stock + ours}
-    runs = {path: read_json(_plain_name(path))["runs"] for path in files if path}  # each file read once
+    runs = {path: read_json(Path(path))["runs"] for path in files if path}  # each file read once
     sides = {}
     for side, items in (("stock", stock), ("ours", ours)):
         parts = [_compact_part(item, runs) for item in items]
@@ -171,9 +171,3 @@ def _compact_part(item: str, runs: dict[str, dict[str, Any]]) -> tuple[str, dict
     if name not in runs[path]:
         raise ValueError(f"{path} has no run {name!r} (it has {', '.join(runs[path])})")
     return item, runs[path][name]
-
-
-def _plain_name(path: str) -> Path:
-    """The name `results_io` reads a file by: a compressed file's without its `.gz` / `.xz`."""
-    found = Path(path)
-    return found.with_suffix("") if found.suffix in DECOMPRESS else found

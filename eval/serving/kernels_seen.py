@@ -19,8 +19,9 @@ from typing_extensions import Self
 class KernelsFirstSeen:
     """Context manager: `events`, one `{"t_s", "kernel", "specialization"}` per specialization first met
     inside the block (seconds from entering it; `kernel` is Triton's repr: qualified name, launch
-    options, argument types; `specialization` its cache key's argument part, where Triton gives one). Any hook installed before is still called (its answer is Triton's: truthy skips the
-    launch), and put back on exit. `events` is None where no hook could be installed (no Triton, or
+    options, argument types; `specialization` its cache key's argument part, where Triton gives one).
+    Any hook installed before is still called (its answer is Triton's: truthy skips the launch), and
+    put back on exit. `events` is None where no hook could be installed (no Triton, or
     one without `knobs`): nothing was watched, which is not "nothing was compiled"."""
 
     def __init__(self) -> None:

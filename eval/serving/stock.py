@@ -119,7 +119,8 @@ def run_static_generate(
     with progress(len(records), f"static generate at {rate:g} req/s") as bar:
         while first < len(records) and records[first].arrival < deadline_s:
             clock.wait_until(records[first].arrival)
-            if queue.stop(first, clock.now() - records[first].arrival, clock.now()):
+            now = clock.now()
+            if queue.stop(first, now - records[first].arrival, now):
                 break
             batch = _static_batch(records, first, clock.now(), replace(budget, max_batch=rows_cap))
             for record in batch:

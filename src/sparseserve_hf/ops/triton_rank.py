@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows
+from .triton_select import ORDER_KEY_BITS, order_key, top_k_rows, wide_table_warps
 
 COMBINE_WARPS: int | None = None  # the kernel's warps (a launch knob); None: by the table's width
 
@@ -93,12 +93,6 @@ def _combine_kernel(
     tl.store(out_ptr + row * num_table + n, out, mask=live)
 
 
-def combine_warps(block_n: int) -> int:
-    """The kernel's warps for a table of `block_n` (a power of two) blocks: from 4,096 blocks up a program
-    holds so many registers at 8 warps that one fits an SM, and 16 warps hide its reductions."""
-    return 2 if block_n <= 1024 else 8 if block_n < 4096 else 16
-
-
 def combine_top_ranks(
     first: torch.Tensor, second: torch.Tensor, depth: int, *, num_warps: int | None = None
 ) -> torch.Tensor:
@@ -118,6 +112,6 @@ def combine_top_ranks(
     block_n = triton.next_power_of_2(max(num_table, 16))
     _combine_kernel[(rows,)](
         first.contiguous(), second.contiguous(), out, scratch_key, scratch_idx, scratch_rank, num_table, depth,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or COMBINE_WARPS or combine_warps(block_n),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or COMBINE_WARPS or wide_table_warps(block_n, narrow=2),
     )  # fmt: skip
     return out

@@ -230,15 +230,17 @@ def select_group_union(
         K=num_selected, SINK=sink_blocks, WINDOW=window_blocks, G=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, U=width,
         BLOCK_U=triton.next_power_of_2(width), STEPS=cap_search_steps(num_selected, group, width),
-        INTEGER_KEYS=integer_keys, BITS=bits, num_warps=UNION_WARPS or union_warps(block_n),
+        INTEGER_KEYS=integer_keys, BITS=bits, num_warps=UNION_WARPS or wide_table_warps(block_n, narrow=4),
     )  # fmt: skip
     return union, valid
 
 
-def union_warps(block_n: int) -> int:
-    """The union kernel's warps for a table of `block_n` (a power of two) blocks: from 4,096 blocks up a
-    program holds so many registers at 8 warps that one fits an SM, and 16 warps hide its reductions."""
-    return 4 if block_n <= 1024 else 8 if block_n < 4096 else 16
+def wide_table_warps(block_n: int, narrow: int) -> int:
+    """Warps of a kernel with one program per (row, head) over a table of `block_n` (a power of two)
+    blocks: `narrow` up to 1,024 blocks, 8 below 4,096, then 16 (the union here, the rank interleave
+    of `triton_rank`): from 4,096 blocks up a program holds so many registers at 8 warps that one fits
+    an SM, and 16 warps hide its reductions."""
+    return narrow if block_n <= 1024 else 8 if block_n < 4096 else 16
 
 
 def union_outputs(
