@@ -208,6 +208,20 @@ REUSED = {
     "reuse_l8_head": (8, "head"),
 }
 VARIANTS |= {name: dict(selection="kv_head") for name in REUSED}
+# "{oracle or block-channel variant}_pooled{C}": a layer's KV heads share one budget (Twilight's and
+# top-p's point: heads need different numbers of blocks). Each KV head keeps its sink and window; the
+# rest, Hkv x (the budget's blocks - those), go to the (KV head, block) pairs of most group mass (true or
+# estimated) across the layer, at most C x one head's share to any head (what its HBM partition must
+# hold). The same tokens loaded per layer as a fixed per-head budget, spent where the attention is.
+POOLED = {f"{base}_pooled{cap}": (base, cap) for base in ("oracle", *BLOCK_CHANNELS) for cap in (2, 4)}
+for _name, (_base, _cap) in POOLED.items():
+    VARIANTS[_name] = VARIANTS[_base]
+    if _base in ORACLES:
+        ORACLES.add(_name)
+    else:
+        BLOCK_CHANNELS[_name] = BLOCK_CHANNELS[_base]
+        CHANNEL_SCORES[_name] = CHANNEL_SCORES[_base]
+        ESTIMATES.add(_name)
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -597,26 +611,54 @@ def two_stage_channel_blocks(
     return rescored_candidates(config, q, group, token_keys, num_full, scaling, share)
 
 
-def oracle_blocks(config: SparseServeConfig, mass: StepMass, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def oracle_blocks(
+    config: SparseServeConfig, mass: StepMass, num_kv_heads: int, pool_cap: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-KV-head block oracle: each KV head loads the sink, the window and the top blocks by
     the true attention mass its query heads put on them (summed over the group), as many in all as
     `config.selected_full_blocks`; every query head of the group attends them. Same returns as
-    `attended_blocks`: the ceiling of any selector that loads exactly that many blocks per KV head."""
-    return top_blocks_by_mass(config, mass.block_mass, num_kv_heads)
+    `attended_blocks`: the ceiling of any selector that loads exactly that many blocks per KV head.
+    With `pool_cap` the layer's KV heads share the budget instead (`pooled_blocks`)."""
+    return top_blocks_by_mass(config, mass.block_mass, num_kv_heads, pool_cap)
 
 
 def top_blocks_by_mass(
-    config: SparseServeConfig, block_mass: torch.Tensor, num_kv_heads: int
+    config: SparseServeConfig, block_mass: torch.Tensor, num_kv_heads: int, pool_cap: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each KV head loads the sink, the window and the blocks of most `block_mass` (Hq, N) summed
-    over its group, `config.selected_full_blocks` in all. Same returns as `attended_blocks`."""
+    over its group, `config.selected_full_blocks` in all; with `pool_cap`, the layer's KV heads share
+    that budget (`pooled_blocks`). Same returns as `attended_blocks`."""
     heads, num_full = block_mass.shape
     if num_full <= config.selected_full_blocks:
         return _all_blocks(heads, num_full, num_kv_heads)
     group_mass = block_mass.view(num_kv_heads, heads // num_kv_heads, num_full).sum(1)  # (Hkv, N)
+    if pool_cap is not None:
+        chosen = pooled_blocks(config, group_mass, pool_cap)
+        return chosen.repeat_interleave(heads // num_kv_heads, dim=0), chosen.sum(-1)
     chosen = top_blocks(group_mass[None], torch.tensor([num_full]), config)[0]  # (Hkv, N): the oracle's rule
     counts = torch.full((num_kv_heads,), config.selected_full_blocks)
     return chosen.repeat_interleave(heads // num_kv_heads, dim=0), counts
+
+
+def pooled_blocks(config: SparseServeConfig, group_mass: torch.Tensor, cap: int) -> torch.Tensor:
+    """(Hkv, N) bool: every KV head's sink and window, and Hkv x (the budget's blocks - those) more, the
+    (head, block) pairs of most `group_mass` (Hkv, N) over the whole layer, at most `cap` x a head's
+    share (the budget's blocks - those) to one head."""
+    num_kv_heads, num_full = group_mass.shape
+    forced = _forced(config, num_full)  # (N,)
+    share = config.selected_full_blocks - int(forced.sum())
+    most = min(cap * share, num_full - int(forced.sum()))
+    candidates = group_mass.masked_fill(forced, float("-inf")).topk(most, dim=-1)  # (Hkv, C) each head's best
+    top = candidates.values.flatten().topk(num_kv_heads * share).indices  # of the layer's Hkv x C candidates
+    chosen = forced.expand(num_kv_heads, num_full).clone()
+    rows = torch.div(top, most, rounding_mode="floor")
+    chosen[rows, candidates.indices.flatten()[top]] = True
+    return chosen
+
+
+def pool_cap(name: str) -> int | None:
+    """A `_pooled{C}` variant's C (`POOLED`), None for any other variant."""
+    return POOLED[name][1] if name in POOLED else None
 
 
 def _forced(config: SparseServeConfig, num_full: int) -> torch.Tensor:
@@ -739,7 +781,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                 mass = masses[config.block_size]
                 num_full = mass.block_mass.shape[1]
                 if name in ORACLES:
-                    chosen, loaded = oracle_blocks(config, mass, keys.shape[0])
+                    chosen, loaded = oracle_blocks(config, mass, keys.shape[0], pool_cap(name))
                 elif name in REUSED and layer >= REUSED[name][0]:
                     if num_full <= config.selected_full_blocks:
                         chosen, loaded = _all_blocks(queries.shape[0], num_full, keys.shape[0])
@@ -762,7 +804,9 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                         group_mass = block_channel_mass(
                             queries[:, t], coarse[name], num_full, config.block_size, rec.scaling, block_masks[name]
                         )
-                        chosen, loaded = top_blocks_by_mass(config, group_mass.reshape(-1, num_full), keys.shape[0])
+                        chosen, loaded = top_blocks_by_mass(
+                            config, group_mass.reshape(-1, num_full), keys.shape[0], pool_cap(name)
+                        )
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(
                         config,

@@ -20,6 +20,7 @@ from eval.selection_diagnostics import (
     evaluate_recording,
     needle_token_mask,
     oracle_blocks,
+    pooled_blocks,
     quantized_keys,
     reused_blocks,
     step_mass,
@@ -113,6 +114,27 @@ def test_the_oracle_loads_the_groups_heaviest_blocks_with_sink_and_window():
     assert loaded.tolist() == [3, 3]
     assert chosen[0].nonzero().flatten().tolist() == [0, 2, 5] and torch.equal(chosen[0], chosen[1])
     assert chosen[2].nonzero().flatten().tolist() == [0, 1, 5] and torch.equal(chosen[2], chosen[3])
+
+
+def test_pooled_budget_goes_where_the_mass_is_within_each_heads_cap():
+    # 3 KV heads, 8 full blocks, 4 full blocks per head (the tail aside): sink + window + 2 free each.
+    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    assert config.selected_full_blocks == 4
+    mass = torch.full((3, 8), 0.01)
+    mass[0, 1:7] = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])  # head 0 wants all its middle blocks
+    mass[1, 3] = 0.2  # head 1: one block worth loading
+    chosen = pooled_blocks(config, mass, cap=2)  # at most 2 x 2 free blocks per head
+    assert chosen[:, 0].all() and chosen[:, 7].all()  # every head keeps its sink and window
+    assert chosen[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 7]  # its cap: 4 of the 6 free
+    assert chosen[1].nonzero().flatten().tolist() == [0, 3, 7]
+    assert chosen.sum() == 3 * 4  # the layer loads what a fixed per-head budget would
+    # through the oracle: loads per head follow the pick, the total stays the budget's
+    zeros = torch.zeros(6)
+    block_mass = mass.repeat_interleave(2, dim=0) / 2  # 2 query heads per KV head, same group sums
+    step = StepMass(block_mass, zeros, torch.zeros(6, 8), zeros, zeros)
+    pooled, loaded = oracle_blocks(config, step, num_kv_heads=3, pool_cap=2)
+    assert loaded.tolist() == [6, 3, 3] and torch.equal(pooled[::2], chosen)
+    assert "oracle_pooled2" in variant_configs(["oracle_pooled2"], 256)
 
 
 def test_the_mass_estimate_picks_the_blocks_the_sub_block_means_point_at():
