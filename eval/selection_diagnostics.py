@@ -222,6 +222,27 @@ for _name, (_base, _cap) in POOLED.items():
         BLOCK_CHANNELS[_name] = BLOCK_CHANNELS[_base]
         CHANNEL_SCORES[_name] = CHANNEL_SCORES[_base]
         ESTIMATES.add(_name)
+# "{block-channel variant}_fb{max,exact}": the last step's exact attention feeds this step's choice. The
+# attention of step t - 1 ran exactly over the blocks it loaded, so their true mass then is known; at
+# step t a block loaded at t - 1 scores the larger of its estimate and that mass ("max"), or that mass
+# alone ("exact"); the other blocks keep their estimates. (Idealized: the mass is normalized over the
+# whole context, which a sparse step can only approximate with the estimate's normalizer.)
+# "_fblse": what a sparse step can do: the estimate's per-block log-sum-exp, where the block was loaded at
+# t - 1 raised to that step's exact log-sum-exp if larger, then one softmax over the blocks.
+# "_fbprefill": as "_fblse", and the first step starts from the prompt's last query's exact attention over
+# every block (the dense prefill computes it; the recording keeps that query).
+# "_fbnow": as "_fblse", with this step's exact log-sum-exp of those blocks (this step's query re-scores
+# the last step's blocks from their keys, at the cost of reading them: an upper bound of "_fblse").
+FEEDBACK = {
+    f"{base}_fb{mode}": (base, mode)
+    for base in list(BLOCK_CHANNELS)
+    for mode in ("max", "exact", "lse", "now", "prefill")
+}
+for _name, (_base, _mode) in FEEDBACK.items():
+    VARIANTS[_name] = VARIANTS[_base]
+    BLOCK_CHANNELS[_name] = BLOCK_CHANNELS[_base]
+    CHANNEL_SCORES[_name] = CHANNEL_SCORES[_base]
+    ESTIMATES.add(_name)
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -251,6 +272,7 @@ class Recording:
     scaling: float
     answer: str
     prompt_query_abs: list[torch.Tensor] | None = None
+    prompt_last_query: list[torch.Tensor] | None = None
 
 
 def _register_capture(store: dict) -> None:
@@ -262,6 +284,7 @@ def _register_capture(store: dict) -> None:
             store["q"][module.layer_idx] = query[0, :, -steps:].float().cpu().clone()  # (Hq, T, D)
             prompt = query[0, :, -steps - PROMPT_QUERIES : -steps].float()  # (Hq, W, D)
             store["q_prompt"][module.layer_idx] = prompt.abs().mean(1).cpu()  # (Hq, D)
+            store["q_last"][module.layer_idx] = query[0, :, -steps - 1].float().cpu().clone()  # (Hq, D)
             store["k"][module.layer_idx] = key[0].float().cpu().clone()  # (Hkv, L, D)
             store["scaling"] = scaling if scaling is not None else query.shape[-1] ** -0.5
         return sdpa_attention_forward(
@@ -274,7 +297,7 @@ def _register_capture(store: dict) -> None:
 
 def record(model, tokenizer, prompt: str, references: list[str], steps: int) -> Recording:
     """Dense greedy `steps` answer tokens, then one capturing forward over prompt + answer."""
-    store: dict = dict(q={}, k={}, q_prompt={}, steps=steps, on=False)
+    store: dict = dict(q={}, k={}, q_prompt={}, q_last={}, steps=steps, on=False)
     _register_capture(store)
     previous = model.config._attn_implementation
     model.set_attn_implementation(CAPTURE)
@@ -310,6 +333,7 @@ def _record(model, tokenizer, prompt: str, references: list[str], steps: int, st
         scaling=float(store["scaling"]),
         answer=tokenizer.decode(answer_ids, skip_special_tokens=True),
         prompt_query_abs=[store["q_prompt"][i] for i in layers],
+        prompt_last_query=[store["q_last"][i] for i in layers],
     )
 
 
@@ -558,6 +582,28 @@ def block_channel_mass(
     return probs.sum(-1)
 
 
+def block_channel_lse(
+    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """(Hq, N): each block's log-sum-exp of the logits `block_channel_mass` estimates (before its softmax)."""
+    num_kv_heads, _, dim = coarse_keys.shape
+    grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
+    mask = mask[:, :num_full].float()  # (Hkv, N, D)
+    keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim) * mask[:, :, None]
+    logits = torch.einsum("hgd,hnsd->hgns", grouped, keys)  # (Hkv, G, N, S)
+    kept = (grouped.abs() @ mask.transpose(1, 2)) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)
+    return (logits * scaling / kept.clamp(min=1e-6).sqrt()[..., None]).logsumexp(-1).flatten(0, 1)
+
+
+def exact_block_lse(q: torch.Tensor, keys: torch.Tensor, num_full: int, size: int, scaling: float) -> torch.Tensor:
+    """(Hq, N): each full block's log-sum-exp of q's exact logits (what a sparse step's attention computes
+    for the blocks it loads). q (Hq, D); keys (Hkv, >= N*S, D)."""
+    num_kv_heads, _, dim = keys.shape
+    grouped = q.view(num_kv_heads, -1, dim)  # (Hkv, G, D)
+    blocks = keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim)
+    return (torch.einsum("hgd,hnsd->hgns", grouped, blocks) * scaling).logsumexp(-1).flatten(0, 1)
+
+
 def channel_group(variant: str) -> int:
     """Channels chosen together by a channel-score `variant` (see `CHANNEL_GROUPS`)."""
     return next((size for suffix, size in CHANNEL_GROUPS.items() if variant.endswith(suffix)), 1)
@@ -654,6 +700,15 @@ def pooled_blocks(config: SparseServeConfig, group_mass: torch.Tensor, cap: int)
     rows = torch.div(top, most, rounding_mode="floor")
     chosen[rows, candidates.indices.flatten()[top]] = True
     return chosen
+
+
+def fed_back(estimate: torch.Tensor, chosen: torch.Tensor, true_mass: torch.Tensor, mode: str) -> torch.Tensor:
+    """(Hq, N) block scores of this step from its `estimate` and the last step's attended blocks `chosen`
+    (Hq, N') with their true mass (Hq, N'), N' <= N: "max" keeps the larger, "exact" the true mass."""
+    width = chosen.shape[1]
+    known = estimate[:, :width]
+    mixed = torch.maximum(known, true_mass) if mode == "max" else true_mass
+    return torch.cat((torch.where(chosen, mixed, known), estimate[:, width:]), dim=1)
 
 
 def pool_cap(name: str) -> int | None:
@@ -774,6 +829,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
             if name in CALIBRATED
         }
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
+        previous: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # FEEDBACK: the last step's (chosen, true mass)
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
             masses = {size: step_mass(queries[:, t], visible, rec.needle, rec.scaling, size) for size in sizes}
@@ -801,12 +857,38 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                     if num_full <= config.selected_full_blocks:
                         chosen, loaded = _all_blocks(queries.shape[0], num_full, keys.shape[0])
                     else:
-                        group_mass = block_channel_mass(
-                            queries[:, t], coarse[name], num_full, config.block_size, rec.scaling, block_masks[name]
+                        args = (
+                            queries[:, t],
+                            coarse[name],
+                            num_full,
+                            config.block_size,
+                            rec.scaling,
+                            block_masks[name],
                         )
-                        chosen, loaded = top_blocks_by_mass(
-                            config, group_mass.reshape(-1, num_full), keys.shape[0], pool_cap(name)
-                        )
+                        if name in FEEDBACK and FEEDBACK[name][1] in ("lse", "now", "prefill"):
+                            lse = block_channel_lse(*args)  # (Hq, N)
+                            if t == 0 and FEEDBACK[name][1] == "prefill":  # the prompt's last query, dense
+                                last = rec.prompt_last_query[layer]
+                                everything = torch.ones(last.shape[0], num_full, dtype=torch.bool)
+                                exact = exact_block_lse(last, keys, num_full, config.block_size, rec.scaling)
+                                previous[name] = (everything, exact)
+                            if name in previous:
+                                chosen_before, exact = previous[name]
+                                if FEEDBACK[name][1] == "now":
+                                    exact = exact_block_lse(queries[:, t], keys, chosen_before.shape[1],
+                                                            config.block_size, rec.scaling)  # fmt: skip
+                                lse = fed_back(lse, chosen_before, exact, "max")
+                            group_mass = torch.softmax(lse, dim=-1)
+                        else:
+                            group_mass = block_channel_mass(*args).reshape(-1, num_full)  # (Hq, N)
+                            if name in FEEDBACK and name in previous:
+                                group_mass = fed_back(group_mass, *previous[name], FEEDBACK[name][1])
+                        chosen, loaded = top_blocks_by_mass(config, group_mass, keys.shape[0], pool_cap(name))
+                    if name in FEEDBACK and FEEDBACK[name][1] in ("lse", "now", "prefill"):
+                        exact = exact_block_lse(queries[:, t], keys, num_full, config.block_size, rec.scaling)
+                        previous[name] = (chosen, exact)
+                    else:
+                        previous[name] = (chosen, mass.block_mass)
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(
                         config,

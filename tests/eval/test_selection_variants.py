@@ -10,6 +10,7 @@ from eval.selection_diagnostics import (
     REUSED,
     Recording,
     StepMass,
+    block_channel_lse,
     block_channel_mass,
     block_channels,
     calibrated_channels,
@@ -18,6 +19,8 @@ from eval.selection_diagnostics import (
     channel_score_blocks,
     estimated_mass_blocks,
     evaluate_recording,
+    exact_block_lse,
+    fed_back,
     needle_token_mask,
     oracle_blocks,
     pooled_blocks,
@@ -203,6 +206,24 @@ def test_channel_scores_read_the_channels_the_queries_weigh_and_find_the_block_t
     # with every channel read it is the true attention's pick: 200 x 0.05 outweighs 6 x 1
     everything, _ = channel_score_blocks(config, q, keys, num_full=8, scaling=1.0, channels=4)
     assert everything[0].nonzero().flatten().tolist() == [0, 2, 7]
+
+
+def test_block_lse_is_the_log_of_the_mass_before_its_softmax_and_exact_with_every_channel():
+    torch.manual_seed(1)
+    keys, q = torch.randn(2, 24, 8), torch.randn(6, 8)  # 2 KV heads of 3 query heads, 12 full blocks of 2
+    every = torch.ones(2, 12, 8, dtype=torch.bool)
+    lse = block_channel_lse(q, keys, 12, 2, 0.5, every)  # (Hq, N)
+    mass = block_channel_mass(q, keys, 12, 2, 0.5, every).reshape(6, 12)
+    torch.testing.assert_close(torch.softmax(lse, dim=-1), mass)
+    torch.testing.assert_close(lse, exact_block_lse(q, keys, 12, 2, 0.5))  # every channel kept: exact
+
+
+def test_feedback_raises_the_blocks_the_last_step_attended_to_their_exact_scores():
+    estimate = torch.tensor([[0.1, 0.5, 0.2, 0.9]])  # (Hq, N): this step's, one block more than before
+    chosen = torch.tensor([[True, False, True]])  # the last step attended blocks 0 and 2
+    true = torch.tensor([[0.7, 0.9, 0.05]])
+    assert torch.equal(fed_back(estimate, chosen, true, "max"), torch.tensor([[0.7, 0.5, 0.2, 0.9]]))
+    assert torch.equal(fed_back(estimate, chosen, true, "exact"), torch.tensor([[0.7, 0.5, 0.05, 0.9]]))
 
 
 def test_two_stage_channels_over_every_block_with_exact_keys_is_the_mass_oracle():
