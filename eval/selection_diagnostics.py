@@ -570,28 +570,24 @@ def block_channels(
 def block_channel_mass(
     q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, mask: torch.Tensor
 ) -> torch.Tensor:
-    """(Hkv, G, N) as `channel_mass`, each block scored from its own stored channels `mask` (Hkv, >= N, D)."""
+    """(Hkv, G, N) as `channel_mass`, each block scored from its own stored channels `mask` (Hkv, >= N, D):
+    the softmax of `block_channel_lse` over the blocks."""
+    lse = block_channel_lse(q, coarse_keys, num_full, size, scaling, mask)  # (Hq, N)
+    return torch.softmax(lse, dim=-1).view(coarse_keys.shape[0], -1, num_full)
+
+
+def block_channel_lse(
+    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """(Hq, N): each block's log-sum-exp of its tokens' logits estimated from its stored channels `mask`
+    (Hkv, >= N, D) of `coarse_keys` (Hkv, >= N*size, D), the temperature scaled by 1 / sqrt(the share of
+    |q| those channels hold) (SparQ)."""
     num_kv_heads, _, dim = coarse_keys.shape
     grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
     mask = mask[:, :num_full].float()  # (Hkv, N, D)
     keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim) * mask[:, :, None]
     logits = torch.einsum("hgd,hnsd->hgns", grouped, keys)  # (Hkv, G, N, S)
     kept = (grouped.abs() @ mask.transpose(1, 2)) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)  # (Hkv, G, N)
-    logits = logits * scaling / kept.clamp(min=1e-6).sqrt()[..., None]
-    probs = torch.softmax(logits.flatten(2), dim=-1).view(num_kv_heads, -1, num_full, size)
-    return probs.sum(-1)
-
-
-def block_channel_lse(
-    q: torch.Tensor, coarse_keys: torch.Tensor, num_full: int, size: int, scaling: float, mask: torch.Tensor
-) -> torch.Tensor:
-    """(Hq, N): each block's log-sum-exp of the logits `block_channel_mass` estimates (before its softmax)."""
-    num_kv_heads, _, dim = coarse_keys.shape
-    grouped = q.view(num_kv_heads, q.shape[0] // num_kv_heads, dim)  # (Hkv, G, D)
-    mask = mask[:, :num_full].float()  # (Hkv, N, D)
-    keys = coarse_keys[:, : num_full * size].view(num_kv_heads, num_full, size, dim) * mask[:, :, None]
-    logits = torch.einsum("hgd,hnsd->hgns", grouped, keys)  # (Hkv, G, N, S)
-    kept = (grouped.abs() @ mask.transpose(1, 2)) / grouped.abs().sum(-1, keepdim=True).clamp(min=1e-30)
     return (logits * scaling / kept.clamp(min=1e-6).sqrt()[..., None]).logsumexp(-1).flatten(0, 1)
 
 
