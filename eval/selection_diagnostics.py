@@ -232,7 +232,7 @@ for _name, (_base, _cap) in POOLED.items():
 # "_fbprefill": as "_fblse", and the first step starts from the prompt's last query's exact attention over
 # every block (the dense prefill computes it; the recording keeps that query).
 # "_fbnow": as "_fblse", with this step's exact log-sum-exp of those blocks (this step's query re-scores
-# the last step's blocks from their keys, at the cost of reading them: an upper bound of "_fblse").
+# the last step's blocks from their keys, which a sparse step would have to read again for it).
 FEEDBACK = {
     f"{base}_fb{mode}": (base, mode)
     for base in list(BLOCK_CHANNELS)
