@@ -329,3 +329,30 @@ def test_one_layers_exact_attention_chooses_for_the_layers_after_it():
     assert loaded.shape == (3, heads, 1) and torch.allclose(loaded, stats["kv_head"]["loaded_fraction"])
     for key in ("attended", "recall"):  # layers 0 and 1 select with their own metadata, as kv_head does
         assert torch.equal(stats["reuse_l2_pool"][key][:2], stats["kv_head"][key][:2])
+
+
+def test_feedback_and_pooled_variants_run_over_a_recording_and_load_what_their_base_loads():
+    """Over 3 decode steps the feedback variants keep their base's loads (one pick per KV head), and the
+    feedback changes nothing on the first step (nothing was attended before it); a pooled variant loads
+    per layer what its base loads, however the heads share it."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, size, steps = 4, 2, 64, 4, 3  # 24 stored channels of 64, as the default model
+    length = 10 * size + steps  # 10 full blocks by the last step
+    keys = [torch.randn(kv_heads, length, dim, generator=gen) for _ in range(2)]
+    queries = [torch.randn(heads, steps, dim, generator=gen) for _ in range(2)]
+    positions = torch.arange(length - steps, length)
+    rec = Recording(queries, keys, positions, torch.zeros(length, dtype=torch.bool), 0.5, "",
+                    prompt_query_abs=[q.abs().mean(1) for q in queries],
+                    prompt_last_query=[torch.randn(heads, dim, generator=gen) for _ in range(2)])  # fmt: skip
+    config = SparseServeConfig(block_size=size, token_budget=4 * size, selection="kv_head")
+    base = "blockch_std_p24_q2"
+    names = [base, f"{base}_fblse", f"{base}_fbmax", f"{base}_fbprefill", f"{base}_pooled2", "oracle_pooled2"]
+    stats = evaluate_recording(rec, dict.fromkeys(names, config))
+    for name in names:
+        assert stats[name]["loaded_fraction"].shape == (2, heads, steps)
+    for name in names[1:4]:
+        torch.testing.assert_close(stats[name]["loaded_fraction"], stats[base]["loaded_fraction"])
+    for name in names[1:3]:  # no feedback before the first step
+        assert torch.equal(stats[name]["recall"][:, :, 0], stats[base]["recall"][:, :, 0])
+    for name in names[4:]:  # per layer and step, the heads' loads add up to the fixed budget's
+        torch.testing.assert_close(stats[name]["loaded_fraction"].sum(1), stats[base]["loaded_fraction"].sum(1))
