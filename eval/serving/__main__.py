@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -191,17 +192,21 @@ def run_point(args) -> None:
     overrides = config_overrides(args.overrides)
     dram_bytes = int(args.dram_gib * 2**30)
     saturated_only = all(math.isinf(rate) for rate in args.rate)
+    start = time.perf_counter()
     runner = build(
         args.system, args.shape, trace, cap, args.max_batch, dram_bytes, selections, overrides, saturated_only,
         args.stop_queueing_s,
     )  # fmt: skip
+    setup_s = time.perf_counter() - start  # the model built and warmed up: what a GPU call spends before a run
+    print(f"{args.system}: built and warmed up in {setup_s:.1f} s", flush=True)
     for rate in args.rate:
         with KernelsFirstSeen() as kernels:
             run = runner(rate, deadline_s=args.deadline_s)
         summary = summarize(run.records)
         result = {"system": args.system, "rate": rate, "summary": summary, **_record(args, trace, cap),
                   "locality": "real" if selections is not None else "random", "requests_from": args.skip,
-                  "deadline_s": args.deadline_s, "stop_queueing_s": args.stop_queueing_s, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                  "deadline_s": args.deadline_s, "stop_queueing_s": args.stop_queueing_s, "setup_s": setup_s,
+                  "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                   "overrides": overrides, "kernels_first_seen": kernels.events,
                   "engine": run.engine, "records": [r.as_dict() for r in run.records]}  # fmt: skip
         _write(args.out / run_file_name(args.system, rate, result["locality"], args.skip, overrides), result)

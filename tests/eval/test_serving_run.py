@@ -62,6 +62,7 @@ def test_every_request_is_served_in_order_of_its_times(runs, system):
         assert rec["arrival"] <= rec["admitted"] <= times[0] and times == sorted(times)
     assert result["kernels_first_seen"] == ([] if _triton_knobs() else None)  # CPU runs launch no Triton kernel
     assert "--system" in result["command"] and result["trace"]["requests"] == 3 and len(result["git_commit"]) == 40
+    assert result["setup_s"] > 0  # building and warming up the system, before the run's clock starts
     engine = result["engine"]  # the warm-up request is served first and counted nowhere
     if system == "stock_generate":
         assert sum(engine["batch_sizes"]) == 3
