@@ -208,20 +208,26 @@ REUSED = {
     "reuse_l8_head": (8, "head"),
 }
 VARIANTS |= {name: dict(selection="kv_head") for name in REUSED}
+
+
+def _derive(name: str, base: str) -> None:
+    """Register variant `name`, built on `base`: its config and, for a block-channel base, its channels."""
+    VARIANTS[name] = VARIANTS[base]
+    if base in ORACLES:
+        ORACLES.add(name)
+        return
+    BLOCK_CHANNELS[name] = BLOCK_CHANNELS[base]
+    CHANNEL_SCORES[name] = CHANNEL_SCORES[base]
+    ESTIMATES.add(name)
+
+
 # "{oracle or block-channel variant}_pooled{C}": a layer's KV heads share one budget (Twilight's and
 # top-p's point: heads need different numbers of blocks). Each KV head keeps its sink and window; the
 # rest, Hkv x (the budget's blocks - those), go to the (KV head, block) pairs of most group mass (true or
 # estimated) across the layer, at most C x one head's share to any head (what its HBM partition must
 # hold). The same tokens loaded per layer as a fixed per-head budget, spent where the attention is.
-POOLED = {f"{base}_pooled{cap}": (base, cap) for base in ("oracle", *BLOCK_CHANNELS) for cap in (2, 4)}
-for _name, (_base, _cap) in POOLED.items():
-    VARIANTS[_name] = VARIANTS[_base]
-    if _base in ORACLES:
-        ORACLES.add(_name)
-    else:
-        BLOCK_CHANNELS[_name] = BLOCK_CHANNELS[_base]
-        CHANNEL_SCORES[_name] = CHANNEL_SCORES[_base]
-        ESTIMATES.add(_name)
+_BLOCK_CHANNEL_BASES = list(BLOCK_CHANNELS)  # the variants the two modifiers below apply to
+POOLED = {f"{base}_pooled{cap}": (base, cap) for base in ("oracle", *_BLOCK_CHANNEL_BASES) for cap in (2, 4)}
 # "{block-channel variant}_fb{max,exact}": the last step's exact attention feeds this step's choice. The
 # attention of step t - 1 ran exactly over the blocks it loaded, so their true mass then is known; at
 # step t a block loaded at t - 1 scores the larger of its estimate and that mass ("max"), or that mass
@@ -235,14 +241,12 @@ for _name, (_base, _cap) in POOLED.items():
 # the last step's blocks from their keys, which a sparse step would have to read again for it).
 FEEDBACK = {
     f"{base}_fb{mode}": (base, mode)
-    for base in list(BLOCK_CHANNELS)
+    for base in _BLOCK_CHANNEL_BASES
     for mode in ("max", "exact", "lse", "now", "prefill")
 }
-for _name, (_base, _mode) in FEEDBACK.items():
-    VARIANTS[_name] = VARIANTS[_base]
-    BLOCK_CHANNELS[_name] = BLOCK_CHANNELS[_base]
-    CHANNEL_SCORES[_name] = CHANNEL_SCORES[_base]
-    ESTIMATES.add(_name)
+LSE_FEEDBACK = ("lse", "now", "prefill")  # the modes that feed back exact log-sum-exps, as a sparse step can
+for _name, (_base, _) in (POOLED | FEEDBACK).items():
+    _derive(_name, _base)
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
 NEEDLE_HEAD_MASS = 0.05  # a head "reads the needle" when dense puts >= this attention on its value tokens
 
@@ -688,8 +692,9 @@ def pooled_blocks(config: SparseServeConfig, group_mass: torch.Tensor, cap: int)
     share (the budget's blocks - those) to one head."""
     num_kv_heads, num_full = group_mass.shape
     forced = _forced(config, num_full)  # (N,)
-    share = config.selected_full_blocks - int(forced.sum())
-    most = min(cap * share, num_full - int(forced.sum()))
+    num_forced = int(forced.sum())
+    share = config.selected_full_blocks - num_forced
+    most = min(cap * share, num_full - num_forced)
     candidates = group_mass.masked_fill(forced, float("-inf")).topk(most, dim=-1)  # (Hkv, C) each head's best
     top = candidates.values.flatten().topk(num_kv_heads * share).indices  # of the layer's Hkv x C candidates
     chosen = forced.expand(num_kv_heads, num_full).clone()
@@ -705,6 +710,42 @@ def fed_back(estimate: torch.Tensor, chosen: torch.Tensor, true_mass: torch.Tens
     known = estimate[:, :width]
     mixed = torch.maximum(known, true_mass) if mode == "max" else true_mass
     return torch.cat((torch.where(chosen, mixed, known), estimate[:, width:]), dim=1)
+
+
+def block_channel_scores(
+    rec: Recording, layer: int, t: int, mode: str | None, keys: torch.Tensor, args: tuple, before: tuple | None
+) -> torch.Tensor:
+    """(Hq, N) what a block-channel variant picks by at step `t` of `layer`: its estimated mass, with
+    `mode` (a `FEEDBACK` mode; None: none) the last step's `before` = (chosen, its numbers) fed back.
+    `args`: `block_channel_mass`'s (q, coarse keys, N, block size, scaling, channel mask)."""
+    q, _, num_full, size, scaling, _ = args
+    if mode not in LSE_FEEDBACK:
+        estimate = block_channel_mass(*args).reshape(-1, num_full)
+        return estimate if mode is None or before is None else fed_back(estimate, *before, mode)
+    lse = block_channel_lse(*args)  # (Hq, N)
+    if t == 0 and mode == "prefill":  # the prompt's last query attended every block densely
+        last = rec.prompt_last_query[layer]
+        before = (
+            torch.ones(last.shape[0], num_full, dtype=torch.bool),
+            exact_block_lse(last, keys, num_full, size, scaling),
+        )
+    if before is not None:
+        chosen, exact = before
+        if mode == "now":  # this step's query re-scores the last step's blocks
+            exact = exact_block_lse(q, keys, chosen.shape[1], size, scaling)
+        lse = fed_back(lse, chosen, exact, "max")
+    return torch.softmax(lse, dim=-1)
+
+
+def after_step(
+    mode: str, chosen: torch.Tensor, mass: StepMass, q: torch.Tensor, keys: torch.Tensor,
+    config: SparseServeConfig, rec: Recording,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """What a `FEEDBACK` variant keeps of step t for step t + 1: the blocks attended, with their exact
+    log-sum-exps ("lse", "prefill"), their true mass ("max", "exact"), or nothing ("now" re-scores)."""
+    if mode in ("lse", "prefill"):
+        return chosen, exact_block_lse(q, keys, chosen.shape[1], config.block_size, rec.scaling)
+    return chosen, None if mode == "now" else mass.block_mass
 
 
 def pool_cap(name: str) -> int | None:
@@ -825,7 +866,7 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
             if name in CALIBRATED
         }
         per_step: dict[str, dict[str, list]] = {name: defaultdict(list) for name in configs}
-        previous: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # FEEDBACK: the last step's (chosen, true mass)
+        previous: dict[str, tuple] = {}  # FEEDBACK variants: what the last step kept (`after_step`)
         for t, position in enumerate(rec.positions.tolist()):
             visible = keys[:, : position + 1]
             masses = {size: step_mass(queries[:, t], visible, rec.needle, rec.scaling, size) for size in sizes}
@@ -861,30 +902,11 @@ def evaluate_recording(rec: Recording, configs: dict[str, SparseServeConfig]) ->
                             rec.scaling,
                             block_masks[name],
                         )
-                        if name in FEEDBACK and FEEDBACK[name][1] in ("lse", "now", "prefill"):
-                            lse = block_channel_lse(*args)  # (Hq, N)
-                            if t == 0 and FEEDBACK[name][1] == "prefill":  # the prompt's last query, dense
-                                last = rec.prompt_last_query[layer]
-                                everything = torch.ones(last.shape[0], num_full, dtype=torch.bool)
-                                exact = exact_block_lse(last, keys, num_full, config.block_size, rec.scaling)
-                                previous[name] = (everything, exact)
-                            if name in previous:
-                                chosen_before, exact = previous[name]
-                                if FEEDBACK[name][1] == "now":
-                                    exact = exact_block_lse(queries[:, t], keys, chosen_before.shape[1],
-                                                            config.block_size, rec.scaling)  # fmt: skip
-                                lse = fed_back(lse, chosen_before, exact, "max")
-                            group_mass = torch.softmax(lse, dim=-1)
-                        else:
-                            group_mass = block_channel_mass(*args).reshape(-1, num_full)  # (Hq, N)
-                            if name in FEEDBACK and name in previous:
-                                group_mass = fed_back(group_mass, *previous[name], FEEDBACK[name][1])
+                        mode = FEEDBACK[name][1] if name in FEEDBACK else None
+                        group_mass = block_channel_scores(rec, layer, t, mode, keys, args, previous.get(name))
                         chosen, loaded = top_blocks_by_mass(config, group_mass, keys.shape[0], pool_cap(name))
-                    if name in FEEDBACK and FEEDBACK[name][1] in ("lse", "now", "prefill"):
-                        exact = exact_block_lse(queries[:, t], keys, num_full, config.block_size, rec.scaling)
-                        previous[name] = (chosen, exact)
-                    else:
-                        previous[name] = (chosen, mass.block_mass)
+                    if name in FEEDBACK:
+                        previous[name] = after_step(FEEDBACK[name][1], chosen, mass, queries[:, t], keys, config, rec)
                 elif name in CHANNEL_SCORES:
                     chosen, loaded = channel_score_blocks(
                         config,
