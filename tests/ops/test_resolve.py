@@ -45,7 +45,12 @@ def assert_tables_equal(got: lru.LruTables, want: lru.LruTables) -> None:
 @pytest.mark.parametrize("max_tile", [4096, 16], ids=["one_tile", "tiled"])  # both at the same sizes
 @pytest.mark.parametrize("free_ahead", [0, 6])
 @pytest.mark.parametrize("batch,heads,width,partitions,per", [(3, 2, 5, 4, 24), (1, 3, 37, 3, 40), (4, 1, 9, 2, 64)])
-def test_kernel_matches_the_tensor_spec_step_by_step(batch, heads, width, partitions, per, free_ahead, max_tile):
+@pytest.mark.parametrize("entries_per_program", [256, 16], ids=["entries_together", "entries_spread"])
+def test_kernel_matches_the_tensor_spec_step_by_step(
+    batch, heads, width, partitions, per, free_ahead, max_tile, entries_per_program, monkeypatch
+):
+    """Spread: a partition's hits, claims and slots come from several programs (duplicates across them)."""
+    monkeypatch.setattr(triton_resolve, "ENTRIES_PER_PROGRAM", entries_per_program)
     gen = torch.Generator().manual_seed(batch * 100 + width)
     num_blocks = 40 * partitions
     want = lru.empty_tables(partitions, per, num_blocks, torch.device("cpu"))

@@ -1,23 +1,30 @@
-"""The HBM block-cache lookup in two Triton launches, one program per partition (see `ops.lru`).
+"""The HBM block-cache lookup in Triton launches: ordered decisions one program per partition,
+per-entry work spread wide (see `ops.lru`).
 
-Each program owns one partition's slots and the blocks looked up in it, so programs never
-touch each other's entries and need no grid-wide synchronisation. `claim_` (phases 1-2) and
-`install_` (phases 3-6) split the lookup where its misses are known: the misses that land in
-the partition's free slots (the first of the eviction order, which `free_ahead` keeps free) can
-be copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
-phases 5-6 to a third launch, `reorder_`: they decide nothing this lookup returns, so they can run
-beside the copy of its misses. Inside a program the phases are separated by CTA barriers:
-1. hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it counts the
-   distinct hit); a missing block is claimed by its first entry (`atomic_min` of an encoded
-   entry index written into its own `block_slot` entry, which is negative while it misses);
+A partition's decisions that depend on order (which entry claims a missing block, which slot each
+miss takes) are made by one program that owns the partition, so programs never touch each other's
+decisions and need no grid-wide synchronisation. The work that is the same for every entry (marking
+hits, claiming misses, reading each entry's slot) runs in programs of `ENTRIES_PER_PROGRAM` entries
+each, many per partition: one program doing it over a step's thousands of entries was the lookup's
+longest part, and it shared its SM with the attention running beside it. `claim_` (phases 1-2)
+and `install_` (phases 3-4) split the lookup where its misses are known: the misses that land in
+the partition's free slots (the first of the eviction order, which `free_ahead` keeps free) can be
+copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
+phases 5-6 to a launch of its own, `reorder_`: they decide nothing this lookup returns, so they can
+run beside the copy of its misses. The phases:
+1. (entry-wide) hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it
+   counts the distinct hit); a missing block is claimed by its first entry (`atomic_min` of an
+   encoded entry index written into its own `block_slot` entry, which is negative while it misses);
 2. the claiming entries, in row order, append their blocks to the load list; the first of them
    take the free slots leading the eviction order (the early loads);
-3. a scan of the eviction order writes the victims of the other misses (the late loads);
-4. the loads are installed (the victims' old blocks forgotten), every entry reads its slot;
+3. where misses outnumber the early loads, a scan of the eviction order writes the victims of the
+   others (the late loads);
+4. the loads are installed (the victims' old blocks forgotten), then (entry-wide) every entry reads
+   its slot;
 5. the eviction order is compacted in place (kept slots) and the used slots appended by index;
 6. least recently used slots are freed until `free_ahead` are (they lead the order, by index).
-Only this program touches its partition's entries, and the CTA barriers order its global reads
-and writes, so the atomics are relaxed and CTA-scoped: no memory fence per atomic instruction.
+Launch boundaries order the phases across programs; inside a partition's program CTA barriers do,
+and only that program touches the partition's order, so its atomics are relaxed and CTA-scoped.
 Same decisions as `ops.lru.resolve_`, tested against it on random inputs.
 """
 
@@ -35,6 +42,29 @@ from .reference import LOAD_COUNTERS, LoadCount
 MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
 MAX_WARPS = 16  # warps of a program (one per 256 lanes of its tile, at least 4)
 MAX_EARLY = 1024  # the most early loads one lookup of a partition may take
+ENTRIES_PER_PROGRAM = 256  # entries of one partition's selection per program of the entry-wide phases (1, 4's slots)
+
+
+@triton.jit
+def _mark_kernel(
+    ids_ptr, first_partition, block_slot_ptr, slot_tick_ptr, clock_ptr, counts_ptr,
+    num_entries, width, stride_row, stride_head, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program (h, c), phase 1 of head h's entries c * CHUNK ... (entry e is ids[e // width, h, e % width]):
+    hits stamped with the lookup's clock (the partition's, plus one: `_claim_kernel` stores it),
+    misses claimed by their first entry (claim = e - E - 2 <= -2), distinct hits counted."""
+    head = tl.program_id(0)
+    part = (first_partition + head).to(tl.int64)
+    clock = tl.load(clock_ptr + part) + 1
+    entry = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+    valid = ids >= 0
+    slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
+    hit = valid & (slot >= 0)
+    before = tl.atomic_xchg(slot_tick_ptr + slot, clock, mask=hit, sem="relaxed")
+    claim_code = entry.to(tl.int64) - num_entries - 2
+    tl.atomic_min(block_slot_ptr + ids, claim_code, mask=valid & (slot < 0), sem="relaxed")
+    tl.atomic_add(counts_ptr, tl.sum((hit & (before != clock)).to(tl.int64), axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -44,32 +74,17 @@ def _claim_kernel(
     num_entries, per_partition, width, stride_row, stride_head,
     BLOCK: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    """Program h, phases 1-2 of head h's entries (entry e is ids[e // width, h, e % width]): its
-    load list (H, E), its misses' count, and the slots of the first ones, which take the free slots
-    leading the eviction order (at most EARLY of them: the early loads)."""
+    """Program h, phase 2 of head h's entries after `_mark_kernel`: its load list (H, E), its misses'
+    count, and the slots of the first ones, which take the free slots leading the eviction order (at
+    most EARLY of them: the early loads). Stores the partition's clock of this lookup."""
     head = tl.program_id(0)
     part = (first_partition + head).to(tl.int64)
-    clock = tl.load(clock_ptr + part) + 1
-    tl.store(clock_ptr + part, clock)
+    tl.store(clock_ptr + part, tl.load(clock_ptr + part) + 1)
     lists = head.to(tl.int64) * num_entries
     load_ids_ptr += lists
     load_slots_ptr += lists
     lanes = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
-
-    # 1. hits touch their slots; misses are claimed by their first entry (claim = e - E - 2 <= -2)
-    distinct_hits = zero
-    for start in range(0, num_entries, BLOCK):
-        entry = start + lanes
-        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
-        valid = ids >= 0
-        slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
-        hit = valid & (slot >= 0)
-        before = tl.atomic_xchg(slot_tick_ptr + slot, clock, mask=hit, sem="relaxed", scope="cta")
-        distinct_hits += tl.sum((hit & (before != clock)).to(tl.int32), axis=0)
-        claim_code = entry.to(tl.int64) - num_entries - 2
-        tl.atomic_min(block_slot_ptr + ids, claim_code, mask=valid & (slot < 0), sem="relaxed", scope="cta")
-    tl.debug_barrier()
 
     # 2. the claiming entries append their blocks, in row order
     num_misses = zero
@@ -96,20 +111,21 @@ def _claim_kernel(
     tl.store(load_slots_ptr + front, slot, mask=front < early)
     tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
     tl.store(early_counts_ptr + head, early.to(tl.int64))
-    tl.atomic_add(counts_ptr, (distinct_hits + num_misses).to(tl.int64), sem="relaxed")
+    tl.atomic_add(counts_ptr, num_misses.to(tl.int64), sem="relaxed")
     tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
 
 
 @triton.jit
 def _install_kernel(
-    ids_ptr, first_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_ptr, clock_ptr, slots_ptr,
+    first_partition, block_slot_ptr, slot_block_ptr, slot_tick_ptr, order_ptr, clock_ptr,
     load_ids_ptr, load_slots_ptr, load_counts_ptr, early_counts_ptr, late_ids_ptr, late_slots_ptr, late_counts_ptr,
-    num_entries, per_partition, width, stride_row, stride_head, free_ahead,
+    num_entries, per_partition, free_ahead,
     BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
     """Program h, phases 3-6 after `_claim_kernel`: the late loads' victims (also listed from 0 in
-    `late_*`), the install, every entry's slot, and with ORDER the eviction order and the slots
-    freed ahead (else `_reorder_kernel` runs those after it)."""
+    `late_*`), the install, and with ORDER the eviction order and the slots freed ahead (else
+    `_reorder_kernel` runs those after it). No phase moves a block this lookup uses, so its entries'
+    slots (`_slots_kernel`) read the same before and after 5-6."""
     head = tl.program_id(0)
     part = (first_partition + head).to(tl.int64)
     clock = tl.load(clock_ptr + part)
@@ -125,24 +141,26 @@ def _install_kernel(
     lanes = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
 
-    # 3. victims: the first slots of the eviction order not used by this lookup (the early loads' first)
-    found = zero
-    for start in range(0, per_partition, BLOCK):
-        position = start + lanes
-        inside = position < per_partition
-        slot = tl.load(order_base + position, mask=inside, other=0)
-        tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
-        evictable = inside & (tick < clock)
-        rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1 + found
-        late = evictable & (rank >= early) & (rank < num_misses)
-        tl.store(load_slots_ptr + rank, slot, mask=late)
-        tl.store(late_slots_ptr + rank - early, slot, mask=late)
-        tl.store(late_ids_ptr + rank - early, tl.load(load_ids_ptr + rank, mask=late, other=0), mask=late)
-        found += tl.sum(evictable.to(tl.int32), axis=0)
-    tl.debug_barrier()
+    # 3. victims of the late loads: the first slots of the eviction order not used by this lookup
+    # (the early loads' first); with no late loads (the usual step: free slots take every miss) none
+    if num_misses > early:
+        found = zero
+        for start in range(0, per_partition, BLOCK):
+            position = start + lanes
+            inside = position < per_partition
+            slot = tl.load(order_base + position, mask=inside, other=0)
+            tick = tl.load(slot_tick_ptr + slot, mask=inside, other=0, volatile=True)
+            evictable = inside & (tick < clock)
+            rank = tl.cumsum(evictable.to(tl.int32), axis=0) - 1 + found
+            late = evictable & (rank >= early) & (rank < num_misses)
+            tl.store(load_slots_ptr + rank, slot, mask=late)
+            tl.store(late_slots_ptr + rank - early, slot, mask=late)
+            tl.store(late_ids_ptr + rank - early, tl.load(load_ids_ptr + rank, mask=late, other=0), mask=late)
+            found += tl.sum(evictable.to(tl.int32), axis=0)
+        tl.debug_barrier()
 
-    # 4. install the loads, then every entry reads its slot
-    for start in range(0, num_entries, BLOCK):
+    # 4. install the loads (each entry then reads its slot: `_slots_kernel`)
+    for start in range(0, num_misses, BLOCK):
         j = start + lanes
         loading = j < num_misses
         block = tl.load(load_ids_ptr + j, mask=loading, other=0, volatile=True)
@@ -152,19 +170,26 @@ def _install_kernel(
         tl.store(slot_block_ptr + slot, block, mask=loading)
         tl.store(slot_tick_ptr + slot, clock, mask=loading)
         tl.store(block_slot_ptr + block, slot, mask=loading)
-    tl.debug_barrier()
-    for start in range(0, num_entries, BLOCK):
-        entry = start + lanes
-        inside = entry < num_entries
-        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
-        valid = ids >= 0
-        slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
-        out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
-        tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=inside)
 
     if ORDER:
+        tl.debug_barrier()
         _keep_order(part, clock, order_base, block_slot_ptr, slot_block_ptr, slot_tick_ptr, per_partition, free_ahead,
                     BLOCK, FREE_BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _slots_kernel(
+    ids_ptr, block_slot_ptr, slots_ptr, num_entries, width, stride_row, stride_head, CHUNK: tl.constexpr
+):  # fmt: skip
+    """Program (h, c), phase 4's second half for head h's entries c * CHUNK ...: each entry's slot
+    after the install, -1 where unused, written in the ids' (B, H, U) layout."""
+    head = tl.program_id(0)
+    entry = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+    valid = ids >= 0
+    slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
+    out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
+    tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=entry < num_entries)
 
 
 @triton.jit
@@ -325,9 +350,15 @@ class Installed(NamedTuple):
 
 
 def _launch_shape(num_entries: int, per: int, max_tile: int) -> tuple[int, int]:
-    """(tile width, warps) of a lookup's programs."""
+    """(tile width, warps) of a lookup's programs that own a partition."""
     block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
     return block, max(4, min(MAX_WARPS, block // 256))
+
+
+def _entry_grid(heads: int, num_entries: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, entries per program, warps) of an entry-wide phase: (H, programs per head)."""
+    chunk = min(ENTRIES_PER_PROGRAM, triton.next_power_of_2(max(num_entries, 16)))
+    return (heads, max(1, triton.cdiv(num_entries, chunk))), chunk, max(1, min(4, chunk // 64))
 
 
 def claim_(
@@ -348,7 +379,12 @@ def claim_(
     load_slots = ids.new_empty((heads, num_entries))
     load_counts, early_counts = ids.new_empty((heads,)), ids.new_empty((heads,))
     per = tables.slots_per_partition
-    block, warps = _launch_shape(num_entries, per, max_tile)
+    grid, chunk, chunk_warps = _entry_grid(heads, num_entries)
+    _mark_kernel[grid](
+        ids, first_partition, tables.block_slot, tables.slot_tick, tables.clock, counts,
+        num_entries, width, heads * width, width, CHUNK=chunk, num_warps=chunk_warps,
+    )  # fmt: skip
+    block, warps = _launch_shape(num_entries, 0, max_tile)
     early = triton.next_power_of_2(max(1, min(max_early, per, num_entries)))
     _claim_kernel[(heads,)](
         ids, first_partition, tables.block_slot, tables.slot_tick, tables.slot_order, tables.clock, counts,
@@ -379,11 +415,15 @@ def install_(
     slots = torch.empty_like(ids)
     late_ids, late_slots = torch.empty_like(claims.load_ids), torch.empty_like(claims.load_slots)
     late_counts = torch.empty_like(claims.load_counts)
-    block, warps = _launch_shape(num_entries, per, max_tile)
+    block, warps = _launch_shape(0, per, max_tile)
     _install_kernel[(heads,)](
-        ids, first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
-        slots, *claims, late_ids, late_slots, late_counts, num_entries, per, width, heads * width, width, free_ahead,
+        first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
+        *claims, late_ids, late_slots, late_counts, num_entries, per, free_ahead,
         BLOCK=block, FREE_BLOCK=_free_block(free_ahead, per), ORDER=reorder, num_warps=warps,
+    )  # fmt: skip
+    grid, chunk, chunk_warps = _entry_grid(heads, num_entries)
+    _slots_kernel[grid](
+        ids, tables.block_slot, slots, num_entries, width, heads * width, width, CHUNK=chunk, num_warps=chunk_warps
     )  # fmt: skip
     return Installed(slots, late_ids, late_slots, late_counts)
 
