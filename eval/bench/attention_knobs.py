@@ -34,7 +34,8 @@ def attention_inputs(
     late_fraction: float, device: torch.device, dtype: torch.dtype,
 ) -> dict[str, Any]:  # fmt: skip
     """Random inputs of `begin_decode` / `finish_decode`: slots (B, Hkv, width) with each row's used
-    entries first, the resident subset, query, pool and tails; and the K/V bytes attended."""
+    entries first (also their DRAM ids, through an identity block -> slot table), the resident
+    subset, query, pool and tails; and the K/V bytes attended."""
     generator = torch.Generator().manual_seed(0)
     low, high = max(1, mean_blocks * 3 // 4), max(2, mean_blocks * 5 // 4)
     used = torch.randint(low, high + 1, (batch, kv_heads), generator=generator).clamp(max=width)
@@ -51,6 +52,7 @@ def attention_inputs(
         "pool": torch.randn(pool_slots, 2, size, dim, generator=generator).to(device, dtype),
         "slots": slots.to(device),
         "resident": resident.to(device),
+        "block_slot": torch.arange(pool_slots, device=device),  # the entries' ids are their slots
         "tail_keys": tail.to(device)[:, :, 0],
         "tail_values": tail.to(device)[:, :, 1],
         "tail_len": torch.full((batch,), size, dtype=torch.int64, device=device),
@@ -65,7 +67,7 @@ def split_decode(triton_decode, inputs: dict[str, Any], scaling: float) -> torch
         inputs["query"], inputs["pool"], inputs["resident"], None,
         inputs["tail_keys"], inputs["tail_values"], inputs["tail_len"], scaling,
     )  # fmt: skip
-    return triton_decode.finish_decode(pending, inputs["slots"])
+    return triton_decode.finish_decode(pending, inputs["slots"], inputs["block_slot"])
 
 
 def copy_gb_per_s(device: torch.device, replay_ms) -> float | None:

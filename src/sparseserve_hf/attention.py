@@ -195,7 +195,7 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
         q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
         scales=store.scales_of(block_ids),
     )  # fmt: skip
-    out = store.ops.finish_decode(pending, join())
+    out = store.ops.finish_decode(pending, block_ids, join())
     store.settle()
     return out
 

@@ -143,6 +143,17 @@ def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def ids_for_slots(
+    slots: torch.Tensor, num_slots: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DRAM ids for the entries' slots under a random one-to-one map, and the block -> slot table
+    that undoes it: (B, Hkv, U) ids (-1 where the slot is), (num_slots,) table."""
+    perm = torch.randperm(num_slots, generator=gen)
+    block_slot = torch.empty(num_slots, dtype=torch.long)
+    block_slot[perm] = torch.arange(num_slots)
+    return torch.where(slots >= 0, perm[slots.clamp(min=0)], -1), block_slot
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("masked", [False, True], ids=["all_heads", "head_mask"])
 @pytest.mark.parametrize("late_share", [0.0, 0.3, 1.0], ids=["none_late", "some_late", "all_late"])
@@ -161,11 +172,12 @@ def test_decode_in_two_halves_reads_late_blocks_only_after_they_arrive(poisoned,
     arriving[slots[late].to(DEVICE)] = float("nan")
     pending = triton_decode.begin_decode(q, arriving, resident.to(DEVICE), mask, tk, tv, tlen, 0.3, num_splits=3)
     arriving[slots[late].to(DEVICE)] = pool[slots[late]].to(DEVICE)  # the lookup's copy lands
-    got = triton_decode.finish_decode(pending, slots.to(DEVICE))
+    block_ids, block_slot = ids_for_slots(slots, pool.shape[0], gen)
+    got = triton_decode.finish_decode(pending, block_ids.to(DEVICE), block_slot.to(DEVICE))
     assert got.dtype == dtype and not got.isnan().any()
     torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
     halves = reference.finish_decode(
-        reference.begin_decode(query, pool, resident, head_mask, tail_k, tail_v, tail_len, 0.3), slots
+        reference.begin_decode(query, pool, resident, head_mask, tail_k, tail_v, tail_len, 0.3), block_ids, block_slot
     )
     torch.testing.assert_close(halves, expected, rtol=0, atol=0)
 
@@ -184,7 +196,8 @@ def test_decode_in_two_halves_over_8bit_blocks_and_long_late_lists(poisoned, loa
     pending = triton_decode.begin_decode(
         q, stored.to(DEVICE), resident.to(DEVICE), None, tk, tv, tlen, 0.3, num_splits=2, scales=scales.to(DEVICE)
     )
-    got = triton_decode.finish_decode(pending, slots.to(DEVICE))
+    block_ids, block_slot = ids_for_slots(slots, stored.shape[0], torch.Generator().manual_seed(loaded))
+    got = triton_decode.finish_decode(pending, block_ids.to(DEVICE), block_slot.to(DEVICE))
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.float16))
 
 
@@ -194,7 +207,10 @@ def test_decode_in_two_halves_llama_shape_on_the_gpu():
     resident = torch.where(torch.rand(slots.shape) < 0.2, -1, slots)
     expected = reference.sparse_decode(query, pool, slots, None, tail_k, tail_v, tail_len, 0.3)
     q, p, tk, tv, tlen = (x.to(DEVICE) for x in (query, pool, tail_k, tail_v, tail_len))
+    block_ids, block_slot = ids_for_slots(slots, pool.shape[0], torch.Generator().manual_seed(0))
     got = triton_decode.finish_decode(
-        triton_decode.begin_decode(q, p, resident.to(DEVICE), None, tk, tv, tlen, 0.3), slots.to(DEVICE)
+        triton_decode.begin_decode(q, p, resident.to(DEVICE), None, tk, tv, tlen, 0.3),
+        block_ids.to(DEVICE),
+        block_slot.to(DEVICE),
     )
     torch.testing.assert_close(got.cpu(), expected, **tolerance(torch.bfloat16))

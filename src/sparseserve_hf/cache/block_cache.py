@@ -161,6 +161,17 @@ class HbmBlockCache:
         order's upkeep may still run on a side stream after the copy is done (see `reorder`);
         the caller runs `settle()` on its stream once it has queued what reads the slots.
         """
+        return self._lookup(block_ids, dram, first_partition, settle, entry_slots=True)
+
+    @plain_tensors
+    def load(self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True) -> None:
+        """`lookup` without writing each entry's slot: afterwards `tables.block_slot` maps every block
+        looked up to its slot, for a reader that needs only a few entries' slots (the misses)."""
+        self._lookup(block_ids, dram, first_partition, settle, entry_slots=False)
+
+    def _lookup(
+        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int, settle: bool, entry_slots: bool
+    ) -> torch.Tensor | None:
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
         self.prepare(tuple(block_ids.shape), dram, first_partition)
@@ -168,10 +179,10 @@ class HbmBlockCache:
         if self.num_partitions == 1:
             selection, first_partition = selection.reshape(1, 1, -1), 0
         if self.split is not None:
-            slots = self._split_lookup(selection, dram, first_partition)
+            slots = self._split_lookup(selection, dram, first_partition, entry_slots)
             if settle:
                 self.settle()
-            return slots.view(block_ids.shape)
+            return None if slots is None else slots.view(block_ids.shape)
         slots, load_ids, load_slots, load_counts = self.resolve(selection, first_partition, self.tables, self._counts)
         try:
             self.gather_blocks(dram.storage, load_ids, self.pool, load_slots, load_counts)  # the H2D copy
@@ -182,10 +193,12 @@ class HbmBlockCache:
             raise
         return slots.view(block_ids.shape)
 
-    def _split_lookup(self, selection: torch.Tensor, dram: BlockPool, first_partition: int) -> torch.Tensor:
+    def _split_lookup(
+        self, selection: torch.Tensor, dram: BlockPool, first_partition: int, entry_slots: bool
+    ) -> torch.Tensor | None:
         """`lookup` in two halves: the claims, then the copy of the early loads beside the install
         (on the install stream, on CUDA), then the late loads' copy, beside the eviction order's
-        upkeep where `reorder` runs it. Returns the slots."""
+        upkeep where `reorder` runs it. Returns the slots (None without `entry_slots`)."""
         claim, install = self.split
         selection = selection.contiguous()
         self.settle()  # the last lookup's upkeep, where its caller has not waited for it
@@ -194,8 +207,9 @@ class HbmBlockCache:
         try:
             with self._install_side(after=current):
                 installed = install(
-                    selection, first_partition, self.tables, claims, self.free_ahead, reorder=self.reorder is None
-                )
+                    selection, first_partition, self.tables, claims, self.free_ahead,
+                    reorder=self.reorder is None, entry_slots=entry_slots,
+                )  # fmt: skip
             self.gather_blocks(dram.storage, claims.load_ids, self.pool, claims.load_slots, claims.early_counts)
             if current is not None:
                 current.wait_stream(self._install_stream)

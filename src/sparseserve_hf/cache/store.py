@@ -345,10 +345,11 @@ class TieredBlockStore:
         Returns:
             block_ids: (B, Hkv, U) their DRAM ids, -1 where not valid.
             resident: (B, Hkv, U) the slots of those already in the HBM cache, -1 elsewhere.
-            join: makes the current stream wait for the lookup and returns every entry's slot, as
-                `fetch` would. The lookup (LRU update, victims, the copy of the misses) runs on CUDA
-                on a high-priority side stream, elsewhere at once. It never evicts a block its
-                selection uses, so the resident slots keep their blocks meanwhile.
+            join: makes the current stream wait for the lookup and returns the HBM cache's block ->
+                slot table (`lru.LruTables.block_slot`), which then holds every picked block's slot.
+                The lookup (LRU update, victims, the copy of the misses) runs on CUDA on a
+                high-priority side stream, elsewhere at once. It never evicts a block its selection
+                uses, so the resident slots keep their blocks meanwhile.
         Launches only, no host sync. The lookup's trailing upkeep may still run when `join`
         returns: the caller runs `settle()` once it has queued the attention that reads the slots.
         """
@@ -358,18 +359,18 @@ class TieredBlockStore:
         block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables, count)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if main is None:
-            slots = self.fetch(block_ids, first_partition)
-            return block_ids, resident, lambda: slots
+            self.hbm.load(block_ids, self.dram, first_partition)
+            return block_ids, resident, lambda: self.hbm.tables.block_slot
         if self._lookup_stream is None:
             self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
         side = self._lookup_stream
         side.wait_stream(main)  # the selection is written there
         with torch.cuda.stream(side):
-            slots = self.hbm.lookup(block_ids, self.dram, first_partition, settle=False)
+            self.hbm.load(block_ids, self.dram, first_partition, settle=False)
 
         def join() -> torch.Tensor:
             main.wait_stream(side)
-            return slots
+            return self.hbm.tables.block_slot
 
         return block_ids, resident, join
 

@@ -397,20 +397,24 @@ def begin_decode(
 ) -> functools.partial:
     """`sparse_decode` in two halves around a lookup: the first attends the blocks already in the
     pool (`resident` (B, Hkv, U) their slots, -1 elsewhere) and the tails while the lookup loads
-    the rest into other slots; `finish_decode(pending, slots)` attends those and merges.
+    the rest into other slots; `finish_decode(pending, block_ids, block_slot)` attends those and merges.
 
-    The result is `sparse_decode` over the final `slots` (which equal `resident` wherever it is
-    >= 0), as this spec computes it; a kernel merges the halves' partials instead (the same up
-    to the order of float additions). Arguments as `sparse_decode`; `scales` covers every entry."""
+    The result is `sparse_decode` over the final slots (`block_slot` at each entry's id, equal to
+    `resident` wherever it is >= 0), as this spec computes it; a kernel merges the halves' partials
+    instead (the same up to the order of float additions). Arguments as `sparse_decode`; `scales`
+    covers every entry."""
     return functools.partial(
         sparse_decode, query, pool, head_mask=head_mask, tail_keys=tail_keys, tail_values=tail_values,
         tail_len=tail_len, scaling=scaling, scales=scales,
     )  # fmt: skip
 
 
-def finish_decode(pending: functools.partial, slots: torch.Tensor) -> torch.Tensor:
-    """The second half of `begin_decode`: attention over every entry's slot, (B, Hq, D)."""
-    return pending(slots=slots)
+def finish_decode(pending: functools.partial, block_ids: torch.Tensor, block_slot: torch.Tensor) -> torch.Tensor:
+    """The second half of `begin_decode`: attention over every entry's slot, (B, Hq, D).
+
+    block_ids: (B, Hkv, U) the entries' DRAM ids, -1 where unused; block_slot: (C,) the HBM
+    cache's slot of each DRAM id (`lru.LruTables.block_slot`) after the lookup that loaded them."""
+    return pending(slots=torch.where(block_ids >= 0, block_slot[block_ids.clamp(min=0)], -1))
 
 
 def hybrid_parts(metadata: torch.Tensor) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:

@@ -63,6 +63,7 @@ def _decode_split_kernel(
     part_acc_ptr,
     resident_ptr,
     late_entries_ptr,
+    block_slot_ptr,
     stride_qb,
     stride_qh,
     stride_sb,
@@ -98,8 +99,9 @@ def _decode_split_kernel(
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
 
-    LATE (grid (B * Hkv, num_splits), no tail program): only the entries that `resident` (laid
-    out as the slots) held at -1 and the slots now hold: the blocks a lookup loaded after the
+    LATE (grid (B * Hkv, num_splits), no tail program): `slots` holds DRAM block ids, and only the
+    entries that `resident` (laid out as the ids) held at -1 are attended, each at the slot the
+    block -> slot table `block_slot` now gives its id: the blocks a lookup loaded after the
     resident ones were attended. Each program lists the row's late entries in order into its own
     row of `late_entries` (B * Hkv * num_splits, BLOCK_LOADED) and takes its share of that list.
 
@@ -124,7 +126,7 @@ def _decode_split_kernel(
         entries = tl.arange(0, BLOCK_LOADED)
         row = b * stride_sb + h * stride_sh
         row_slots = tl.load(slots_ptr + row + entries, mask=entries < num_loaded, other=-1)
-        if LATE:
+        if LATE:  # row_slots holds the entries' block ids
             resident = tl.load(resident_ptr + row + entries, mask=entries < num_loaded, other=-1)
             late = (resident < 0) & (row_slots >= 0)
             late_list = late_entries_ptr + (row_head * num_splits + split).to(tl.int64) * BLOCK_LOADED
@@ -145,6 +147,8 @@ def _decode_split_kernel(
             else:
                 u = j  # (T,) loaded-block index of each token
             slot = tl.load(slots_ptr + row + u, mask=j < end, other=-1).to(tl.int64)
+            if LATE:  # a block id: its slot from the table
+                slot = tl.load(block_slot_ptr + slot, mask=slot >= 0, other=-1).to(tl.int64)
             token_ok = slot >= 0
             base = pool_ptr + slot * (2 * S * D) + (t % S) * D  # (T,) pool is (P, 2, S, D)
             kv_mask = token_ok[:, None] & d_ok[None, :]
@@ -298,20 +302,23 @@ def begin_decode(
     )
 
 
-def finish_decode(pending: PendingDecode, slots: torch.Tensor) -> torch.Tensor:
-    """Attend the entries `begin_decode` left out (resident -1, `slots` (B, Hkv, U) >= 0; where
-    resident holds a slot, `slots` holds the same), merge every partial: (B, Hq, D). Launches only."""
+def finish_decode(pending: PendingDecode, block_ids: torch.Tensor, block_slot: torch.Tensor) -> torch.Tensor:
+    """Attend the entries `begin_decode` left out (resident -1, `block_ids` (B, Hkv, U) >= 0), each
+    at the slot `block_slot` (the HBM cache's block -> slot table, after the lookup that loaded
+    them) gives its id, and merge every partial: (B, Hq, D). Launches only."""
     resident = pending.resident
-    assert slots.shape == resident.shape
+    assert block_ids.shape == resident.shape
     batch, num_kv_heads, num_loaded = resident.shape
-    slots = slots.contiguous()
+    block_ids = block_ids.contiguous()
     late_entries = torch.empty(
         (batch * num_kv_heads * pending.num_splits, triton.next_power_of_2(max(num_loaded, 1))),
         dtype=torch.int32,
         device=resident.device,
     )
     first_part = pending.num_splits + 1
-    _launch_split(pending, slots, late_entries, pending.num_splits, first_part, None, None, None, late=True)
+    _launch_split(
+        pending, block_ids, late_entries, pending.num_splits, first_part, None, None, None, late=True, block_slot=block_slot
+    )
     return _merge(pending)
 
 
@@ -371,9 +378,11 @@ def _launch_split(
     tail_values: torch.Tensor | None,
     tail_len: torch.Tensor | None,
     late: bool,
+    block_slot: torch.Tensor | None = None,
 ) -> None:
     """One launch of the split kernel: (B * Hkv, programs_per_row) programs writing partials from
-    `first_part` on. A late launch has no tail program (its tail pointers are unused)."""
+    `first_part` on. A late launch has no tail program (its tail pointers are unused); its `slots`
+    are block ids, mapped through `block_slot`."""
     query = pending.query
     mask = pending.head_mask if pending.head_mask is not None else slots  # slots: an unused pointer
     scale_table = pending.scales if pending.scales is not None else query  # query: an unused pointer
@@ -389,7 +398,7 @@ def _launch_split(
     block_size = pending.pool.shape[2]
     _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
         query, pending.pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
-        part_m, part_l, part_acc, pending.resident, late_entries,
+        part_m, part_l, part_acc, pending.resident, late_entries, slots if block_slot is None else block_slot,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
         num_kv_heads, num_loaded, pending.num_splits, first_part, part_m.shape[2], pending.scaling,

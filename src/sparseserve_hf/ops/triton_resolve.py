@@ -340,10 +340,10 @@ class Claims(NamedTuple):
 
 
 class Installed(NamedTuple):
-    """What `install_` decided: every entry's slot (B, H, U) and the late loads (those after the
-    early ones, listed from 0: (H, E) ids and slots, (H,) lengths)."""
+    """What `install_` decided: every entry's slot (B, H, U) (None where not asked for) and the late
+    loads (those after the early ones, listed from 0: (H, E) ids and slots, (H,) lengths)."""
 
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     late_ids: torch.Tensor
     late_slots: torch.Tensor
     late_counts: torch.Tensor
@@ -402,17 +402,18 @@ def install_(
     free_ahead: int = 0,
     *,
     reorder: bool = True,
+    entry_slots: bool = True,
     max_tile: int = MAX_TILE,
 ) -> Installed:
     """Phases 3-6 of `ops.lru.resolve_` after `claim_` of the same (B, H, U) ids: victims, install,
     each entry's slot, the eviction order and `free_ahead` (`ops.lru.resolve_`'s). `reorder=False`
     stops after each entry's slot: the slots and the late loads are final, and `reorder_` with the
     same `free_ahead` must follow before any other lookup, `picked_blocks` or `ops.lru.forget_`
-    touches these partitions."""
+    touches these partitions. `entry_slots=False` leaves each entry's slot to whoever reads it
+    (`tables.block_slot` at its id, from then on): a launch fewer."""
     batch, heads, width = ids.shape
     num_entries = batch * width
     per = tables.slots_per_partition
-    slots = torch.empty_like(ids)
     late_ids, late_slots = torch.empty_like(claims.load_ids), torch.empty_like(claims.load_slots)
     late_counts = torch.empty_like(claims.load_counts)
     block, warps = _launch_shape(0, per, max_tile)
@@ -421,10 +422,13 @@ def install_(
         *claims, late_ids, late_slots, late_counts, num_entries, per, free_ahead,
         BLOCK=block, FREE_BLOCK=_free_block(free_ahead, per), ORDER=reorder, num_warps=warps,
     )  # fmt: skip
-    grid, chunk, chunk_warps = _entry_grid(heads, num_entries)
-    _slots_kernel[grid](
-        ids, tables.block_slot, slots, num_entries, width, heads * width, width, CHUNK=chunk, num_warps=chunk_warps
-    )  # fmt: skip
+    slots = None
+    if entry_slots:
+        slots = torch.empty_like(ids)
+        grid, chunk, chunk_warps = _entry_grid(heads, num_entries)
+        _slots_kernel[grid](
+            ids, tables.block_slot, slots, num_entries, width, heads * width, width, CHUNK=chunk, num_warps=chunk_warps
+        )  # fmt: skip
     return Installed(slots, late_ids, late_slots, late_counts)
 
 
