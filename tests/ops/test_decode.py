@@ -143,9 +143,7 @@ def test_reference_over_8bit_blocks_is_attention_over_the_dequantized_pool():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def ids_for_slots(
-    slots: torch.Tensor, num_slots: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ids_for_slots(slots: torch.Tensor, num_slots: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """DRAM ids for the entries' slots under a random one-to-one map, and the block -> slot table
     that undoes it: (B, Hkv, U) ids (-1 where the slot is), (num_slots,) table."""
     perm = torch.randperm(num_slots, generator=gen)

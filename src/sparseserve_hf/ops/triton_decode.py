@@ -317,7 +317,16 @@ def finish_decode(pending: PendingDecode, block_ids: torch.Tensor, block_slot: t
     )
     first_part = pending.num_splits + 1
     _launch_split(
-        pending, block_ids, late_entries, pending.num_splits, first_part, None, None, None, late=True, block_slot=block_slot
+        pending,
+        block_ids,
+        late_entries,
+        pending.num_splits,
+        first_part,
+        None,
+        None,
+        None,
+        late=True,
+        block_slot=block_slot,
     )
     return _merge(pending)
 
