@@ -124,7 +124,7 @@ def test_install_without_its_reorder_returns_the_same_and_reorder_finishes_the_t
         ids = random_selection(gen, (batch, heads, width), num_blocks, partitions, first)
         slots, load_ids, load_slots, load_counts = lru.resolve_(ids, first, want, want_counts, free_ahead)
         order_before_lookup = got.slot_order.cpu().clone()
-        claims = triton_resolve.claim_(ids.to(DEVICE), first, got, got_counts, max_tile=max_tile)
+        claims = triton_resolve.claim_(ids.to(DEVICE), first, got, got_counts)
         installed = triton_resolve.install_(
             ids.to(DEVICE), first, got, claims, free_ahead, reorder=False, max_tile=max_tile
         )

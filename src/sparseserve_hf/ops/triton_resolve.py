@@ -1,26 +1,27 @@
-"""The HBM block-cache lookup in Triton launches: ordered decisions one program per partition,
-per-entry work spread wide (see `ops.lru`).
+"""The HBM block-cache lookup in Triton launches: victims and the eviction order one program per
+partition, the work over the selection's entries spread wide (see `ops.lru`).
 
-A partition's decisions that depend on order (which entry claims a missing block, which slot each
-miss takes) are made by one program that owns the partition, so programs never touch each other's
-decisions and need no grid-wide synchronisation. The work that is the same for every entry (marking
-hits, claiming misses, reading each entry's slot) runs in programs of `ENTRIES_PER_PROGRAM` entries
-each, many per partition: one program doing it over a step's thousands of entries was the lookup's
-longest part, and it shared its SM with the attention running beside it. `claim_` (phases 1-2)
-and `install_` (phases 3-4) split the lookup where its misses are known: the misses that land in
-the partition's free slots (the first of the eviction order, which `free_ahead` keeps free) can be
-copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
+Which slot each miss takes, and the eviction order, are decided by one program that owns the
+partition, so programs never touch each other's slots and need no grid-wide synchronisation. The
+work over a selection's entries (marking hits, claiming misses, listing them in row order, reading
+each entry's slot) runs in programs of `ENTRIES_PER_PROGRAM` entries each, many per partition, one
+launch per step that needs all of the one before: one program doing it over a step's thousands of
+entries was the lookup's longest part, and it shared its SM with the attention running beside it.
+`claim_` (phases 1-2) and `install_` (phases 3-4) split the lookup where its misses are known: the
+misses that land in the partition's free slots (the first of the eviction order, which
+`free_ahead` keeps free) can be copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
 phases 5-6 to a launch of its own, `reorder_`: they decide nothing this lookup returns, so they can
 run beside the copy of its misses. The phases:
 1. (entry-wide) hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it
    counts the distinct hit); a missing block is claimed by its first entry (`atomic_min` of an
    encoded entry index written into its own `block_slot` entry, which is negative while it misses);
-2. the claiming entries, in row order, append their blocks to the load list; the first of them
-   take the free slots leading the eviction order (the early loads);
+2. (entry-wide) each program counts its claiming entries, then appends their blocks to the load
+   list after those of the programs before it (row order); the first take the free slots leading
+   the eviction order (the early loads);
 3. where misses outnumber the early loads, a scan of the eviction order writes the victims of the
    others (the late loads);
-4. the loads are installed (the victims' old blocks forgotten), then (entry-wide) every entry reads
-   its slot;
+4. the loads are installed (the victims' old blocks forgotten), then (entry-wide, where asked)
+   every entry reads its slot;
 5. the eviction order is compacted in place (kept slots) and the used slots appended by index;
 6. least recently used slots are freed until `free_ahead` are (they lead the order, by index).
 Launch boundaries order the phases across programs; inside a partition's program CTA barriers do,
@@ -39,7 +40,7 @@ import triton.language as tl
 from .lru import LruTables
 from .reference import LOAD_COUNTERS, LoadCount
 
-MAX_TILE = 4096  # entries (and slots) one program holds per pass: a decode step's lookup fits one tile
+MAX_TILE = 4096  # slots (and misses) a partition's program holds per pass: a decode step's partition fits one tile
 MAX_WARPS = 16  # warps of a program (one per 256 lanes of its tile, at least 4)
 MAX_EARLY = 1024  # the most early loads one lookup of a partition may take
 ENTRIES_PER_PROGRAM = 256  # entries of one partition's selection per program of the entry-wide phases (1, 4's slots)
@@ -68,51 +69,71 @@ def _mark_kernel(
 
 
 @triton.jit
-def _claim_kernel(
-    ids_ptr, first_partition, block_slot_ptr, slot_tick_ptr, order_ptr, clock_ptr, counts_ptr,
+def _count_kernel(
+    ids_ptr, block_slot_ptr, chunk_counts_ptr, num_entries, width, stride_row, stride_head, CHUNK: tl.constexpr
+):  # fmt: skip
+    """Program (h, c), phase 2's first half after `_mark_kernel`: how many of head h's entries
+    c * CHUNK ... claimed their block, into chunk_counts[h, c]."""
+    head = tl.program_id(0)
+    chunk = tl.program_id(1)
+    entry = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+    claims = _claiming(block_slot_ptr, ids, entry, num_entries)
+    tl.store(chunk_counts_ptr + head * tl.num_programs(1) + chunk, tl.sum(claims.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _append_kernel(
+    ids_ptr, first_partition, block_slot_ptr, slot_tick_ptr, order_ptr, clock_ptr, counts_ptr, chunk_counts_ptr,
     load_ids_ptr, load_slots_ptr, load_counts_ptr, early_counts_ptr,
     num_entries, per_partition, width, stride_row, stride_head,
-    BLOCK: tl.constexpr, EARLY: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    """Program h, phase 2 of head h's entries after `_mark_kernel`: its load list (H, E), its misses'
-    count, and the slots of the first ones, which take the free slots leading the eviction order (at
-    most EARLY of them: the early loads). Stores the partition's clock of this lookup."""
+    """Program (h, c), phase 2's second half: the claiming entries of chunk c append their blocks to
+    head h's load list (H, E) after those of the chunks before it (row order), and -1 fills the
+    list's part of the chunk past its misses. Program (h, 0) also stores the lookup's clock, the
+    misses' count and the early loads (the first misses, at most EARLY, take the free slots
+    leading the eviction order)."""
     head = tl.program_id(0)
-    part = (first_partition + head).to(tl.int64)
-    tl.store(clock_ptr + part, tl.load(clock_ptr + part) + 1)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
     lists = head.to(tl.int64) * num_entries
     load_ids_ptr += lists
     load_slots_ptr += lists
-    lanes = tl.arange(0, BLOCK)
-    zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+    before = tl.arange(0, CHUNKS)
+    counted = tl.load(chunk_counts_ptr + head * chunks + before, mask=before < chunks, other=0)
+    offset = tl.sum(tl.where(before < chunk, counted, 0), axis=0)
+    num_misses = tl.sum(counted, axis=0)
+    entry = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
+    claims = _claiming(block_slot_ptr, ids, entry, num_entries)
+    rank = tl.cumsum(claims.to(tl.int32), axis=0) - 1 + offset
+    tl.store(load_ids_ptr + rank, ids, mask=claims)
+    rest = (entry < num_entries) & (entry >= num_misses)
+    tl.store(load_ids_ptr + entry, -1, mask=rest)
+    tl.store(load_slots_ptr + entry, -1, mask=rest)
+    if chunk == 0:
+        part = (first_partition + head).to(tl.int64)
+        tl.store(clock_ptr + part, tl.load(clock_ptr + part) + 1)
+        # the early loads: free slots lead the eviction order (a hit never uses one)
+        front = tl.arange(0, EARLY)
+        in_front = front < per_partition
+        slot = tl.load(order_ptr + part * per_partition + front, mask=in_front, other=0)
+        free = in_front & (tl.load(slot_tick_ptr + slot, mask=in_front, other=0, volatile=True) < 0)
+        early = tl.minimum(tl.sum(free.to(tl.int32), axis=0), num_misses)
+        tl.store(load_slots_ptr + front, slot, mask=front < early)
+        tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
+        tl.store(early_counts_ptr + head, early.to(tl.int64))
+        tl.atomic_add(counts_ptr, num_misses.to(tl.int64), sem="relaxed")
+        tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
 
-    # 2. the claiming entries append their blocks, in row order
-    num_misses = zero
-    for start in range(0, num_entries, BLOCK):
-        entry = start + lanes
-        ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
-        valid = ids >= 0
-        claim = tl.load(block_slot_ptr + ids, mask=valid, other=0, volatile=True)
-        loads = valid & (claim == entry.to(tl.int64) - num_entries - 2)
-        rank = tl.cumsum(loads.to(tl.int32), axis=0) - 1 + num_misses
-        tl.store(load_ids_ptr + rank, ids, mask=loads)
-        num_misses += tl.sum(loads.to(tl.int32), axis=0)
-    for start in range(0, num_entries, BLOCK):
-        entry = start + lanes
-        rest = (entry < num_entries) & (entry >= num_misses)
-        tl.store(load_ids_ptr + entry, -1, mask=rest)
-        tl.store(load_slots_ptr + entry, -1, mask=rest)
-    # the early loads: free slots lead the eviction order (a hit never uses one)
-    front = tl.arange(0, EARLY)
-    in_front = front < per_partition
-    slot = tl.load(order_ptr + part * per_partition + front, mask=in_front, other=0)
-    free = in_front & (tl.load(slot_tick_ptr + slot, mask=in_front, other=0, volatile=True) < 0)
-    early = tl.minimum(tl.sum(free.to(tl.int32), axis=0), num_misses)
-    tl.store(load_slots_ptr + front, slot, mask=front < early)
-    tl.store(load_counts_ptr + head, num_misses.to(tl.int64))
-    tl.store(early_counts_ptr + head, early.to(tl.int64))
-    tl.atomic_add(counts_ptr, num_misses.to(tl.int64), sem="relaxed")
-    tl.atomic_add(counts_ptr + 1, num_misses.to(tl.int64), sem="relaxed")
+
+@triton.jit
+def _claiming(block_slot_ptr, ids, entry, num_entries):
+    """Which entries `entry` (holding `ids`) claimed their block in phase 1 (as its first entry)."""
+    valid = ids >= 0
+    claim = tl.load(block_slot_ptr + ids, mask=valid, other=0, volatile=True)
+    return valid & (claim == entry.to(tl.int64) - num_entries - 2)
 
 
 @triton.jit
@@ -349,9 +370,9 @@ class Installed(NamedTuple):
     late_counts: torch.Tensor
 
 
-def _launch_shape(num_entries: int, per: int, max_tile: int) -> tuple[int, int]:
-    """(tile width, warps) of a lookup's programs that own a partition."""
-    block = min(max_tile, triton.next_power_of_2(max(num_entries, per, 16)))
+def _launch_shape(per: int, max_tile: int) -> tuple[int, int]:
+    """(tile width, warps) of a lookup's programs that own a partition of `per` slots."""
+    block = min(max_tile, triton.next_power_of_2(max(per, 16)))
     return block, max(4, min(MAX_WARPS, block // 256))
 
 
@@ -368,7 +389,6 @@ def claim_(
     counts: torch.Tensor,
     *,
     max_early: int = MAX_EARLY,
-    max_tile: int = MAX_TILE,
 ) -> Claims:
     """Phases 1-2 of `ops.lru.resolve_` for a (B, H, U) selection whose head h uses partition
     `first_partition + h`: hits marked used, misses listed, the early loads' slots written.
@@ -379,17 +399,19 @@ def claim_(
     load_slots = ids.new_empty((heads, num_entries))
     load_counts, early_counts = ids.new_empty((heads,)), ids.new_empty((heads,))
     per = tables.slots_per_partition
-    grid, chunk, chunk_warps = _entry_grid(heads, num_entries)
+    grid, chunk, warps = _entry_grid(heads, num_entries)
+    entry_args = (num_entries, width, heads * width, width)
     _mark_kernel[grid](
-        ids, first_partition, tables.block_slot, tables.slot_tick, tables.clock, counts,
-        num_entries, width, heads * width, width, CHUNK=chunk, num_warps=chunk_warps,
+        ids, first_partition, tables.block_slot, tables.slot_tick, tables.clock, counts, *entry_args,
+        CHUNK=chunk, num_warps=warps,
     )  # fmt: skip
-    block, warps = _launch_shape(num_entries, 0, max_tile)
-    early = triton.next_power_of_2(max(1, min(max_early, per, num_entries)))
-    _claim_kernel[(heads,)](
+    chunk_counts = torch.empty(grid, dtype=torch.int32, device=ids.device)
+    _count_kernel[grid](ids, tables.block_slot, chunk_counts, *entry_args, CHUNK=chunk, num_warps=warps)
+    _append_kernel[grid](
         ids, first_partition, tables.block_slot, tables.slot_tick, tables.slot_order, tables.clock, counts,
-        load_ids, load_slots, load_counts, early_counts, num_entries, per, width, heads * width, width,
-        BLOCK=block, EARLY=early, num_warps=warps,
+        chunk_counts, load_ids, load_slots, load_counts, early_counts, num_entries, per, width, heads * width, width,
+        CHUNK=chunk, CHUNKS=triton.next_power_of_2(grid[1]),
+        EARLY=triton.next_power_of_2(max(1, min(max_early, per, num_entries))), num_warps=warps,
     )  # fmt: skip
     return Claims(load_ids, load_slots, load_counts, early_counts)
 
@@ -416,7 +438,7 @@ def install_(
     per = tables.slots_per_partition
     late_ids, late_slots = torch.empty_like(claims.load_ids), torch.empty_like(claims.load_slots)
     late_counts = torch.empty_like(claims.load_counts)
-    block, warps = _launch_shape(0, per, max_tile)
+    block, warps = _launch_shape(per, max_tile)
     _install_kernel[(heads,)](
         first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
         *claims, late_ids, late_slots, late_counts, num_entries, per, free_ahead,
@@ -440,7 +462,7 @@ def reorder_(
     move to its back) and `free_ahead` slots freed. Nothing the lookup returned changes, so this
     can run beside the copy of its misses and the attention that reads them."""
     per = tables.slots_per_partition
-    block, warps = _launch_shape(0, per, max_tile)
+    block, warps = _launch_shape(per, max_tile)
     _reorder_kernel[(heads,)](
         first_partition, tables.block_slot, tables.slot_block, tables.slot_tick, tables.slot_order, tables.clock,
         per, free_ahead, BLOCK=block, FREE_BLOCK=_free_block(free_ahead, per), num_warps=warps,
@@ -465,6 +487,6 @@ def resolve_(
     `claim_` then `install_`. Returns slots (B, H, U), the load lists (H, B * U) and their lengths
     (H,) (see `ops.lru.resolve_`). `max_tile`: the widest tile (a power of two) one program holds."""
     ids = ids.contiguous()
-    claims = claim_(ids, first_partition, tables, counts, max_tile=max_tile)
+    claims = claim_(ids, first_partition, tables, counts)
     installed = install_(ids, first_partition, tables, claims, free_ahead, max_tile=max_tile)
     return installed.slots, claims.load_ids, claims.load_slots, claims.load_counts
