@@ -106,7 +106,7 @@ def decode_kernel() -> Kernel:
     signature = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "slots_ptr": "*i64", "mask_ptr": "*i64",
                  "scales_ptr": "*bf16", "tail_k_ptr": "*bf16", "tail_v_ptr": "*bf16", "tail_len_ptr": "*i64",
                  "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "resident_ptr": "*i64",
-                 "late_entries_ptr": "*i32"}  # fmt: skip
+                 "late_entries_ptr": "*i32", "block_slot_ptr": "*i64"}  # fmt: skip
     strides = ("stride_qb", "stride_qh", "stride_sb", "stride_sh", "stride_mb", "stride_mh", "stride_tb", "stride_th",
                "stride_ts")  # fmt: skip
     counts = ("num_kv_heads", "num_loaded", "num_splits", "first_part", "num_parts")

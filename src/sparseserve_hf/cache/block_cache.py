@@ -151,8 +151,13 @@ class HbmBlockCache:
 
     @plain_tensors
     def lookup(
-        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True
-    ) -> torch.Tensor:
+        self,
+        block_ids: torch.Tensor,
+        dram: BlockPool,
+        first_partition: int = 0,
+        settle: bool = True,
+        entry_slots: bool = True,
+    ) -> torch.Tensor | None:
         """Slots holding `block_ids` (B, H, U) (-1 = unused; duplicates allowed), loading the misses.
 
         KV head h's blocks live in partition `first_partition + h` (all in the one partition of a
@@ -160,18 +165,9 @@ class HbmBlockCache:
         where unused; the counters `counts()` reads are updated too. `settle=False`: the eviction
         order's upkeep may still run on a side stream after the copy is done (see `reorder`);
         the caller runs `settle()` on its stream once it has queued what reads the slots.
+        `entry_slots=False` returns None where that saves a launch: `tables.block_slot` then maps
+        every block looked up to its slot, for a reader that needs only a few (the misses).
         """
-        return self._lookup(block_ids, dram, first_partition, settle, entry_slots=True)
-
-    @plain_tensors
-    def load(self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int = 0, settle: bool = True) -> None:
-        """`lookup` without writing each entry's slot: afterwards `tables.block_slot` maps every block
-        looked up to its slot, for a reader that needs only a few entries' slots (the misses)."""
-        self._lookup(block_ids, dram, first_partition, settle, entry_slots=False)
-
-    def _lookup(
-        self, block_ids: torch.Tensor, dram: BlockPool, first_partition: int, settle: bool, entry_slots: bool
-    ) -> torch.Tensor | None:
         if block_ids.dim() != 3:
             raise ValueError(f"block_ids must be (B, H, U), got shape {tuple(block_ids.shape)}")
         self.prepare(tuple(block_ids.shape), dram, first_partition)

@@ -359,14 +359,14 @@ class TieredBlockStore:
         block_ids, resident = self.ops.picked_blocks(table, picked, valid, self.hbm.tables, count)
         main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if main is None:
-            self.hbm.load(block_ids, self.dram, first_partition)
+            self.fetch(block_ids, first_partition)
             return block_ids, resident, lambda: self.hbm.tables.block_slot
         if self._lookup_stream is None:
             self._lookup_stream = torch.cuda.Stream(self.device, priority=-1)  # its few programs start first
         side = self._lookup_stream
         side.wait_stream(main)  # the selection is written there
         with torch.cuda.stream(side):
-            self.hbm.load(block_ids, self.dram, first_partition, settle=False)
+            self.hbm.lookup(block_ids, self.dram, first_partition, settle=False, entry_slots=False)
 
         def join() -> torch.Tensor:
             main.wait_stream(side)
