@@ -5,6 +5,8 @@
     python -m eval.bench.kernel_sass combine --warps 4             # the rank interleave on 4 warps
     python -m eval.bench.kernel_sass union --knob BLOCK_N=4096     # the top-k and union over 4,096-block tables
     python -m eval.bench.kernel_sass decode --stages 2             # the attention split kernel, 2 stages
+    python -m eval.bench.kernel_sass decode --knob LATE=1          # its late half (slots through the table)
+    python -m eval.bench.kernel_sass append                        # the lookup's listing of its misses
     python -m eval.bench.kernel_sass channels --json out.json
 
 The GPU is lent for minutes; the compiler runs anywhere. Registers (they bound occupancy) and the
@@ -120,11 +122,42 @@ def decode_kernel() -> Kernel:
                   triton_decode.SPLIT_STAGES, aligned)  # fmt: skip
 
 
+def append_kernel() -> Kernel:
+    """The lookup's ordered listing of its misses (`ops.triton_resolve`'s claims, second launch) at
+    B=16 x 32K: 16 programs of 256 entries per (layer, KV head) partition, early loads from 4,072 slots."""
+    from sparseserve_hf.ops import triton_resolve
+
+    pointers = ("ids", "block_slot", "slot_tick", "order", "clock", "counts", "chunk_counts", "load_ids", "load_slots",
+                "load_counts", "early_counts")  # fmt: skip
+    signature = {f"{name}_ptr": "*i32" if name == "chunk_counts" else "*i64" for name in pointers}
+    signature |= {name: "i32" for name in ("first_partition", "num_entries", "per_partition", "width", "stride_row",
+                                           "stride_head")}  # fmt: skip
+    signature = {name: signature[name] for name in triton_resolve._append_kernel.arg_names if name in signature}
+    constants = dict(CHUNK=triton_resolve.ENTRIES_PER_PROGRAM, CHUNKS=16, EARLY=1024)
+    return Kernel(triton_resolve._append_kernel, signature, constants, 4)
+
+
+def install_kernel() -> Kernel:
+    """The lookup's install (`ops.triton_resolve`) of one partition of 4,072 slots, as the step launches it
+    (the eviction order's upkeep in a launch of its own)."""
+    from sparseserve_hf.ops import triton_resolve
+
+    pointers = ("block_slot", "slot_block", "slot_tick", "order", "clock", "load_ids", "load_slots", "load_counts",
+                "early_counts", "late_ids", "late_slots", "late_counts")  # fmt: skip
+    signature = {f"{name}_ptr": "*i64" for name in pointers}
+    signature |= {name: "i32" for name in ("first_partition", "num_entries", "per_partition", "free_ahead")}
+    signature = {name: signature[name] for name in triton_resolve._install_kernel.arg_names if name in signature}
+    constants = dict(BLOCK=triton_resolve.MAX_TILE, FREE_BLOCK=128, ORDER=False)
+    return Kernel(triton_resolve._install_kernel, signature, constants, triton_resolve.MAX_WARPS)
+
+
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "channels": channels_kernel,
     "combine": combine_kernel,
     "union": union_kernel,
     "decode": decode_kernel,
+    "append": append_kernel,
+    "install": install_kernel,
 }
 
 

@@ -79,3 +79,12 @@ def test_the_union_kernel_builds_and_reports_its_spills(tmp_path):
     assert 0 < result["registers"] <= 255 and result["stack_bytes"] >= 0 and result["constants"]["K"] == 63
     assert f"{result['registers']} registers ({result['stack_bytes']} bytes spilled)" in run.stdout
     assert result["kinds"]["LDG"] > 0  # the group's scores are read
+
+
+def test_the_lookup_listing_kernel_is_built_as_launched(tmp_path):
+    """The lookup's entry-wide listing of its misses: a small program (4 warps) that fits beside attention."""
+    out = tmp_path / "append.json"
+    run = kernel_sass("append", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["num_warps"] == 4 and 0 < result["registers"] <= 128 and result["programs_per_sm"] >= 4
