@@ -68,6 +68,11 @@
 #               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
 #               it, alternating, twice each
 #   aheadload   the same timings with load_budget=4096 (all 16 rows decode), without the tests
+#   widelookup  the lookup's entry-wide programs: the lookup, decode and captured-step GPU tests, then the captured
+#               step per layer (8-layer cut) with the defaults, with the partition programs' tiles at 1,024 and
+#               2,048 lanes (triton_resolve.MAX_TILE) and with 512 entries per program, the defaults and 1,024
+#               again; with BASE_SRC=DIR and BASE_COMMIT=SHA (another commit's src/, carried, and its hash) that
+#               source's step too, twice, between them; then the real-locality step with stock
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -183,6 +188,21 @@ case $part in
       | tee "$out/gpu_pytest_slots.log" | tail -5
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
       --out "$out/decode_step_slots.json" 2>&1 | tee "$out/decode_step_slots.log" | tail -14 ;;
+  widelookup)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_resolve.py tests/ops/test_decode.py \
+      tests/test_decode_graph.py tests/test_sync_free_decode.py tests/test_static_decoder.py 2>&1 \
+      | tee "$out/gpu_pytest_widelookup.log" | tail -5
+    for knob in "" "--knob triton_resolve.MAX_TILE=1024" "base" "--knob triton_resolve.MAX_TILE=2048" \
+      "--knob triton_resolve.ENTRIES_PER_PROGRAM=512" "" "base" "--knob triton_resolve.MAX_TILE=1024"; do
+      if [[ $knob == base ]]; then
+        [[ -n ${BASE_SRC:-} ]] && PYTHONPATH=$BASE_SRC:. SPARSESERVE_COMMIT=${BASE_COMMIT:?} python -m eval.bench.step_knobs \
+          --out "$out/step_knobs_widelookup.jsonl" 2>&1 | tail -1
+      else
+        python -m eval.bench.step_knobs $knob --out "$out/step_knobs_widelookup.jsonl" 2>&1 | tail -1
+      fi
+    done
+    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
+      --out "$out/decode_step_widelookup.json" 2>&1 | tee "$out/decode_step_widelookup.log" | tail -14 ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
