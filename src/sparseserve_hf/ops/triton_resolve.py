@@ -43,7 +43,7 @@ from .reference import LOAD_COUNTERS, LoadCount
 MAX_TILE = 4096  # slots (and misses) a partition's program holds per pass: a decode step's partition fits one tile
 MAX_WARPS = 16  # warps of a program (one per 256 lanes of its tile, at least 4)
 MAX_EARLY = 1024  # the most early loads one lookup of a partition may take
-ENTRIES_PER_PROGRAM = 256  # entries of one partition's selection per program of the entry-wide phases (1, 4's slots)
+ENTRIES_PER_PROGRAM = 256  # entries of one partition's selection per program of the entry-wide phases (1, 2, 4's slots)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _mark_kernel(
     num_entries, width, stride_row, stride_head, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Program (h, c), phase 1 of head h's entries c * CHUNK ... (entry e is ids[e // width, h, e % width]):
-    hits stamped with the lookup's clock (the partition's, plus one: `_claim_kernel` stores it),
+    hits stamped with the lookup's clock (the partition's, plus one: `_append_kernel` stores it),
     misses claimed by their first entry (claim = e - E - 2 <= -2), distinct hits counted."""
     head = tl.program_id(0)
     part = (first_partition + head).to(tl.int64)
