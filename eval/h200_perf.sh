@@ -265,7 +265,7 @@ case $part in
     grep -E "Duration|Throughput|Stall|Issue|Occupancy|Registers|Warp Cycles|Executed Ipc|L1/TEX Hit" \
       "$out/ncu_channels.txt" | head -60
     "$ncu_bin" --clock-control none --set full \
-      --kernel-name regex:"_score_kernel|_combine_kernel|_select_union_kernel|_claim_kernel|_install_kernel" \
+      --kernel-name regex:"_score_kernel|_combine_kernel|_select_union_kernel|_mark_kernel|_count_kernel|_append_kernel|_install_kernel" \
       --launch-skip 100 --launch-count 10 \
       python -m eval.bench.step_knobs --layers 4 --warmup 20 --steps 5 > "$out/ncu_selection.txt" 2>&1 || true
     grep -E "^  _|Duration|Stall|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc" \

@@ -143,7 +143,7 @@ def _install_kernel(
     num_entries, per_partition, free_ahead,
     BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr, ORDER: tl.constexpr,
 ):  # fmt: skip
-    """Program h, phases 3-6 after `_claim_kernel`: the late loads' victims (also listed from 0 in
+    """Program h, phases 3-6 after `claim_`'s kernels: the late loads' victims (also listed from 0 in
     `late_*`), the install, and with ORDER the eviction order and the slots freed ahead (else
     `_reorder_kernel` runs those after it). No phase moves a block this lookup uses, so its entries'
     slots (`_slots_kernel`) read the same before and after 5-6."""
