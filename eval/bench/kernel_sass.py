@@ -122,19 +122,21 @@ def decode_kernel() -> Kernel:
                   triton_decode.SPLIT_STAGES, aligned)  # fmt: skip
 
 
+def _lookup_signature(fn: Any, int32_pointers: tuple[str, ...] = ()) -> dict[str, str]:
+    """A lookup kernel's runtime arguments typed: its tables and lists are int64 (but `int32_pointers`),
+    its counts and strides int32."""
+    names = [param.name for param in fn.params if not param.is_constexpr]
+    return {name: ("*i32" if name in int32_pointers else "*i64") if name.endswith("_ptr") else "i32" for name in names}
+
+
 def append_kernel() -> Kernel:
     """The lookup's ordered listing of its misses (`ops.triton_resolve`'s claims, second launch) at
     B=16 x 32K: 16 programs of 256 entries per (layer, KV head) partition, early loads from 4,072 slots."""
     from sparseserve_hf.ops import triton_resolve
 
-    pointers = ("ids", "block_slot", "slot_tick", "order", "clock", "counts", "chunk_counts", "load_ids", "load_slots",
-                "load_counts", "early_counts")  # fmt: skip
-    signature = {f"{name}_ptr": "*i32" if name == "chunk_counts" else "*i64" for name in pointers}
-    signature |= {name: "i32" for name in ("first_partition", "num_entries", "per_partition", "width", "stride_row",
-                                           "stride_head")}  # fmt: skip
-    signature = {name: signature[name] for name in triton_resolve._append_kernel.arg_names if name in signature}
+    fn = triton_resolve._append_kernel
     constants = dict(CHUNK=triton_resolve.ENTRIES_PER_PROGRAM, CHUNKS=16, EARLY=1024)
-    return Kernel(triton_resolve._append_kernel, signature, constants, 4)
+    return Kernel(fn, _lookup_signature(fn, ("chunk_counts_ptr",)), constants, 4)
 
 
 def install_kernel() -> Kernel:
@@ -142,13 +144,9 @@ def install_kernel() -> Kernel:
     (the eviction order's upkeep in a launch of its own)."""
     from sparseserve_hf.ops import triton_resolve
 
-    pointers = ("block_slot", "slot_block", "slot_tick", "order", "clock", "load_ids", "load_slots", "load_counts",
-                "early_counts", "late_ids", "late_slots", "late_counts")  # fmt: skip
-    signature = {f"{name}_ptr": "*i64" for name in pointers}
-    signature |= {name: "i32" for name in ("first_partition", "num_entries", "per_partition", "free_ahead")}
-    signature = {name: signature[name] for name in triton_resolve._install_kernel.arg_names if name in signature}
+    fn = triton_resolve._install_kernel
     constants = dict(BLOCK=triton_resolve.MAX_TILE, FREE_BLOCK=128, ORDER=False)
-    return Kernel(triton_resolve._install_kernel, signature, constants, triton_resolve.MAX_WARPS)
+    return Kernel(fn, _lookup_signature(fn), constants, triton_resolve.MAX_WARPS)
 
 
 KERNELS: dict[str, Callable[[], Kernel]] = {

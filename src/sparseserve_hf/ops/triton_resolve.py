@@ -9,9 +9,9 @@ launch per step that needs all of the one before: one program doing it over a st
 entries was the lookup's longest part, and it shared its SM with the attention running beside it.
 `claim_` (phases 1-2) and `install_` (phases 3-4) split the lookup where its misses are known: the
 misses that land in the partition's free slots (the first of the eviction order, which
-`free_ahead` keeps free) can be copied while `install_` still chooses the other victims. `install_(..., reorder=False)` leaves
-phases 5-6 to a launch of its own, `reorder_`: they decide nothing this lookup returns, so they can
-run beside the copy of its misses. The phases:
+`free_ahead` keeps free) can be copied while `install_` still chooses the other victims.
+`install_(..., reorder=False)` leaves phases 5-6 to a launch of its own, `reorder_`: they decide
+nothing this lookup returns, so they can run beside the copy of its misses. The phases:
 1. (entry-wide) hits mark their slots used (`atomic_xchg` on the tick: the entry that changed it
    counts the distinct hit); a missing block is claimed by its first entry (`atomic_min` of an
    encoded entry index written into its own `block_slot` entry, which is negative while it misses);
@@ -24,8 +24,8 @@ run beside the copy of its misses. The phases:
    every entry reads its slot;
 5. the eviction order is compacted in place (kept slots) and the used slots appended by index;
 6. least recently used slots are freed until `free_ahead` are (they lead the order, by index).
-Launch boundaries order the phases across programs; inside a partition's program CTA barriers do,
-and only that program touches the partition's order, so its atomics are relaxed and CTA-scoped.
+Launch boundaries order the phases across programs, CTA barriers inside a partition's program; so
+every atomic (phase 1's, the counters') is relaxed: no memory fence per atomic instruction.
 Same decisions as `ops.lru.resolve_`, tested against it on random inputs.
 """
 
@@ -209,7 +209,7 @@ def _slots_kernel(
     ids = _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head)
     valid = ids >= 0
     slot = tl.load(block_slot_ptr + ids, mask=valid, other=-1, volatile=True)
-    out = (entry // width) * stride_row + head * stride_head + entry % width  # the ids' layout, contiguous
+    out = _entry_offset(entry, width, stride_row, stride_head, head)  # the ids' layout, contiguous
     tl.store(slots_ptr + out, tl.where(valid, slot, -1), mask=entry < num_entries)
 
 
@@ -279,9 +279,14 @@ def _keep_order(
 @triton.jit
 def _entry_ids(ids_ptr, entry, num_entries, width, stride_row, stride_head, head):
     """Head `head`'s entries `entry` of the (B, H, width) ids (contiguous in the last dim); -1 past the end."""
-    inside = entry < num_entries
-    offset = (entry // width) * stride_row + head * stride_head + entry % width
-    return tl.load(ids_ptr + offset, mask=inside, other=-1)
+    offset = _entry_offset(entry, width, stride_row, stride_head, head)
+    return tl.load(ids_ptr + offset, mask=entry < num_entries, other=-1)
+
+
+@triton.jit
+def _entry_offset(entry, width, stride_row, stride_head, head):
+    """Where head `head`'s entry `entry` (row entry // width, column entry % width) sits in (B, H, width)."""
+    return (entry // width) * stride_row + head * stride_head + entry % width
 
 
 @triton.jit
