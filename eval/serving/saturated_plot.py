@@ -1,5 +1,5 @@
 """The second edition's saturated points in one figure: tokens/s and mean TTFT, best stock beside ours,
-per trace, each bar pair labelled with its ratio and T5's target for it.
+per trace, each bar pair labelled with its ratio and the project's target for it.
 
 Reads the files `python -m eval.serving join` writes (`compact.join_saturated` plus the command):
 `python -m eval.serving plot-saturated decode_heavy=FILE "paper, first 20"=FILE --out PNG`.
@@ -12,14 +12,14 @@ from typing import Any
 
 from eval.results_io import read_json, save_plot
 
-# T5's saturated targets per trace (ours over best stock tokens/s; best stock's mean TTFT over ours)
+# The saturated-serving targets per trace (ours over best stock tokens/s; best stock's mean TTFT over ours)
 TARGETS = {"paper": (3.0, 3.0), "decode_heavy": (6.0, 9.0)}
 STOCK_COLOR, OURS_COLOR = "tab:blue", "tab:red"
 
 
 def saturated_points(named: dict[str, Path]) -> list[dict[str, Any]]:
     """`{label: joined file}` -> one row per trace: its label, the trace (the label's first word, which
-    names T5's targets), both systems' joined figures, the ratios, the requests compared and the GPUs
+    names its targets), both systems' joined figures, the ratios, the requests compared and the GPUs
     the parts ran on.
     ValueError names a file that is not a join's output."""
     rows = []
@@ -55,7 +55,7 @@ def plot_saturated(rows: list[dict[str, Any]], path: Path) -> None:
 
 def draw_saturated(rows: list[dict[str, Any]]):
     """Two panels (tokens/s, mean TTFT on a log scale), a stock and an ours bar per trace; above each
-    pair its ratio and, where the trace has one, T5's target. Returns the matplotlib figure."""
+    pair its ratio and, where the trace has one, its target. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
