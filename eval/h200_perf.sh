@@ -73,8 +73,6 @@
 #               2,048 lanes (triton_resolve.MAX_TILE) and with 512 entries per program, the defaults and 1,024
 #               again; with BASE_SRC=DIR and BASE_COMMIT=SHA (another commit's src/, carried, and its hash) that
 #               source's step too, twice, between them; then the real-locality step with stock
-#   searchbits  the captured step per layer (8-layer cut) with the top-k searches' top 8, 12 and 16 key bits taken
-#               without their early-exit test (triton_select.UNTESTED_BITS), the defaults between them
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -205,11 +203,6 @@ case $part in
     done
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_widelookup.json" 2>&1 | tee "$out/decode_step_widelookup.log" | tail -14 ;;
-  searchbits)
-    for knob in "" "--knob triton_select.UNTESTED_BITS=12" "--knob triton_select.UNTESTED_BITS=8" "" \
-      "--knob triton_select.UNTESTED_BITS=16" "--knob triton_select.UNTESTED_BITS=12"; do
-      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_searchbits.jsonl" 2>&1 | tail -1
-    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -281,5 +274,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, searchbits, widelookup, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

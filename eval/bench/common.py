@@ -77,9 +77,7 @@ def apply_knobs(knobs: list[str]) -> dict[str, Any]:
         if not hasattr(module, name) or not name.isupper():
             raise ValueError(f"knob {knob!r}: {package}.{module_name} has no constant {name}")
         value = ast.literal_eval(text)
-        old = getattr(module, name)
-        # a Triton kernel's global must stay a constexpr: wrap the new value as the old one was
-        setattr(module, name, type(old)(value) if type(old).__name__ == "constexpr" else value)
+        setattr(module, name, value)
         applied[target] = value
     return applied
 

@@ -50,19 +50,3 @@ def test_a_wide_table_with_many_ties_ranks_them_by_block_index():
     want = torch.where(torch.isneginf(full), full, full.clamp(min=-2.0 * 61))
     got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 61).cpu()
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("untested", [0, 8, 24])
-def test_the_searchs_untested_top_bits_change_nothing(monkeypatch, untested):
-    # The early-exit test only ends a search early: a search that skips it for its top bits
-    # lists the same blocks (ties included).
-    import triton.language as tl
-
-    from sparseserve_hf.ops import triton_select
-
-    monkeypatch.setattr(triton_select, "UNTESTED_BITS", tl.constexpr(untested))
-    torch.manual_seed(5)
-    first, second = ragged_scores(3, 4, 200, [200, 71, 1]), torch.randint(0, 6, (3, 4, 200)).float()
-    full = reference.combine_by_rank(first, second)  # the full ranking breaks ties by position, as the kernel
-    got = triton_rank.combine_top_ranks(first.to(DEVICE), second.to(DEVICE), 40).cpu()
-    assert torch.equal(got, torch.where(torch.isneginf(full), full, full.clamp(min=-2.0 * 40)))

@@ -27,9 +27,6 @@ import triton.language as tl
 FORCED_KEY = tl.constexpr((1 << 32) + 1)
 FLOAT_KEY_BITS = 33
 EARLY_EXIT_BITS = tl.constexpr(16)  # longer searches stop once they part the top k (`top_k_rows`)
-# The top key bits that such a search takes without that test (a launch knob): each test is a second
-# reduction per step, and the sign and exponent bits of float scores rarely part the top k.
-UNTESTED_BITS = tl.constexpr(0)
 ORDER_KEY_BITS = tl.constexpr(32)
 UNION_WARPS: int | None = None  # the union kernel's warps (a launch knob); None: by the table's width
 
@@ -61,17 +58,14 @@ def top_k_rows(key, live, k, BITS: tl.constexpr):
     from the top bit down: one count reduction per key bit serves every row at once. A search of
     more than EARLY_EXIT_BITS bits stops as soon as every row's prefix so far is reached by
     exactly k keys (those keys are then the row's top k, whatever the lower bits hold): the k-th
-    and (k+1)-th largest scores usually part long before the last bit. The top UNTESTED_BITS bits
-    are searched without that test (it only ends a search early, so the result is the same). Rows that ran to the last
+    and (k+1)-th largest scores usually part long before the last bit. Rows that ran to the last
     bit take every key above t and the lowest-index live ties up to k.
     """
     threshold = tl.zeros([key.shape[0]], dtype=key.dtype)
     one = tl.full([key.shape[0]], 1, dtype=key.dtype)
     reach = tl.sum(tl.broadcast_to(live, key.shape).to(tl.int32), axis=1)  # live keys >= the threshold so far
     if BITS > EARLY_EXIT_BITS:
-        for top in tl.static_range(BITS - 1, BITS - 1 - UNTESTED_BITS, -1):
-            threshold, reach = _search_step(key, threshold, reach, threshold | (one << top), k)
-        bit = tl.zeros([], tl.int32) + (BITS - 1 - UNTESTED_BITS)
+        bit = tl.zeros([], tl.int32) + (BITS - 1)
         while (bit >= 0) & (tl.max((reach > k).to(tl.int32), axis=0) > 0):
             threshold, reach = _search_step(key, threshold, reach, threshold | (one << bit.to(key.dtype)), k)
             bit -= 1
