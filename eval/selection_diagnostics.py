@@ -239,12 +239,16 @@ POOLED = {f"{base}_pooled{cap}": (base, cap) for base in ("oracle", *_BLOCK_CHAN
 # every block (the dense prefill computes it; the recording keeps that query).
 # "_fbnow": as "_fblse", with this step's exact log-sum-exp of those blocks (this step's query re-scores
 # the last step's blocks from their keys, which a sparse step would have to read again for it).
+# "_fbstick{B}": no exact numbers: the blocks loaded at t - 1 get B nats more in the estimate's per-block
+# log-sum-exp (their estimated mass times e^B) before the softmax: a preference for what is already loaded.
+STICKY_BONUS = {"stick05": 0.5, "stick1": 1.0, "stick2": 2.0}
 FEEDBACK = {
     f"{base}_fb{mode}": (base, mode)
     for base in _BLOCK_CHANNEL_BASES
-    for mode in ("max", "exact", "lse", "now", "prefill")
+    for mode in ("max", "exact", "lse", "now", "prefill", *STICKY_BONUS)
 }
-LSE_FEEDBACK = ("lse", "now", "prefill")  # the modes that feed back exact log-sum-exps, as a sparse step can
+# the modes that score by the estimate's log-sum-exp with something of the last step's added, as a sparse step can
+LSE_FEEDBACK = ("lse", "now", "prefill", *STICKY_BONUS)
 for _name, (_base, _) in (POOLED | FEEDBACK).items():
     _derive(_name, _base)
 PROMPT_QUERIES = 64  # the prompt's last queries a calibrated channel choice may look at
@@ -729,7 +733,11 @@ def block_channel_scores(
             torch.ones(last.shape[0], num_full, dtype=torch.bool),
             exact_block_lse(last, keys, num_full, size, scaling),
         )
-    if before is not None:
+    if before is not None and mode in STICKY_BONUS:
+        chosen = before[0]
+        width = chosen.shape[1]
+        lse = torch.cat((lse[:, :width] + STICKY_BONUS[mode] * chosen, lse[:, width:]), dim=1)
+    elif before is not None:
         chosen, exact = before
         if mode == "now":  # this step's query re-scores the last step's blocks
             exact = exact_block_lse(q, keys, chosen.shape[1], size, scaling)
@@ -745,7 +753,7 @@ def after_step(
     log-sum-exps ("lse", "prefill"), their true mass ("max", "exact"), or nothing ("now" re-scores)."""
     if mode in ("lse", "prefill"):
         return chosen, exact_block_lse(q, keys, chosen.shape[1], config.block_size, rec.scaling)
-    return chosen, None if mode == "now" else mass.block_mass
+    return chosen, None if mode == "now" or mode in STICKY_BONUS else mass.block_mass
 
 
 def pool_cap(name: str) -> int | None:
