@@ -167,6 +167,19 @@ def measure_dense(args, device, dtype, shape: str) -> tuple[float, list[float]]:
     return min(windows), windows
 
 
+def dense_or_why(args, device, dtype, shape: str) -> tuple[float | None, list[float] | None, str | None]:
+    """`measure_dense`, or (None, None, why) where stock's cache does not fit the device: a DynamicCache of
+    B=16 x 32K on the 8B shape (68 GB beside 15 GB of weights) fills an 80 GB card. Ours is measured
+    either way; the JSON then says that stock could not run at this shape here."""
+    try:
+        return *measure_dense(args, device, dtype, shape), None
+    except torch.OutOfMemoryError as exc:
+        why = f"out of memory: {str(exc).splitlines()[0]}"
+    free_memory(device)  # after the handler: the traceback held stock's model and cache
+    print(f"stock DynamicCache step: {why}")
+    return None, None, why
+
+
 def measure_dense_expandable(argv: list[str]) -> float | None:
     """Stock's DynamicCache step in a child process under expandable segments; None when it fails."""
     child = [a for a in argv if a != "--graph"] + ["--stock-only", "--skip-static"]
@@ -469,8 +482,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     bw = bandwidths(device)
     free_memory(device)
-    dense, windows = (None, None) if args.skip_dense else measure_dense(args, device, dtype, shape)
-    expandable = measure_dense_expandable(argv) if args.stock_expandable and not args.skip_dense else None
+    dense, windows, dense_error = (None, None, None) if args.skip_dense else dense_or_why(args, device, dtype, shape)
+    expandable = measure_dense_expandable(argv) if args.stock_expandable and dense is not None else None
     static = None if args.skip_dense or args.skip_static else measure_static(args, device, dtype, shape)
     stock = [ms for ms in (dense, expandable, static) if ms is not None]
     stock_best = min(stock) if stock else None
@@ -482,6 +495,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **run_record(device),
         "stock_dynamic_ms": dense,
         "stock_dynamic_windows_ms": windows,
+        "stock_dynamic_error": dense_error,
         "stock_dynamic_expandable_ms": expandable,
         "stock_static_ms": static,
         "stock_best_ms": stock_best,

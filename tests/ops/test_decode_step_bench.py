@@ -26,7 +26,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     stock_keys = ("stock_dynamic_ms", "stock_dynamic_expandable_ms", "stock_static_ms")
     for key in (*stock_keys, "stock_best_ms", "hbm_copy_gb_per_s", "pcie_h2d_gb_per_s"):
         assert result[key] > 0, key
-    assert result["stock_best_ms"] == min(result[key] for key in stock_keys)
+    assert result["stock_best_ms"] == min(result[key] for key in stock_keys) and result["stock_dynamic_error"] is None
     windows = result["stock_dynamic_windows_ms"]
     assert len(windows) == 3 and result["stock_dynamic_ms"] == min(windows)  # the fastest window counts
     assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
@@ -68,3 +68,19 @@ def test_the_breakdown_times_the_lookup_before_attention():
     assert not store.lookup_beside
     restore()
     assert store.lookup_beside
+
+
+def test_stock_that_does_not_fit_the_card_is_recorded_with_why(monkeypatch):
+    """Stock's DynamicCache of B=16 x 32K on the 8B shape (68 GB of KV beside 15 GB of weights) fills an 80 GB card:
+    the benchmark records why stock is missing and goes on to measure ours."""
+    from eval.bench import decode_step
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1018.00 MiB.\nmore detail")
+
+    monkeypatch.setattr(decode_step, "measure_dense", out_of_memory)
+    dense, windows, why = decode_step.dense_or_why(None, torch.device("cpu"), torch.float32, "tiny")
+    assert dense is None and windows is None
+    assert why == "out of memory: CUDA out of memory. Tried to allocate 1018.00 MiB."
+    monkeypatch.setattr(decode_step, "measure_dense", lambda *args: (2.0, [2.5, 2.0]))
+    assert decode_step.dense_or_why(None, torch.device("cpu"), torch.float32, "tiny") == (2.0, [2.5, 2.0], None)
