@@ -73,6 +73,9 @@
 #               2,048 lanes (triton_resolve.MAX_TILE) and with 512 entries per program, the defaults and 1,024
 #               again; with BASE_SRC=DIR and BASE_COMMIT=SHA (another commit's src/, carried, and its hash) that
 #               source's step too, twice, between them; then the real-locality step with stock
+#   twolevelwide the two-level selection's kernel tests, then score + top-k + attention at B=32 x 128K (the default
+#               config's rows) with one-level selection (the default there: 1,024 programs fill the GPU) and with
+#               two levels anyway (triton_two_level.FEW_PROGRAMS_ONLY=False) in 2,048- and 1,024-block chunks
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -203,6 +206,15 @@ case $part in
     done
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_widelookup.json" 2>&1 | tee "$out/decode_step_widelookup.log" | tail -14 ;;
+  twolevelwide)
+    python -m pytest -q -p no:cacheprovider tests/ops/test_two_level.py 2>&1 | tail -2
+    run=0
+    for knob in "" "--knob triton_two_level.FEW_PROGRAMS_ONLY=False" \
+      "--knob triton_two_level.FEW_PROGRAMS_ONLY=False --knob triton_two_level.CHUNK=1024" ""; do
+      run=$((run + 1))
+      timeout 150 python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only $knob \
+        --out "$out/decode_attention_twolevel_$run.json" 2>&1 | tail -4
+    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -274,5 +286,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, twolevelwide, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac

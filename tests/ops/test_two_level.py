@@ -145,6 +145,9 @@ def test_two_levels_only_where_the_one_level_programs_cannot_fill_the_gpu(monkey
     assert triton_two_level.takes_two_levels(64, 64, device)  # B=2 x 32 query heads: half the SMs idle
     assert not triton_two_level.takes_two_levels(132, 4096, device)  # a program for every SM already
     assert not triton_two_level.takes_two_levels(64, 63, device)  # a narrower table
+    monkeypatch.setattr(triton_two_level, "FEW_PROGRAMS_ONLY", False)  # the launch knob: wide tables always
+    assert triton_two_level.takes_two_levels(1024, 4096, device)
+    assert not triton_two_level.takes_two_levels(1024, 63, device)
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", None)
     assert not triton_two_level.takes_two_levels(1, 1 << 20, device)
 

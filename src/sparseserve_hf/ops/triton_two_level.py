@@ -41,8 +41,10 @@ from .triton_select import (
 
 # Launch knobs: tables at least MIN_TABLE blocks wide (64K tokens of 32-token blocks) select in two
 # levels of CHUNK-block pieces when the one-level kernel's programs (one per row and head) are fewer
-# than the GPU's SMs, so cannot fill it; else in one level. None: always one level.
+# than the GPU's SMs, so cannot fill it (with FEW_PROGRAMS_ONLY False: whatever their number); else in
+# one level. None: always one level.
 MIN_TABLE: int | None = 2048
+FEW_PROGRAMS_ONLY = True
 CHUNK = 2048
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
@@ -241,8 +243,9 @@ def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> 
 def takes_two_levels(programs: int, num_table: int, device: torch.device) -> bool:
     """Whether a one-level selection of `programs` programs over `num_table`-block tables runs in
     two levels instead: a table of at least MIN_TABLE blocks, and fewer programs than the GPU has
-    SMs (on CPU, the interpreter's: any number)."""
-    return MIN_TABLE is not None and num_table >= MIN_TABLE and programs < _multiprocessors(device)
+    SMs (on CPU, the interpreter's: any number; with FEW_PROGRAMS_ONLY False, any number anywhere)."""
+    few = programs < _multiprocessors(device) or not FEW_PROGRAMS_ONLY
+    return MIN_TABLE is not None and num_table >= MIN_TABLE and few
 
 
 def _multiprocessors(device: torch.device) -> int | float:
