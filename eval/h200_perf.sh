@@ -74,8 +74,8 @@
 #               again; with BASE_SRC=DIR and BASE_COMMIT=SHA (another commit's src/, carried, and its hash) that
 #               source's step too, twice, between them; then the real-locality step with stock
 #   twolevelwide the two-level selection's kernel tests, then score + top-k + attention at B=32 x 128K (the default
-#               config's rows) with one-level selection (the default there: 1,024 programs fill the GPU) and with
-#               two levels anyway (triton_two_level.FEW_PROGRAMS_ONLY=False) in 2,048- and 1,024-block chunks
+#               config's rows): the default (two levels in FILLED_CHUNK pieces: the rows fill the GPU) and one
+#               level (triton_two_level.MIN_TABLE=None), alternating, then 512- and 2,048-block pieces
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -209,11 +209,11 @@ case $part in
   twolevelwide)
     python -m pytest -q -p no:cacheprovider tests/ops/test_two_level.py 2>&1 | tail -2
     run=0
-    for knob in "" "--knob triton_two_level.FEW_PROGRAMS_ONLY=False" \
-      "--knob triton_two_level.FEW_PROGRAMS_ONLY=False --knob triton_two_level.CHUNK=1024" ""; do
+    for knob in "" "--knob triton_two_level.MIN_TABLE=None" "" "--knob triton_two_level.MIN_TABLE=None" \
+      "--knob triton_two_level.FILLED_CHUNK=512" "--knob triton_two_level.FILLED_CHUNK=2048"; do
       run=$((run + 1))
-      timeout 150 python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only $knob \
-        --out "$out/decode_attention_twolevel_$run.json" 2>&1 | tail -4
+      timeout 120 python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only $knob \
+        --out "$out/decode_attention_twolevel_$run.json" 2>&1 | tail -1
     done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do

@@ -138,28 +138,36 @@ def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_two_levels_only_where_the_one_level_programs_cannot_fill_the_gpu(monkeypatch):
+def test_wide_tables_take_two_levels_in_chunks_by_how_many_programs_one_level_would_run(monkeypatch):
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
     monkeypatch.setattr(triton_two_level, "_multiprocessors", lambda device: 132)
     device = torch.device("cpu")
-    assert triton_two_level.takes_two_levels(64, 64, device)  # B=2 x 32 query heads: half the SMs idle
-    assert not triton_two_level.takes_two_levels(132, 4096, device)  # a program for every SM already
-    assert not triton_two_level.takes_two_levels(64, 63, device)  # a narrower table
-    monkeypatch.setattr(triton_two_level, "FEW_PROGRAMS_ONLY", False)  # the launch knob: wide tables always
-    assert triton_two_level.takes_two_levels(1024, 4096, device)
-    assert not triton_two_level.takes_two_levels(1024, 63, device)
+    chunk, filled = triton_two_level.CHUNK, triton_two_level.FILLED_CHUNK
+    assert triton_two_level.two_level_chunk(64, 64, device) == chunk  # B=2 x 32 query heads: half the SMs idle
+    assert triton_two_level.two_level_chunk(1024, 4096, device) == filled  # B=32 x 32: the rows fill the GPU
+    assert triton_two_level.two_level_chunk(64, 63, device) is None  # a narrower table: one level
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", None)
-    assert not triton_two_level.takes_two_levels(1, 1 << 20, device)
+    assert triton_two_level.two_level_chunk(1, 1 << 20, device) is None
 
 
-def test_the_ops_keep_one_level_when_the_rows_fill_the_gpu(monkeypatch):
+def test_the_ops_take_the_filled_chunk_when_the_rows_fill_the_gpu(monkeypatch):
     counts = [60, 33]
     scores = scores_for(2, 4, 64, counts).to(DEVICE)
+    second = scores_for(2, 4, 64, counts).to(DEVICE)
+    union_args = (scores, torch.tensor(counts).to(DEVICE), 6, 1, 1, 2)
+    one_level = triton_rank.combine_top_ranks(scores, second, 6), triton_select.select_group_union(*union_args)
     launched = []
     for name in ("combine_top_ranks_chunked", "select_group_union_chunked"):
-        monkeypatch.setattr(triton_two_level, name, lambda *a, name=name, **k: launched.append(name))
+        original = getattr(triton_two_level, name)
+        monkeypatch.setattr(
+            triton_two_level, name, lambda *a, name=name, original=original, **k: launched.append((name, k["chunk"]))
+            or original(*a, **k),
+        )  # fmt: skip
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
+    monkeypatch.setattr(triton_two_level, "FILLED_CHUNK", 16)
     monkeypatch.setattr(triton_two_level, "_multiprocessors", lambda device: 2)  # 2 x 4 rows x heads fill it
-    triton_two_level.combine_top_ranks(scores, scores, 6)
-    triton_two_level.select_group_union(scores, torch.tensor(counts).to(DEVICE), 6, 1, 1, 2)
-    assert launched == []
+    ranks = triton_two_level.combine_top_ranks(scores, second, 6)
+    union = triton_two_level.select_group_union(*union_args)
+    assert launched == [("combine_top_ranks_chunked", 16), ("select_group_union_chunked", 16)]
+    assert torch.equal(ranks, one_level[0])
+    assert torch.equal(union[0], one_level[1][0]) and torch.equal(union[1], one_level[1][1])

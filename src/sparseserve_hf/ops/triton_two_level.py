@@ -40,12 +40,13 @@ from .triton_select import (
 )
 
 # Launch knobs: tables at least MIN_TABLE blocks wide (64K tokens of 32-token blocks) select in two
-# levels of CHUNK-block pieces when the one-level kernel's programs (one per row and head) are fewer
-# than the GPU's SMs, so cannot fill it (with FEW_PROGRAMS_ONLY False: whatever their number); else in
-# one level. None: always one level.
+# levels, narrower ones in one (None: always one level). The pieces: CHUNK blocks where one level's
+# programs (one per row and head) are fewer than the GPU's SMs (few rows: fewer candidates for the
+# second level's one program per row and head), FILLED_CHUNK where they fill it (many rows: more and
+# shorter first-level programs, whose serial search is what a wide table's selection waits on).
 MIN_TABLE: int | None = 2048
-FEW_PROGRAMS_ONLY = True
 CHUNK = 2048
+FILLED_CHUNK = 1024
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
 
@@ -233,19 +234,21 @@ def _union_of_candidates_kernel(
 
 
 def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> torch.Tensor:
-    """The op (`reference.combine_by_rank` with a depth): two levels where `takes_two_levels`, else
-    `triton_rank`'s one program per (row, query head)."""
-    if takes_two_levels(first.numel() // max(first.shape[-1], 1), first.shape[-1], first.device):
-        return combine_top_ranks_chunked(first, second, depth, chunk=CHUNK)
+    """The op (`reference.combine_by_rank` with a depth): two levels where `two_level_chunk` gives a
+    chunk, else `triton_rank`'s one program per (row, query head)."""
+    chunk = two_level_chunk(first.numel() // max(first.shape[-1], 1), first.shape[-1], first.device)
+    if chunk is not None:
+        return combine_top_ranks_chunked(first, second, depth, chunk=chunk)
     return triton_rank.combine_top_ranks(first, second, depth)
 
 
-def takes_two_levels(programs: int, num_table: int, device: torch.device) -> bool:
-    """Whether a one-level selection of `programs` programs over `num_table`-block tables runs in
-    two levels instead: a table of at least MIN_TABLE blocks, and fewer programs than the GPU has
-    SMs (on CPU, the interpreter's: any number; with FEW_PROGRAMS_ONLY False, any number anywhere)."""
-    few = programs < _multiprocessors(device) or not FEW_PROGRAMS_ONLY
-    return MIN_TABLE is not None and num_table >= MIN_TABLE and few
+def two_level_chunk(programs: int, num_table: int, device: torch.device) -> int | None:
+    """The chunk width a selection of `programs` one-level programs over `num_table`-block tables takes
+    in two levels, or None for one level: tables of at least MIN_TABLE blocks take CHUNK where the
+    programs are fewer than the GPU's SMs (on CPU, the interpreter's: any number), else FILLED_CHUNK."""
+    if MIN_TABLE is None or num_table < MIN_TABLE:
+        return None
+    return CHUNK if programs < _multiprocessors(device) else FILLED_CHUNK
 
 
 def _multiprocessors(device: torch.device) -> int | float:
@@ -299,11 +302,12 @@ def select_group_union(
     score_floor: int | None = None,
     max_loaded: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op (`reference.select_group_union`): two levels where `takes_two_levels`, else
+    """The op (`reference.select_group_union`): two levels where `two_level_chunk` gives a chunk, else
     `triton_select`'s one program per (row, KV head)."""
     args = (scores, num_blocks, num_selected, sink_blocks, window_blocks, num_kv_heads, score_floor, max_loaded)
-    if takes_two_levels(scores.shape[0] * num_kv_heads, scores.shape[-1], scores.device):
-        return select_group_union_chunked(*args, chunk=CHUNK)
+    chunk = two_level_chunk(scores.shape[0] * num_kv_heads, scores.shape[-1], scores.device)
+    if chunk is not None:
+        return select_group_union_chunked(*args, chunk=chunk)
     return triton_select.select_group_union(*args)
 
 
