@@ -75,7 +75,7 @@
 #               source's step too, twice, between them; then the real-locality step with stock
 #   twolevelwide the two-level selection's kernel tests, then score + top-k + attention at B=32 x 128K (the default
 #               config's rows): the default (two levels in FILLED_CHUNK pieces: the rows fill the GPU) and one
-#               level (triton_two_level.MIN_TABLE=None), alternating, then 512- and 2,048-block pieces
+#               level (triton_two_level.MIN_TABLE=None), alternating, then 1,024- and 256-block pieces
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -210,7 +210,7 @@ case $part in
     python -m pytest -q -p no:cacheprovider tests/ops/test_two_level.py 2>&1 | tail -2
     run=0
     for knob in "" "--knob triton_two_level.MIN_TABLE=None" "" "--knob triton_two_level.MIN_TABLE=None" \
-      "--knob triton_two_level.FILLED_CHUNK=512" "--knob triton_two_level.FILLED_CHUNK=2048"; do
+      "--knob triton_two_level.FILLED_CHUNK=1024" "--knob triton_two_level.FILLED_CHUNK=256"; do
       run=$((run + 1))
       timeout 120 python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only $knob \
         --out "$out/decode_attention_twolevel_$run.json" 2>&1 | tail -1

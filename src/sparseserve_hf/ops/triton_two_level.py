@@ -46,7 +46,7 @@ from .triton_select import (
 # shorter first-level programs, whose serial search is what a wide table's selection waits on).
 MIN_TABLE: int | None = 2048
 CHUNK = 2048
-FILLED_CHUNK = 1024
+FILLED_CHUNK = 512
 CHUNK_WARPS: int | None = None  # the chunk programs' warps; None: by their width
 
 
