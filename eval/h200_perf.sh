@@ -76,6 +76,8 @@
 #   twolevelwide the two-level selection's kernel tests, then score + top-k + attention at B=32 x 128K (the default
 #               config's rows): the default (two levels in FILLED_CHUNK pieces: the rows fill the GPU) and one
 #               level (triton_two_level.MIN_TABLE=None), alternating, then 1,024- and 256-block pieces
+#   twolevelstep the captured step per layer (8-layer cut, B=16 x 32K: 1,023-block tables, one level by default) with
+#               two-level selection there too (triton_two_level.MIN_TABLE=1024) in 512- and 256-block pieces
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -215,6 +217,12 @@ case $part in
       timeout 120 python -m eval.bench.decode_attention --contexts 131072 --batches 32 --default-only $knob \
         --out "$out/decode_attention_twolevel_$run.json" 2>&1 | tail -1
     done ;;
+  twolevelstep)
+    for knob in "" "--knob triton_two_level.MIN_TABLE=1024" \
+      "--knob triton_two_level.MIN_TABLE=1024 --knob triton_two_level.FILLED_CHUNK=256" "" \
+      "--knob triton_two_level.MIN_TABLE=1024"; do
+      python -m eval.bench.step_knobs $knob --out "$out/step_knobs_twolevel_step.jsonl" 2>&1 | tail -1
+    done ;;
   knobs)
     for knob in "" "--knob triton_resolve.MAX_WARPS=8" "--knob triton_decode.PROGRAMS_PER_SM_BESIDE_LOOKUP=1" ""; do
       python -m eval.bench.step_knobs $knob --out "$out/step_knobs.jsonl" 2>&1 | tail -1
@@ -286,5 +294,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, twolevelwide, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, twolevelwide, twolevelstep, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
