@@ -141,11 +141,15 @@ def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
 def test_wide_tables_take_two_levels_in_chunks_by_how_many_programs_one_level_would_run(monkeypatch):
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", 64)
     monkeypatch.setattr(triton_two_level, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(triton_two_level, "CHUNK", 32)
+    monkeypatch.setattr(triton_two_level, "FILLED_CHUNK", 16)
     device = torch.device("cpu")
-    chunk, filled = triton_two_level.CHUNK, triton_two_level.FILLED_CHUNK
-    assert triton_two_level.two_level_chunk(64, 64, device) == chunk  # B=2 x 32 query heads: half the SMs idle
-    assert triton_two_level.two_level_chunk(1024, 4096, device) == filled  # B=32 x 32: the rows fill the GPU
+    chunk = 32
+    assert triton_two_level.two_level_chunk(64, 64, device) == 32  # B=2 x 32 query heads: half the SMs idle
+    assert triton_two_level.two_level_chunk(1024, 4096, device) == 16  # B=32 x 32: the rows fill the GPU
+    assert triton_two_level.two_level_chunk(1024, 64, device) == 16
     assert triton_two_level.two_level_chunk(64, 63, device) is None  # a narrower table: one level
+    assert triton_two_level.two_level_chunk(64, chunk, device) is None  # one chunk would hold the whole table
     monkeypatch.setattr(triton_two_level, "MIN_TABLE", None)
     assert triton_two_level.two_level_chunk(1, 1 << 20, device) is None
 

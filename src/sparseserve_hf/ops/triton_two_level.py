@@ -245,10 +245,13 @@ def combine_top_ranks(first: torch.Tensor, second: torch.Tensor, depth: int) -> 
 def two_level_chunk(programs: int, num_table: int, device: torch.device) -> int | None:
     """The chunk width a selection of `programs` one-level programs over `num_table`-block tables takes
     in two levels, or None for one level: tables of at least MIN_TABLE blocks take CHUNK where the
-    programs are fewer than the GPU's SMs (on CPU, the interpreter's: any number), else FILLED_CHUNK."""
+    programs are fewer than the GPU's SMs (on CPU, the interpreter's: any number), else FILLED_CHUNK;
+    a chunk that would hold the whole table leaves one level (its one chunk would be one level's work
+    and a second pass)."""
     if MIN_TABLE is None or num_table < MIN_TABLE:
         return None
-    return CHUNK if programs < _multiprocessors(device) else FILLED_CHUNK
+    chunk = CHUNK if programs < _multiprocessors(device) else FILLED_CHUNK
+    return chunk if chunk < num_table else None
 
 
 def _multiprocessors(device: torch.device) -> int | float:
