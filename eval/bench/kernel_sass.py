@@ -102,21 +102,22 @@ def union_kernel() -> Kernel:
 def decode_kernel() -> Kernel:
     """The sparse decode attention's split kernel (`ops.triton_decode`), as the step launches its resident
     half: 4 query heads per KV head, head_dim 128, bf16 32-token blocks, a 256-entry selection (G x 63
-    blocks, padded), no head mask, no 8-bit blocks."""
+    blocks, padded), no head mask, no 8-bit blocks, no per-block log-sum-exps (`--knob BLOCK_LSE=1`)."""
     from sparseserve_hf.ops import triton_decode
 
     signature = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "slots_ptr": "*i64", "mask_ptr": "*i64",
                  "scales_ptr": "*bf16", "tail_k_ptr": "*bf16", "tail_v_ptr": "*bf16", "tail_len_ptr": "*i64",
                  "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "resident_ptr": "*i64",
-                 "late_entries_ptr": "*i32", "block_slot_ptr": "*i64"}  # fmt: skip
+                 "late_entries_ptr": "*i32", "block_slot_ptr": "*i64", "lse_ptr": "*fp32"}  # fmt: skip
     strides = ("stride_qb", "stride_qh", "stride_sb", "stride_sh", "stride_mb", "stride_mh", "stride_tb", "stride_th",
-               "stride_ts")  # fmt: skip
+               "stride_ts", "stride_lb", "stride_lh")  # fmt: skip
     counts = ("num_kv_heads", "num_loaded", "num_splits", "first_part", "num_parts")
     signature |= {name: "i32" for name in strides + counts} | {"scaling": "fp32"}
     size, dim, group = 32, 128, 4
     constants = dict(G=group, BLOCK_G=16, S=size, D=dim, BLOCK_D=dim, BLOCK_U=triton_decode.TILE_TOKENS // size,
                      BLOCK_LOADED=256, TAIL_TOKENS=size, HAS_MASK=False, IEEE=False,
-                     MIN_PER_SPLIT=triton_decode.MIN_BLOCKS_PER_SPLIT, SCALED=False, LATE=False)  # fmt: skip
+                     MIN_PER_SPLIT=triton_decode.MIN_BLOCKS_PER_SPLIT, SCALED=False, LATE=False,
+                     BLOCK_LSE=False)  # fmt: skip
     aligned = ("stride_qb", "stride_qh", "stride_sb", "stride_tb", "stride_th", "stride_ts")  # 4,096, 128, ...
     return Kernel(triton_decode._decode_split_kernel, signature, constants, triton_decode.SPLIT_WARPS,
                   triton_decode.SPLIT_STAGES, aligned)  # fmt: skip

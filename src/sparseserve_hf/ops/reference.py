@@ -339,6 +339,7 @@ def sparse_decode(
     scaling: float,
     *,
     scales: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token of attention over the blocks each KV head loaded plus each row's tail block.
 
@@ -354,6 +355,10 @@ def sparse_decode(
         scaling: softmax scale.
         scales: (B, Hkv, U, 2) fp32 key and value scales of each loaded block when the pool holds
             8-bit blocks (`quantize_blocks`); None when it holds the query's dtype.
+        block_lse: None, or a (B, Hq, U) fp32 tensor that receives each query head's exact
+            log-sum-exp of its scaled logits over each loaded block's S tokens (-inf where the entry
+            is unused or the head does not attend it): what the attention knew about each block,
+            for the next step's selection.
     Returns:
         (B, Hq, D) in the query's dtype.
     """
@@ -372,7 +377,10 @@ def sparse_decode(
     attended = (slots >= 0)[:, :, None, :]  # (B, Hkv, 1, U)
     if head_mask is not None:
         attended = attended & head_mask.view(batch, num_kv_heads, group, -1)
-    block_logits = block_logits.masked_fill(~attended[..., None], float("-inf")).flatten(3)  # (B, Hkv, G, U*S)
+    block_logits = block_logits.masked_fill(~attended[..., None], float("-inf"))  # (B, Hkv, G, U, S)
+    if block_lse is not None:
+        block_lse.copy_(torch.logsumexp(block_logits, dim=-1).reshape(batch, num_q_heads, -1))
+    block_logits = block_logits.flatten(3)  # (B, Hkv, G, U*S)
     tail_logits = torch.einsum("bhgd,bhsd->bhgs", q, tail_keys.float()) * scaling  # (B, Hkv, G, S)
     tail_valid = torch.arange(block_size, device=query.device) < tail_len.view(batch, 1, 1, 1)
     tail_logits = tail_logits.masked_fill(~tail_valid, float("-inf"))
@@ -394,6 +402,7 @@ def begin_decode(
     scaling: float,
     *,
     scales: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
 ) -> functools.partial:
     """`sparse_decode` in two halves around a lookup: the first attends the blocks already in the
     pool (`resident` (B, Hkv, U) their slots, -1 elsewhere) and the tails while the lookup loads
@@ -402,10 +411,10 @@ def begin_decode(
     The result is `sparse_decode` over the final slots (`block_slot` at each entry's id, equal to
     `resident` wherever it is >= 0), as this spec computes it; a kernel merges the halves' partials
     instead (the same up to the order of float additions). Arguments as `sparse_decode`; `scales`
-    covers every entry."""
+    and `block_lse` cover every entry (`block_lse` is written by `finish_decode`)."""
     return functools.partial(
         sparse_decode, query, pool, head_mask=head_mask, tail_keys=tail_keys, tail_values=tail_values,
-        tail_len=tail_len, scaling=scaling, scales=scales,
+        tail_len=tail_len, scaling=scaling, scales=scales, block_lse=block_lse,
     )  # fmt: skip
 
 

@@ -30,7 +30,8 @@ SPLIT_STAGES = 3  # software-pipelining stages of its block loop (a launch knob;
 
 @triton.jit
 def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
-    """Online-softmax step: q (BG, BD), k/v (T, BD), seen (BG, T) -> updated m, l (BG,), acc (BG, BD)."""
+    """Online-softmax step: q (BG, BD), k/v (T, BD), seen (BG, T) -> updated m, l (BG,), acc (BG, BD),
+    and the step's scaled logits (BG, T), -inf where not seen."""
     if IEEE:  # fp32 inputs: no TF32, so the kernel matches the fp32 reference
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -45,7 +46,24 @@ def _attend(q, k, v, seen, m, l, acc, scaling, IEEE: tl.constexpr):
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
+    return m_new, l, acc, logits
+
+
+@triton.jit
+def _store_block_lse(
+    lse_ptr, head_rows, g_ok, u, block_ok, logits, BG: tl.constexpr, BU: tl.constexpr, S: tl.constexpr
+):
+    """Each of a tile's BU blocks' log-sum-exp of its S logits per head into lse[head_rows + u]
+    (`reference.sparse_decode`'s `block_lse`): logits (BG, BU * S); u, block_ok (BU * S,) each token's
+    entry and whether its block is attended here; head_rows (BG,) each head's row of lse."""
+    per_block = tl.reshape(logits, (BG, BU, S))
+    top = tl.max(per_block, axis=2)  # (BG, BU)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(per_block - safe[:, :, None]), axis=2)
+    lse = tl.where(top == float("-inf"), float("-inf"), safe + tl.log(tl.maximum(total, 1e-30)))  # nothing seen: -inf
+    entry = tl.max(tl.reshape(u, (BU, S)), axis=1)  # (BU,): the tokens of a block share its entry
+    ok = tl.max(tl.reshape(block_ok.to(tl.int32), (BU, S)), axis=1) > 0
+    tl.store(lse_ptr + head_rows[:, None] + entry[None, :], lse, mask=g_ok[:, None] & ok[None, :])
 
 
 @triton.jit
@@ -64,6 +82,7 @@ def _decode_split_kernel(
     resident_ptr,
     late_entries_ptr,
     block_slot_ptr,
+    lse_ptr,
     stride_qb,
     stride_qh,
     stride_sb,
@@ -73,6 +92,8 @@ def _decode_split_kernel(
     stride_tb,
     stride_th,
     stride_ts,
+    stride_lb,
+    stride_lh,
     num_kv_heads,
     num_loaded,
     num_splits,
@@ -92,12 +113,16 @@ def _decode_split_kernel(
     MIN_PER_SPLIT: tl.constexpr,
     SCALED: tl.constexpr,
     LATE: tl.constexpr,
+    BLOCK_LSE: tl.constexpr,
 ):
     """Grid (B * Hkv, num_splits + 1): programs < num_splits share the row's used blocks, the last
     one takes the tail block. Writes partials [b, h*G + g, first_part + split] of num_parts.
 
     SCALED: the pool holds 8-bit blocks, dequantized here with each entry's (key, value) scales,
     laid out as the slots with a trailing 2.
+
+    BLOCK_LSE: each attended entry's log-sum-exp of its logits per head goes to lse (B, Hq, U) at
+    strides (stride_lb, stride_lh, 1); entries no program attends are left as they are.
 
     LATE (grid (B * Hkv, num_splits), no tail program): `slots` holds DRAM block ids, and only the
     entries that `resident` (laid out as the ids) held at -1 are attended, each at the slot the
@@ -168,7 +193,10 @@ def _decode_split_kernel(
                     other=0,
                 )
                 seen = seen & (allowed != 0)
-            m, l, acc = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
+            m, l, acc, logits = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
+            if BLOCK_LSE:
+                head_rows = b * stride_lb + heads * stride_lh
+                _store_block_lse(lse_ptr, head_rows, g_ok, u, token_ok & (j < end), logits, BLOCK_G, BLOCK_U, S)
     else:
         # Names differ from the branch above: Triton needs a name bound in both branches to keep one type.
         tail_t = tl.arange(0, TAIL_TOKENS)
@@ -177,7 +205,7 @@ def _decode_split_kernel(
         tail_mask = tail_ok[:, None] & d_ok[None, :]
         tail_k = tl.load(tail_k_ptr + tail_offsets, mask=tail_mask, other=0.0)
         tail_v = tl.load(tail_v_ptr + tail_offsets, mask=tail_mask, other=0.0)
-        m, l, acc = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
+        m, l, acc, _ = _attend(q, tail_k, tail_v, g_ok[:, None] & tail_ok[None, :], m, l, acc, scaling, IEEE)
     part = (b * num_kv_heads * G + heads) * num_parts + first_part + split  # (BG,) partials are (B, Hq, parts)
     tl.store(part_m_ptr + part, m, mask=g_ok)
     tl.store(part_l_ptr + part, l, mask=g_ok)
@@ -234,6 +262,7 @@ class PendingDecode:
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # m, l (B, Hq, parts), acc (B, Hq, parts, D)
     num_splits: int
     scaling: float
+    block_lse: torch.Tensor | None = None  # (B, Hq, U) fp32, each entry's log-sum-exp per head, or None
 
 
 def sparse_decode(
@@ -248,6 +277,7 @@ def sparse_decode(
     num_splits: int | None = None,
     *,
     scales: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` as two Triton launches (split-K partials, then their merge).
 
@@ -262,12 +292,14 @@ def sparse_decode(
         num_splits: programs per (row, KV head) sharing its used blocks (each takes at least a few
             blocks, so some may have none); None = enough to fill the GPU.
         scales: (B, Hkv, U, 2) fp32 key/value scales of each entry when `pool` holds 8-bit blocks.
+        block_lse: None, or a contiguous (B, Hq, U) fp32 tensor for each entry's log-sum-exp per head.
     Returns:
         (B, Hq, D) in the query's dtype. Launches only: no host sync.
     """
     pending = _attend_first(
-        query, pool, slots, head_mask, tail_keys, tail_values, tail_len, scaling, num_splits, scales, late_splits=False
-    )
+        query, pool, slots, head_mask, tail_keys, tail_values, tail_len, scaling, num_splits, scales,
+        late_splits=False, block_lse=block_lse,
+    )  # fmt: skip
     return _merge(pending)
 
 
@@ -283,10 +315,11 @@ def begin_decode(
     num_splits: int | None = None,
     *,
     scales: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
 ) -> PendingDecode:
     """The first half of `reference.begin_decode` / `finish_decode`: attend the entries whose
-    `resident` (B, Hkv, U) slot is >= 0 and the tails (arguments as `sparse_decode`; `scales`
-    covers every entry). Launches only; the pool's other slots may be written meanwhile."""
+    `resident` (B, Hkv, U) slot is >= 0 and the tails (arguments as `sparse_decode`; `scales` and
+    `block_lse` cover every entry). Launches only; the pool's other slots may be written meanwhile."""
     return _attend_first(
         query,
         pool,
@@ -299,6 +332,7 @@ def begin_decode(
         num_splits,
         scales,
         late_splits=True,
+        block_lse=block_lse,
     )
 
 
@@ -343,9 +377,11 @@ def _attend_first(
     num_splits: int | None,
     scales: torch.Tensor | None,
     late_splits: bool,
+    block_lse: torch.Tensor | None = None,
 ) -> PendingDecode:
     """Launch the split programs over `slots` and the tail program; `late_splits` leaves room in
-    the partials for as many late programs."""
+    the partials for as many late programs. `block_lse` starts at -inf: entries no program
+    attends keep it."""
     batch, num_q_heads, dim = query.shape
     num_kv_heads, num_loaded = slots.shape[1], slots.shape[2]
     assert pool.is_contiguous() and query.dtype == tail_keys.dtype == tail_values.dtype
@@ -363,6 +399,9 @@ def _attend_first(
     num_parts = num_splits + 1 + (num_splits if late_splits else 0)
     part_m = torch.empty((batch, num_q_heads, num_parts), dtype=torch.float32, device=query.device)
     part_acc = torch.empty((batch, num_q_heads, num_parts, dim), dtype=torch.float32, device=query.device)
+    if block_lse is not None:
+        assert block_lse.shape == (batch, num_q_heads, num_loaded) and block_lse.is_contiguous()
+        block_lse.fill_(float("-inf"))
     pending = PendingDecode(
         query=query,
         pool=pool,
@@ -372,6 +411,7 @@ def _attend_first(
         parts=(part_m, torch.empty_like(part_m), part_acc),
         num_splits=num_splits,
         scaling=scaling,
+        block_lse=block_lse,
     )
     _launch_split(pending, slots, slots, num_splits + 1, 0, tail_keys, tail_values, tail_len, late=False)
     return pending
@@ -405,12 +445,13 @@ def _launch_split(
     group = num_q_heads // num_kv_heads
     part_m, part_l, part_acc = pending.parts
     block_size = pending.pool.shape[2]
+    lse = pending.block_lse if pending.block_lse is not None else part_m  # part_m: an unused pointer
     _decode_split_kernel[(batch * num_kv_heads, programs_per_row)](
         query, pending.pool, slots, mask, scale_table, tail_keys, tail_values, tail_len,
-        part_m, part_l, part_acc, pending.resident, late_entries, slots if block_slot is None else block_slot,
+        part_m, part_l, part_acc, pending.resident, late_entries, slots if block_slot is None else block_slot, lse,
         query.stride(0), query.stride(1), slots.stride(0), slots.stride(1),
         mask.stride(0), mask.stride(1), tail_keys.stride(0), tail_keys.stride(1), tail_keys.stride(2),
-        num_kv_heads, num_loaded, pending.num_splits, first_part, part_m.shape[2], pending.scaling,
+        lse.stride(0), lse.stride(1), num_kv_heads, num_loaded, pending.num_splits, first_part, part_m.shape[2], pending.scaling,
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         S=block_size,
@@ -424,6 +465,7 @@ def _launch_split(
         MIN_PER_SPLIT=MIN_BLOCKS_PER_SPLIT,
         SCALED=pending.scales is not None,
         LATE=late,
+        BLOCK_LSE=pending.block_lse is not None,
         num_warps=SPLIT_WARPS,
         num_stages=SPLIT_STAGES,
     )  # fmt: skip
