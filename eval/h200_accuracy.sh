@@ -29,6 +29,8 @@
 #                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
 #   Parts with no committed results yet:
+#   8k_feedback  8K, the four tasks: channel scores as in 8k_channels (3/8 of the channels), without and with the
+#                last step's exact log-sum-exps fed back (`channel_feedback=True`), at 256 and 512
 #   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
 #                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
 #                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU
@@ -75,6 +77,11 @@ case $part in
       --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum \
       --variant channels_half:metadata=channels:selection=kv_head:group_aggregation=sum:channel_share=0.5 \
       "${common[@]}" --out "$out/ruler_8k_channels" ;;
+  8k_feedback)
+    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
+      --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum \
+      --variant channels_feedback:metadata=channels:selection=kv_head:group_aggregation=sum:channel_feedback=true \
+      "${common[@]}" --out "$out/ruler_8k_feedback" ;;
   8k_loaded)
     python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
@@ -97,5 +104,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_feedback, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3)" >&2; exit 2 ;;
 esac

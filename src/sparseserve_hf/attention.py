@@ -183,17 +183,20 @@ def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, 
     store, tail = layer.store, layer.tail
     if trim or not store.lookup_beside:
         slots, head_mask, scales = select_and_fetch(layer, q, scaling)
-        if trim:
+        block_lse = layer.feedback_lse  # None unless the store feeds back (`remember_pick` made it)
+        if trim and block_lse is None:  # the fed-back numbers are by column: every column stays
             slots, head_mask, scales = used_columns(slots, head_mask, scales)
         return store.ops.sparse_decode(
-            q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling, scales=scales
-        )
+            q, store.hbm.pool, slots, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
+            scales=scales, block_lse=block_lse,
+        )  # fmt: skip
     picked, valid, head_mask = select_blocks(layer, q, scaling)
+    block_lse = layer.feedback_lse
     reads = (layer.num_blocks, layer.tail_len)  # counted in the same launch: what this step reads
     block_ids, resident, join = store.fetch_beside(layer.block_ids, picked, valid, layer.first_partition, reads)
     pending = store.ops.begin_decode(
         q, store.hbm.pool, resident, head_mask, tail[:, :, 0], tail[:, :, 1], layer.tail_len, scaling,
-        scales=store.scales_of(block_ids),
+        scales=store.scales_of(block_ids), block_lse=block_lse,
     )  # fmt: skip
     out = store.ops.finish_decode(pending, block_ids, join())
     store.settle()
@@ -242,12 +245,15 @@ def select_blocks(
     config, store = layer.config, layer.store
     num_kv_heads = layer.tail.shape[1]
     table = layer.block_ids  # (B, Hkv, N)
-    scores = store.scorer.score(store.ops, q, store.metadata, table, config, scaling)  # (B, Hq, N)
+    fed_back = None if layer.feedback_lse is None else (layer.feedback_picked, layer.feedback_lse)  # the last step's
+    scores = store.scorer.score(store.ops, q, store.metadata, table, config, scaling, fed_back)  # (B, Hq, N)
     picked, valid, head_mask = pick_blocks(store.ops, config, scores, layer.num_blocks, num_kv_heads, table.shape[2])
     if store.selection_override is not None:  # benchmark/test seam: scoring ran, loads follow the override
         picked, valid = store.selection_override(layer.layer_idx, layer.num_blocks, picked.shape[-1])
         head_mask = None
     layer.last_pick = (picked, valid, head_mask, q.shape[1] // num_kv_heads)  # expanded per query head only when read
+    if store.feeds_back:
+        layer.remember_pick(picked, q.shape[1])  # this step's pick, for the next step's scorer
     return picked, valid, head_mask
 
 

@@ -82,6 +82,10 @@ class SparseServeConfig:
             16-bit KV (docs/metadata.md measures what the rounding costs in selection).
         channel_share: metadata="channels" only: the share of head_dim's channels each block keeps
             and each decode step reads (rounded down to whole RoPE pairs, at least one pair).
+        channel_feedback: metadata="channels" only: each decode step's attention also writes its
+            exact log-sum-exp over every block it attended (per query head), and the next step's
+            channel estimate of those blocks is raised to it where lower (`ops.channels.with_feedback`):
+            no byte more is read. Off by default (docs/selection_at_equal_loads.md measures it).
         kv_dtype: how full blocks are stored, in DRAM and in the HBM block cache: "auto" (the
             default: the model's dtype, exactly) or "float8_e4m3fn" (one byte per value, each
             head-block's keys and its values scaled by their own fp32 scale so that their largest
@@ -239,6 +243,7 @@ class SparseServeConfig:
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
     channel_share: float = 0.375
+    channel_feedback: bool = False
     kv_dtype: str = "auto"
     selection: str = "group_union"
     group_aggregation: str = "max"
@@ -294,6 +299,14 @@ class SparseServeConfig:
         if not isinstance(self.channel_share, numbers.Real) or not 0 < self.channel_share <= 1:
             raise ValueError(f"channel_share must be a number in (0, 1], got {self.channel_share!r}")
         SCORERS[self.metadata].check(self)
+        _check_bool("channel_feedback", self.channel_feedback)
+        if self.channel_feedback and self.metadata != "channels":
+            raise ValueError(f"channel_feedback applies to metadata='channels', not {self.metadata!r}")
+        if self.channel_feedback and self.backend == "flash":
+            raise NotImplementedError(
+                "channel_feedback needs the Triton or torch decode attention (it writes each block's "
+                "log-sum-exp): use backend='auto' or 'triton'"
+            )
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         if self.kv_dtype != "auto" and self.backend == "flash":
             raise NotImplementedError(

@@ -65,6 +65,11 @@ class Scorer(Protocol):
         which the cache then keeps per (layer, KV head) and hands to every save."""
         ...
 
+    def uses_feedback(self, config: SparseServeConfig) -> bool:
+        """Whether `score` takes the last decode step's exact per-block log-sum-exps (`fed_back`), which
+        the attention then writes and the layer keeps."""
+        ...
+
     def score(
         self,
         ops: BlockOps,
@@ -73,9 +78,12 @@ class Scorer(Protocol):
         block_ids: torch.Tensor,
         config: SparseServeConfig,
         scaling: float,
+        fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B, Hq, N) fp32 scores of each row's table, higher is better, -inf where the id is -1.
-        query (B, Hq, D); metadata (C, M, D) by DRAM id; block_ids (B, Hkv, N); scaling: the softmax's."""
+        query (B, Hq, D); metadata (C, M, D) by DRAM id; block_ids (B, Hkv, N); scaling: the softmax's;
+        fed_back: the last step's table positions (B, Hkv, U) and exact log-sum-exps (B, Hq, U) where
+        `uses_feedback`, else None."""
         ...
 
     def score_floor(self, config: SparseServeConfig) -> int | None:
@@ -131,6 +139,10 @@ class BlockSummaries:
         """No: a summary depends on the keys alone."""
         return False
 
+    def uses_feedback(self, config: SparseServeConfig) -> bool:
+        """No: the scores are bounds and ranks, not log-sum-exps."""
+        return False
+
     def score(
         self,
         ops: BlockOps,
@@ -139,6 +151,7 @@ class BlockSummaries:
         block_ids: torch.Tensor,
         config: SparseServeConfig,
         scaling: float,
+        fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`ops.score_table`: Quest's bound or the mean's q.k, or for hybrid the interleaved ranks."""
         depth = SELECTIONS[config.selection].rank_depth(config)
@@ -198,6 +211,11 @@ class ChannelScores:
         """Yes: the channels a block keeps are weighed by the size of the group's queries."""
         return True
 
+    def uses_feedback(self, config: SparseServeConfig) -> bool:
+        """`config.channel_feedback`: a block the last step attended scores at least that step's exact
+        log-sum-exp over it (`ops.channels.with_feedback`)."""
+        return config.channel_feedback
+
     def score(
         self,
         ops: BlockOps,
@@ -206,10 +224,12 @@ class ChannelScores:
         block_ids: torch.Tensor,
         config: SparseServeConfig,
         scaling: float,
+        fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Each query head's estimated softmax mass per block (`ops.score_channels`)."""
+        """Each query head's estimated softmax mass per block (`ops.score_channels`), with the last
+        step's exact numbers fed back where given."""
         stored = channels.stored_channels(config.channel_share, query.shape[-1])
-        return ops.score_channels(query, metadata, block_ids, config.block_size, stored, scaling)
+        return ops.score_channels(query, metadata, block_ids, config.block_size, stored, scaling, fed_back)
 
     def score_floor(self, config: SparseServeConfig) -> int | None:
         """None: the masses are real numbers."""

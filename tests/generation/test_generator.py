@@ -233,7 +233,13 @@ GRAPH_CONFIG = dict(
 @pytest.mark.parametrize("pools", ["fixed", "growing"])
 @pytest.mark.parametrize("stand_in_graphs", [False, True], ids=["static-step", "fake-graphs"])
 @pytest.mark.parametrize(
-    "selector", [{}, CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES}], ids=["default", "channel-scores"]
+    "selector",
+    [
+        {},
+        CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES},
+        CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES, "channel_feedback": True},
+    ],
+    ids=["default", "channel-scores", "channel-feedback"],
 )
 def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools, selector):
     """cuda_graphs=True: rows join, sit out and leave (a restart each time), tokens and admission must not move.

@@ -65,6 +65,13 @@ class SparseServeLayer(CacheLayerMixin):
         # (`Scorer.uses_query_profile`; None otherwise): its last prompt's, zero before one.
         self.query_profile: torch.Tensor | None = None
         self.num_blocks: torch.Tensor | None = None  # (B,) full blocks per row
+        # The last decode step's exact numbers for a scorer that takes them (`Scorer.uses_feedback`;
+        # None otherwise, and before a first sparse step): the table positions each KV head loaded
+        # (B, Hkv, U) and each query head's exact log-sum-exp over each of them (B, Hq, U), -inf for
+        # none (a row that has not decoded since it came). Rows move with their rows; a captured step
+        # reads and rewrites them in place.
+        self.feedback_picked: torch.Tensor | None = None
+        self.feedback_lse: torch.Tensor | None = None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
         # What `undo_update` takes back: the last update's new positions, the tokens it stored per
         # row once committed, and whether it initialized the layer. None: nothing to undo.
@@ -151,6 +158,8 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_positions -= undo.num_new
         self.query_profile = undo.profile
         self.last_pick = None
+        if self.feedback_lse is not None:  # the undone step's numbers: every row starts over
+            self.feedback_lse.fill_(float("-inf"))
 
     def get_seq_length(self) -> int:
         """Positions cached so far, left padding included (what HF builds positions from)."""
@@ -202,10 +211,12 @@ class SparseServeLayer(CacheLayerMixin):
         selected = self.block_ids[indices]
         tail, tail_len, num_blocks = self.tail[indices], self.tail_len[indices], self.num_blocks[indices]
         profile = None if self.query_profile is None else self.query_profile[indices]
+        feedback = self._feedback_rows(indices)
         self.store.retain(selected)  # before freeing, so kept blocks never reach zero references
         self.store.free(self.block_ids)
         self.block_ids, self.tail, self.tail_len, self.num_blocks = selected, tail, tail_len, num_blocks
         self.query_profile = profile
+        self.feedback_picked, self.feedback_lse = feedback
         self._undo, self.last_pick = None, None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -259,6 +270,7 @@ class SparseServeLayer(CacheLayerMixin):
                 other.num_blocks,
             )
             self.query_profile = other.query_profile
+            self.feedback_picked, self.feedback_lse = other.feedback_picked, other.feedback_lse
             self.is_initialized = True
         else:
             width = max(self.block_ids.shape[2], other.block_ids.shape[2])
@@ -269,8 +281,10 @@ class SparseServeLayer(CacheLayerMixin):
             tail_len = torch.cat((self.tail_len, other.tail_len))
             num_blocks = torch.cat((self.num_blocks, other.num_blocks))
             profile = None if self.query_profile is None else torch.cat((self.query_profile, other.query_profile))
+            feedback = _joined_feedback(self, other)
             self.block_ids, self.tail, self.tail_len, self.num_blocks = block_ids, tail, tail_len, num_blocks
             self.query_profile = profile
+            self.feedback_picked, self.feedback_lse = feedback
         self.num_positions = max(self.num_positions, other.num_positions)
         self.last_pick, self._undo = None, None
         other._clear()
@@ -312,15 +326,18 @@ class SparseServeLayer(CacheLayerMixin):
         moved = self.tail[taken], self.tail_len[taken], self.block_ids[taken], self.num_blocks[taken]
         stay = self.tail[kept], self.tail_len[kept], self.block_ids[kept], self.num_blocks[kept]
         profiles = (None, None) if self.query_profile is None else (self.query_profile[taken], self.query_profile[kept])
+        feedback_moved, feedback_stay = self._feedback_rows(taken), self._feedback_rows(kept)
         into.store, into.device, into.dtype = self.store, self.device, self.dtype
         into.tail, into.tail_len, into.block_ids, into.num_blocks = moved
         into.query_profile = profiles[0]
+        into.feedback_picked, into.feedback_lse = feedback_moved
         into.is_initialized = True
         if kept.numel() == 0:
             self._clear()
             return
         self.tail, self.tail_len, self.block_ids, self.num_blocks = stay
         self.query_profile = profiles[1]
+        self.feedback_picked, self.feedback_lse = feedback_stay
         self.last_pick, self._undo = None, None
 
     # ---- slots: rows that keep their place (the batching Generator's batch cache) -----------
@@ -353,6 +370,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids[slots] = grown(other.block_ids, width, fill=-1, dim=2)
         if self.query_profile is not None:
             self.query_profile[slots] = other.query_profile
+        self._forget_feedback(slots)  # the rows that came decode from their own numbers from their next step
         self.num_positions = max(self.num_positions, other.num_positions)
         self.last_pick, self._undo = None, None
         other._clear()
@@ -374,6 +392,7 @@ class SparseServeLayer(CacheLayerMixin):
         into.tail, into.tail_len, into.block_ids = self.tail[slots], self.tail_len[slots], self.block_ids[slots]
         into.num_blocks = self.num_blocks[slots]
         into.query_profile = None if self.query_profile is None else self.query_profile[slots]
+        into.feedback_picked, into.feedback_lse = self._feedback_rows(slots)
         into.is_initialized = True
         # Emptied in place; the tail's old tokens stay unread behind a zero length.
         self.tail_len.index_fill_(0, slots, 0)
@@ -381,6 +400,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids.index_fill_(0, slots, -1)
         if self.query_profile is not None:
             self.query_profile.index_fill_(0, slots, 0)
+        self._forget_feedback(slots)
         if rows == 0:
             self._clear()
             return
@@ -395,10 +415,16 @@ class SparseServeLayer(CacheLayerMixin):
             self.tail_len, self.num_blocks = grown(self.tail_len, rows), grown(self.num_blocks, rows)
             self.block_ids = grown(self.block_ids, rows, fill=-1, dim=0)
             self.query_profile = None if self.query_profile is None else grown(self.query_profile, rows)
+            if self.feedback_lse is not None:
+                self.feedback_picked = grown(self.feedback_picked, rows, dim=0)
+                self.feedback_lse = grown(self.feedback_lse, rows, fill=float("-inf"), dim=0)
         elif rows < have:
             self.tail, self.tail_len = self.tail[:rows].clone(), self.tail_len[:rows].clone()
             self.num_blocks, self.block_ids = self.num_blocks[:rows].clone(), self.block_ids[:rows].clone()
             self.query_profile = None if self.query_profile is None else self.query_profile[:rows].clone()
+            if self.feedback_lse is not None:
+                self.feedback_picked = self.feedback_picked[:rows].clone()
+                self.feedback_lse = self.feedback_lse[:rows].clone()
 
     def check_rows(self, rows: list[int]) -> None:
         """Raise unless `rows` are distinct int indices of this layer's rows and may move now (changes nothing)."""
@@ -424,6 +450,27 @@ class SparseServeLayer(CacheLayerMixin):
         if head_mask is not None:
             attended = attended & head_mask
         return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
+
+    def remember_pick(self, picked: torch.Tensor, num_q_heads: int) -> None:
+        """Keep this step's pick (B, Hkv, U) in place for the next step's scorer (where the store
+        `feeds_back`), and make sure `feedback_lse` is the (B, Hq, U) tensor this step's attention
+        writes its exact log-sum-exps into (the scorer has read the last step's already)."""
+        lse_shape = (picked.shape[0], num_q_heads, picked.shape[2])
+        if self.feedback_lse is None or self.feedback_lse.shape != lse_shape:
+            self.feedback_picked = torch.zeros_like(picked)
+            self.feedback_lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=picked.device)
+        self.feedback_picked.copy_(picked)
+
+    def _feedback_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The feedback tensors' `rows` (copies), or (None, None) where there are none."""
+        if self.feedback_lse is None:
+            return None, None
+        return self.feedback_picked[rows], self.feedback_lse[rows]
+
+    def _forget_feedback(self, slots: torch.Tensor) -> None:
+        """Rows at `slots` start over without the last step's numbers (in place: a captured step keeps them)."""
+        if self.feedback_lse is not None:
+            self.feedback_lse.index_fill_(0, slots, float("-inf"))
 
     def _observe_prompt(self, query: torch.Tensor, real: torch.Tensor | None) -> None:
         """Each row's query profile from a prompt's (B, Hq, T, D) queries (`real` (B, T) marks real
@@ -628,12 +675,15 @@ class SparseServeLayer(CacheLayerMixin):
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors a captured decode step reads or writes by address."""
-        return {
+        tensors = {
             "tail": self.tail,
             "tail_len": self.tail_len,
             "block_ids": self.block_ids,
             "num_blocks": self.num_blocks,
         }
+        if self.feedback_lse is not None:
+            tensors |= {"feedback_picked": self.feedback_picked, "feedback_lse": self.feedback_lse}
+        return tensors
 
     def forget_host_tail_len(self) -> None:
         """Drop the host copy of the tail lengths, so the next eager decode step reads them back.
@@ -721,6 +771,8 @@ class SparseServeLayer(CacheLayerMixin):
                 self.store.free(self.block_ids[row, :, keep:count].flatten())
                 self.block_ids[row, :, keep:count] = -1
                 self.num_blocks[row] = keep
+                if self.feedback_lse is not None:  # its numbers may name blocks it no longer holds
+                    self.feedback_lse[row] = float("-inf")
             self.tail_len[row] = rest
 
     def _ensure_capacity(self, blocks: int) -> None:
@@ -757,3 +809,25 @@ class _Undo:
     ) -> None:
         self.num_new, self.initialized, self.committed, self.added = num_new, initialized, committed, added
         self.profile = profile
+
+
+def _joined_feedback(
+    first: SparseServeLayer, second: SparseServeLayer
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Both layers' feedback rows, `first`'s then `second`'s; a side without any adds rows that know
+    nothing (-inf); None where neither has any, or the two were picked at different widths."""
+    if first.feedback_lse is None and second.feedback_lse is None:
+        return None, None
+    ref = first if first.feedback_lse is not None else second
+    parts_picked, parts_lse = [], []
+    for layer in (first, second):
+        if layer.feedback_lse is not None:
+            parts_picked.append(layer.feedback_picked)
+            parts_lse.append(layer.feedback_lse)
+        else:
+            rows = layer.tail.shape[0]
+            parts_picked.append(ref.feedback_picked.new_zeros((rows, *ref.feedback_picked.shape[1:])))
+            parts_lse.append(ref.feedback_lse.new_full((rows, *ref.feedback_lse.shape[1:]), float("-inf")))
+    if parts_lse[0].shape[1:] != parts_lse[1].shape[1:]:
+        return None, None
+    return torch.cat(parts_picked), torch.cat(parts_lse)

@@ -94,6 +94,8 @@ class TieredBlockStore:
         self._save_stream: torch.cuda.Stream | None = None  # made by the first save beside compute
         self._saves_beside: torch.cuda.Event | None = None  # the newest one not yet waited for
         self.scorer = SCORERS[config.metadata]  # what a block's metadata is and how a step scores it
+        # whether a decode step keeps its exact per-block numbers for the next step's scorer
+        self.feeds_back = self.scorer.uses_feedback(config)
         meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
         self.scorer.check_dtype(meta_dtype)
         self.metadata = torch.zeros(

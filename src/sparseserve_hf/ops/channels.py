@@ -147,11 +147,36 @@ def block_logsumexp(
 
 
 def score_channels(
-    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_size: int, stored: int, scaling: float
+    query: torch.Tensor,
+    metadata: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_size: int,
+    stored: int,
+    scaling: float,
+    fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Each query head's estimated attention mass on each block of its row's table: (B, Hq, N) fp32,
-    summing to 1 over a row's blocks, -inf where the id is -1 (arguments as `block_logsumexp`)."""
-    return block_mass(block_logsumexp(query, metadata, block_ids, block_size, stored, scaling))
+    summing to 1 over a row's blocks, -inf where the id is -1 (arguments as `block_logsumexp`;
+    `fed_back` as `with_feedback`)."""
+    estimate = block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
+    return block_mass(with_feedback(estimate, fed_back))
+
+
+def with_feedback(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """(B, Hq, N) estimated per-block log-sum-exps, each raised to the last decode step's exact one
+    where that step attended the block and found more: the next query is close to the last, and the
+    exact number is what the estimate approximates. No byte more is read: the attention computed them.
+
+    fed_back: the table positions each KV head loaded (B, Hkv, U) and each query head's exact
+    log-sum-exp over them (B, Hq, U), -inf where it attended none; None: the estimates as they are.
+    Blocks outside the table (-inf estimates) stay out."""
+    if fed_back is None:
+        return logsumexp
+    picked, exact = fed_back
+    group = exact.shape[1] // picked.shape[1]
+    positions = picked.repeat_interleave(group, dim=1).clamp(0, logsumexp.shape[-1] - 1)  # (B, Hq, U)
+    raised = logsumexp.scatter_reduce(2, positions, exact, reduce="amax", include_self=True)
+    return torch.where(torch.isneginf(logsumexp), logsumexp, raised)
 
 
 def block_mass(logsumexp: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ def sparse_decode(
     num_splits: int | None = None,
     *,
     scales: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.sparse_decode` with the loaded blocks attended by flash-attn-4's paged kernel.
 
@@ -61,6 +62,8 @@ def sparse_decode(
         num_splits: chunks per fa4 entry; None = enough entries to give every SM one.
         scales: must be None: fa4 reads the pool as stored (8-bit blocks are refused by the
             config before they exist; this guards a direct call).
+        block_lse: must be None: fa4 returns no per-block log-sum-exps (`channel_feedback` is
+            refused by the config with this backend; this guards a direct call).
     Returns:
         (B, Hq, D) in the query's dtype. A row whose head sees no block and has an empty tail
         never occurs (decode always has the current token in the tail); it would give NaN, as
@@ -68,6 +71,10 @@ def sparse_decode(
     """
     if scales is not None:
         raise NotImplementedError("flash-attn-4 decode attends the pool as stored: 8-bit blocks need backend='triton'")
+    if block_lse is not None:
+        raise NotImplementedError(
+            "flash-attn-4 decode writes no per-block log-sum-exps: channel_feedback needs backend='triton'"
+        )
     if query.dtype not in FA4_DTYPES:
         from . import triton_decode
 
