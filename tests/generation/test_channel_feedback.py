@@ -99,3 +99,20 @@ def test_a_batch_with_feedback_equals_its_requests_one_by_one(llama, cuda_graphs
     params = SamplingParams(max_new_tokens=24)
     batch = generator_outputs(llama, config, prompts, params, one_by_one=False)
     assert batch == generator_outputs(llama, config, prompts, params, one_by_one=True)
+
+
+def test_rows_moved_between_caches_keep_their_numbers_and_slots_that_change_hands_lose_them(llama):
+    cache = SparseServeCache(llama.config, SparseServeConfig(**FEEDBACK))
+    decode(llama, cache, torch.tensor([prompt(150, seed=n) for n in range(3)]), 3)
+    layer = cache.layers[0]
+    before = layer.feedback_lse.clone()
+    popped = cache.pop_rows([2])  # row 2 leaves with its numbers; rows 0 and 1 keep theirs
+    assert torch.equal(popped.layers[0].feedback_lse, before[[2]])
+    assert torch.equal(layer.feedback_lse, before[[0, 1]])
+    cache.append_rows(popped)
+    assert torch.equal(layer.feedback_lse, before)
+    taken = cache.take_rows([1])  # slot 1 becomes vacant and knows nothing
+    assert torch.equal(taken.layers[0].feedback_lse, before[[1]])
+    assert layer.feedback_lse[1].isneginf().all() and torch.equal(layer.feedback_lse[0], before[0])
+    cache.place_rows(taken, [1])  # back into its slot: a row that comes starts without numbers
+    assert layer.feedback_lse[1].isneginf().all() and torch.equal(layer.feedback_lse[2], before[2])
