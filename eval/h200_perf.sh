@@ -64,6 +64,9 @@
 #   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
 #               scorer and ladder tests, their kernel alone under its launch knobs, then the real-locality step with
 #               stock and the default config, and the same step with channel scores (the kernel's fastest knobs)
+#   feedback    channel feedback (`channel_feedback=True`): the per-block log-sum-exp kernel tests and the feedback
+#               tests, then the real-locality step with channel scores without and with it (what writing the
+#               numbers costs the step); the default config's step first, with stock
 #   ahead       decode_ahead (the next step launched before this one is read back): its GPU test and the graph
 #               tests, then a Generator iteration's phases (16 x 16K, 25% HBM cache, real locality) without and with
 #               it, alternating, twice each
@@ -173,6 +176,16 @@ case $part in
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
       --set selection=kv_head --set group_aggregation=sum $fastest \
       --out "$out/decode_step_channels.json" 2>&1 | tee "$out/decode_step_channels.log" | tail -14 ;;
+  feedback)
+    python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode_block_lse.py tests/ops/test_decode.py \
+      tests/generation/test_channel_feedback.py 2>&1 | tee "$out/gpu_pytest_feedback.log" | tail -5
+    python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
+      --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
+    for feedback in False True; do
+      python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
+        --set selection=kv_head --set group_aggregation=sum --set channel_feedback=$feedback \
+        --out "$out/decode_step_channels_feedback_$feedback.json" 2>&1 | tail -14
+    done ;;
   attention)
     python -m eval.bench.attention_knobs --out "$out/attention_knobs.json" 2>&1 | tee "$out/attention_knobs.log" | tail -60
     best=$(knob_args "$out/attention_knobs.json" best)
@@ -294,5 +307,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, twolevelwide, twolevelstep, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, twolevelwide, twolevelstep, feedback, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
