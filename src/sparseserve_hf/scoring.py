@@ -226,10 +226,11 @@ class ChannelScores:
         scaling: float,
         fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Each query head's estimated softmax mass per block (`ops.score_channels`), with the last
-        step's exact numbers fed back where given."""
+        """Each query head's estimated softmax mass per block (`ops.channel_logsumexp`, then
+        `channels.block_mass`), with the last step's exact numbers fed back where given first."""
         stored = channels.stored_channels(config.channel_share, query.shape[-1])
-        return ops.score_channels(query, metadata, block_ids, config.block_size, stored, scaling, fed_back)
+        estimate = ops.channel_logsumexp(query, metadata, block_ids, config.block_size, stored, scaling)
+        return channels.block_mass(channels.with_feedback(estimate, fed_back))
 
     def score_floor(self, config: SparseServeConfig) -> int | None:
         """None: the masses are real numbers."""

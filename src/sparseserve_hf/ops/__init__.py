@@ -33,7 +33,7 @@ class BlockOps:
     name: str
     block_metadata: Callable[..., torch.Tensor]
     score_table: Callable[..., torch.Tensor]
-    score_channels: Callable[..., torch.Tensor]  # metadata="channels" (`ops.channels.score_channels`)
+    channel_logsumexp: Callable[..., torch.Tensor]  # metadata="channels" (`ops.channels.block_logsumexp`)
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -62,7 +62,7 @@ TORCH_OPS = BlockOps(
     name="torch",
     block_metadata=reference.block_metadata,
     score_table=reference.score_table,
-    score_channels=channels.score_channels,
+    channel_logsumexp=channels.block_logsumexp,
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
     union_over_group=reference.union_over_group,
@@ -196,7 +196,7 @@ def _triton_ops() -> BlockOps:
         TORCH_OPS,
         name="triton",
         score_table=triton_score.score_table,
-        score_channels=triton_channels.score_channels,
+        channel_logsumexp=triton_channels.block_logsumexp,
         select_group_union=triton_two_level.select_group_union,
         sparse_decode=triton_decode.sparse_decode,
         begin_decode=triton_decode.begin_decode,

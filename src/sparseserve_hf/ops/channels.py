@@ -147,19 +147,11 @@ def block_logsumexp(
 
 
 def score_channels(
-    query: torch.Tensor,
-    metadata: torch.Tensor,
-    block_ids: torch.Tensor,
-    block_size: int,
-    stored: int,
-    scaling: float,
-    fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_size: int, stored: int, scaling: float
 ) -> torch.Tensor:
     """Each query head's estimated attention mass on each block of its row's table: (B, Hq, N) fp32,
-    summing to 1 over a row's blocks, -inf where the id is -1 (arguments as `block_logsumexp`;
-    `fed_back` as `with_feedback`)."""
-    estimate = block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
-    return block_mass(with_feedback(estimate, fed_back))
+    summing to 1 over a row's blocks, -inf where the id is -1 (arguments as `block_logsumexp`)."""
+    return block_mass(block_logsumexp(query, metadata, block_ids, block_size, stored, scaling))
 
 
 def with_feedback(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

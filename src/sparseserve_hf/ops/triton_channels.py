@@ -180,14 +180,7 @@ def block_logsumexp(
 
 
 def score_channels(
-    query: torch.Tensor,
-    metadata: torch.Tensor,
-    block_ids: torch.Tensor,
-    block_size: int,
-    stored: int,
-    scaling: float,
-    fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
+    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_size: int, stored: int, scaling: float
 ) -> torch.Tensor:
     """`channels.score_channels` with the per-block pass as one kernel (same arguments and result)."""
-    estimate = block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
-    return channels.block_mass(channels.with_feedback(estimate, fed_back))
+    return channels.block_mass(block_logsumexp(query, metadata, block_ids, block_size, stored, scaling))

@@ -165,6 +165,7 @@ def _decode_split_kernel(
         start = split * per_split
         end = tl.minimum(start + per_split, used_end)
         t = tl.arange(0, BLOCK_U * S)
+        head_rows = b * stride_lb + heads * stride_lh  # (BG,) each head's row of lse (BLOCK_LSE)
         for first in range(start, end, BLOCK_U):
             j = first + t // S  # (T,) position of each token's block in the row's (late) list
             if LATE:
@@ -195,7 +196,6 @@ def _decode_split_kernel(
                 seen = seen & (allowed != 0)
             m, l, acc, logits = _attend(q, k, v, seen, m, l, acc, scaling, IEEE)
             if BLOCK_LSE:
-                head_rows = b * stride_lb + heads * stride_lh
                 _store_block_lse(lse_ptr, head_rows, g_ok, u, token_ok & (j < end), logits, BLOCK_G, BLOCK_U, S)
     else:
         # Names differ from the branch above: Triton needs a name bound in both branches to keep one type.
