@@ -28,9 +28,9 @@
 #   8k_channels  8K, the four tasks: channel scores (`metadata="channels"`, each block's 2-bit copy of its own
 #                channels; 3/8 of them, the default, and 1/2), one selection per KV head by the group's summed
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
-#   Parts with no committed results yet:
 #   8k_feedback  8K, the four tasks: channel scores as in 8k_channels (3/8 of the channels), without and with the
 #                last step's exact log-sum-exps fed back (`channel_feedback=True`), at 256 and 512
+#   Parts with no committed results yet:
 #   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
 #                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
 #                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU

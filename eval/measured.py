@@ -52,6 +52,15 @@ def _dropin(context: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     }  # fmt: skip
 
 
+def _feedback(r: dict[str, Any]) -> dict[str, Any]:
+    """Channel scores with feedback, and without it on the same samples."""
+    families = r["t7_by_family"]
+    without = families["channels"]
+    return families["channels_feedback"] | {
+        "without_1_16": without["ratio_at_1_16"], "without_1_32": without["ratio_at_1_32"],
+    }  # fmt: skip
+
+
 def _generator(point: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def figures(r: dict[str, Any]) -> dict[str, Any]:
         ours, stock = r["points"][point]["real_locality"], r["points"][point]["stock"]
@@ -226,6 +235,16 @@ ROWS = [
         "as above",
         device="H100",
         link="eval/results/ruler_8k_channels/report.md",
+    ),
+    Row(
+        "the same with channel feedback (`channel_feedback=True`)",
+        "ruler_8k_feedback/report.json",
+        _feedback,
+        "**{ratio_at_1_16:.3f}** at 1/16 loaded, **{ratio_at_1_32:.3f}** at 1/32",
+        "channel scores without it, same samples: {without_1_16:.3f}, {without_1_32:.3f}",
+        "as above",
+        device="H100",
+        link="eval/results/ruler_8k_feedback/report.md",
     ),
     Row(
         "working-set control, HBM cache at 2x the working set",
