@@ -5,9 +5,9 @@
 
 One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
 32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
-`triton_channels.block_logsumexp` (what a step launches per layer) and of the whole `score_channels`
-for each setting of its launch knobs, beside the time to copy the metadata's bytes once (the read's floor),
-measured in the same process.
+`triton_channels.block_logsumexp` (what a step launches per layer) and of the whole score
+(`channels.block_mass` over it, as the channel scorer composes them) for each setting of its launch
+knobs, beside the time to copy the metadata's bytes once (the read's floor), measured in the same process.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
         kernel = timed_us(
             lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
         )
-        whole = timed_us(lambda: triton_channels.score_channels(query, metadata, table, size, stored, scaling), repeats)
+        whole = timed_us(
+            lambda: channels.block_mass(triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)),
+            repeats,
+        )
         rows.append({**knobs, "kernel_us": round(kernel, 1), "score_channels_us": round(whole, 1)})
         print(rows[-1], flush=True)
     result = dict(

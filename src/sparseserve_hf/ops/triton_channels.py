@@ -177,10 +177,3 @@ def block_logsumexp(
         BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
-
-
-def score_channels(
-    query: torch.Tensor, metadata: torch.Tensor, block_ids: torch.Tensor, block_size: int, stored: int, scaling: float
-) -> torch.Tensor:
-    """`channels.score_channels` with the per-block pass as one kernel (same arguments and result)."""
-    return channels.block_mass(block_logsumexp(query, metadata, block_ids, block_size, stored, scaling))
