@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
-    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words}
-    for n, w, u, words in [
-        (8, 1, 1, True), (8, 1, 2, True), (4, 1, 1, True), (16, 2, 1, True), (16, 2, 2, True), (32, 4, 1, True),
-        (16, 1, 1, True), (8, 1, 1, False),
+    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words, "PREFETCH": ahead, "STAGES": stages}
+    for n, w, u, words, ahead, stages in [
+        (16, 1, 1, True, False, 0), (8, 1, 1, True, False, 0), (8, 1, 2, True, False, 0), (4, 1, 1, True, False, 0),
+        (16, 2, 1, True, False, 0), (32, 4, 1, True, False, 0), (8, 1, 1, False, False, 0),
+        (16, 1, 1, True, True, 0), (8, 1, 1, True, True, 0), (16, 2, 1, True, True, 0),
+        (16, 1, 1, True, False, 2), (8, 1, 1, True, False, 2), (8, 1, 1, True, False, 3), (16, 2, 1, True, False, 2),
     ]
 ]  # fmt: skip
 
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes under Triton's CPU interpreter")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--setting", type=int, action="append", help="time only SETTINGS[K] (repeatable)")
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -70,8 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = 1 if args.dry_run else args.repeats
     rows = []
     expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
-    defaults = {name: getattr(triton_channels, name) for name in ("BLOCK_N", "NUM_WARPS", "UNROLL", "WORDS")}
-    for setting in SETTINGS:
+    defaults = {name: getattr(triton_channels, name) for name in SETTINGS[0]}
+    for setting in [SETTINGS[k] for k in args.setting] if args.setting else SETTINGS:
         knobs = {**defaults, **setting}
         for name, value in knobs.items():
             setattr(triton_channels, name, value)

@@ -50,6 +50,19 @@ def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("knobs", [{"PREFETCH": True}, {"PREFETCH": True, "BLOCK_N": 8}, {"STAGES": 2}], ids=str)
+def test_launch_forms_match_reference(poisoned, monkeypatch, knobs):
+    for name, value in knobs.items():
+        monkeypatch.setattr(triton_channels, name, value)
+    torch.manual_seed(11)
+    table = ragged_table(3, 2, 37, 400, [37, 5, 0])
+    metadata = channel_pool(400, 32, 128, 0.375)
+    query = torch.randn(3, 8, 128).to(DTYPES[-1])
+    expected = channels.block_logsumexp(query, metadata, table, 32, 48, 128**-0.5)
+    got = triton_channels.block_logsumexp(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 32, 48, 128**-0.5)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_other_block_sizes_match_reference(poisoned, block_size):
     torch.manual_seed(block_size)

@@ -26,12 +26,26 @@ BLOCK_N = 16  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
 UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
+PREFETCH = False  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
+STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
 
 @triton.jit
 def _fp8_byte(words, c: tl.constexpr):
     """Byte c of each 32-bit word, read as a float8_e4m3fn value, in fp32."""
     return ((words >> (8 * c)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER: tl.constexpr, P: tl.constexpr):
+    """The 32-bit words of the 4 stored channels from `first` on: (S / PER_BYTE, BLOCK_N) code words
+    and (BLOCK_N,) words of their pair indices, minima and steps (byte c of each is channel first + c;
+    P // 2 a multiple of 4 keeps each run of 4 in one word)."""
+    packed = tl.load(words_ptr + code_words + first // 4, mask=valid[None, :], other=0)
+    pairs = tl.load(words_ptr + start_word + (HEADER + first % (P // 2)) // 4, mask=valid, other=0)
+    lows = tl.load(words_ptr + start_word + (HEADER + P // 2 + first) // 4, mask=valid, other=0)
+    steps = tl.load(words_ptr + start_word + (HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
+    return packed, pairs, lows, steps
 
 
 @triton.jit
@@ -64,6 +78,8 @@ def _block_lse_kernel(
     BITS: tl.constexpr,
     CHUNK: tl.constexpr,  # channels per code load: 4 (a 32-bit word) or 1 (a byte)
     UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # (only with CHUNK 4) a chunk's words loaded during the pass before it
+    STAGES: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. Token t = PER_BYTE * j + k
     of a block sits in code row j at bits BITS * k, so the accumulator is (BLOCK_G, PER_BYTE, S /
@@ -97,13 +113,18 @@ def _block_lse_kernel(
     weight_sum = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # sum over channels of q * step
     kept = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
     offset = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL):
-        if CHUNK == 4:  # byte c of each word: channel first + c
-            packed = tl.load(words_ptr + code_words + first // 4, mask=valid[None, :], other=0)
-            # the chunk's 4 pair indices, minima and steps (P // 2 a multiple of 4 keeps each in one word)
-            pairs = tl.load(words_ptr + start_word + (HEADER + first % (P // 2)) // 4, mask=valid, other=0)
-            lows = tl.load(words_ptr + start_word + (HEADER + P // 2 + first) // 4, mask=valid, other=0)
-            steps = tl.load(words_ptr + start_word + (HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
+    if PREFETCH:
+        next_packed, next_pairs, next_lows, next_steps = _chunk_words(
+            words_ptr, code_words, start_word, valid, 0, HEADER, P
+        )
+    for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
+        if PREFETCH:  # this chunk's words came a pass ago; the next chunk's (the first again at the end) go out
+            packed, pairs, lows, steps = next_packed, next_pairs, next_lows, next_steps
+            next_packed, next_pairs, next_lows, next_steps = _chunk_words(
+                words_ptr, code_words, start_word, valid, (first + CHUNK) % P, HEADER, P
+            )
+        elif CHUNK == 4:  # byte c of each word: channel first + c
+            packed, pairs, lows, steps = _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER, P)
         else:
             packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :], other=0).to(tl.int32)
         for c in tl.static_range(CHUNK):
@@ -174,6 +195,7 @@ def block_logsumexp(
         metadata.stride(0) // 4, ((1 << channels.BITS) - 1) << (23 - channels.BITS), 0x3F800000, num_blocks,
         num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
-        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, num_warps=NUM_WARPS,
+        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words, STAGES=STAGES,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
