@@ -294,7 +294,7 @@ case $part in
   ncu)
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     "$ncu_bin" --clock-control none --set full --kernel-name regex:_block_lse --launch-count 2 \
-      python -m eval.bench.channel_kernel --repeats 1 > "$out/ncu_channels.txt" 2>&1 || true
+      python -m eval.bench.channel_kernel --setting 0 > "$out/ncu_channels.txt" 2>&1 || true
     grep -E "Duration|Throughput|Stall|Issue|Occupancy|Registers|Warp Cycles|Executed Ipc|L1/TEX Hit" \
       "$out/ncu_channels.txt" | head -60
     "$ncu_bin" --clock-control none --set full \

@@ -6,8 +6,9 @@
 One layer of the Llama-3-8B shape at B=16 x 32K (8 KV heads of 4 query heads, head_dim 128, 1,024
 32-token blocks per row and head) with random channel metadata at `channel_share` 3/8: the time of
 `triton_channels.block_logsumexp` (what a step launches per layer) and of the whole score
-(`channels.block_mass` over it, as the channel scorer composes them) for each setting of its launch
-knobs, beside the time to copy the metadata's bytes once (the read's floor), measured in the same process.
+(`triton_channels.feedback_mass` over it, as the channel scorer composes them) for each setting of its
+launch knobs, beside the time to copy the metadata's bytes once (the read's floor), measured in the same
+process. Every time is a CUDA-graph replay's (the GPU's time alone, as a captured step pays it).
 """
 
 from __future__ import annotations
@@ -30,26 +31,18 @@ SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest
 ]  # fmt: skip
 
 
-def timed_us(fn, repeats: int) -> float:
-    """Median microseconds of `fn()` over `repeats` CUDA-event-timed calls, after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
+def replay_us(fn) -> float:
+    """Median microseconds of one CUDA-graph replay of `fn()`: the GPU's time, as a captured step pays
+    it (events around eager calls would add the host's launches of the wrapper's small ops)."""
+    from eval.bench.common import graph_ms  # imports triton: after a dry run's TRITON_INTERPRET
+
+    return graph_ms(fn, torch.device("cuda")) * 1000
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes under Triton's CPU interpreter")
-    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--setting", type=int, action="append", help="time only SETTINGS[K] (repeatable)")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -70,7 +63,6 @@ def main(argv: list[str] | None = None) -> dict:
         batch, kv_heads * group, dim, device=device, dtype=torch.float32 if args.dry_run else torch.bfloat16
     )
     scaling = dim**-0.5
-    repeats = 1 if args.dry_run else args.repeats
     rows = []
     expected = channels.block_logsumexp(query, metadata, table, size, stored, scaling)
     defaults = {name: getattr(triton_channels, name) for name in SETTINGS[0]}
@@ -83,12 +75,11 @@ def main(argv: list[str] | None = None) -> dict:
         if args.dry_run:
             rows.append(knobs)
             continue
-        kernel = timed_us(
-            lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), repeats
-        )
-        whole = timed_us(
-            lambda: channels.block_mass(triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling)),
-            repeats,
+        kernel = replay_us(lambda: triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling))
+        whole = replay_us(  # as the channel scorer composes them (without feedback)
+            lambda: triton_channels.feedback_mass(
+                triton_channels.block_logsumexp(query, metadata, table, size, stored, scaling), None
+            )
         )
         rows.append({**knobs, "kernel_us": round(kernel, 1), "score_channels_us": round(whole, 1)})
         print(rows[-1], flush=True)
@@ -107,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"triton_channels.{name}={fastest[name]!r}" for name in defaults
         ]
         copy = torch.empty_like(metadata.view(torch.uint8))
-        result["metadata_copy_us"] = round(timed_us(lambda: copy.copy_(metadata.view(torch.uint8)), repeats), 1)
+        result["metadata_copy_us"] = round(replay_us(lambda: copy.copy_(metadata.view(torch.uint8))), 1)
         print("metadata copy", result["metadata_copy_us"], "us", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -227,10 +227,10 @@ class ChannelScores:
         fed_back: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Each query head's estimated softmax mass per block (`ops.channel_logsumexp`, then
-        `channels.block_mass`), with the last step's exact numbers fed back where given first."""
+        `ops.channel_mass`), with the last step's exact numbers fed back where given first."""
         stored = channels.stored_channels(config.channel_share, query.shape[-1])
         estimate = ops.channel_logsumexp(query, metadata, block_ids, config.block_size, stored, scaling)
-        return channels.block_mass(channels.with_feedback(estimate, fed_back))
+        return ops.channel_mass(estimate, fed_back)
 
     def score_floor(self, config: SparseServeConfig) -> int | None:
         """None: the masses are real numbers."""
@@ -343,10 +343,11 @@ class KvHead:
         self, ops, config: SparseServeConfig, scores: torch.Tensor, num_blocks: torch.Tensor, num_kv_heads: int,
         capacity: int, score_floor: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """`ops.aggregate_group_scores`, then one sorted top-k per KV head (`ops.select_blocks`)."""
+        """`ops.aggregate_group_scores`, then one top-k per KV head, ascending: `ops.select_group_union`
+        over groups of one head (a head's union is its own pick; one launch with Triton)."""
         scores = ops.aggregate_group_scores(scores, num_kv_heads, config.group_aggregation)  # (B, Hkv, N)
-        picked, valid = ops.select_blocks(
-            scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, True
+        picked, valid = ops.select_group_union(
+            scores, num_blocks, config.selected_full_blocks, config.sink_blocks, config.window_blocks, num_kv_heads
         )  # (B, Hkv, K)
         return picked, valid, None
 

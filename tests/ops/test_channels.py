@@ -96,3 +96,23 @@ def test_empty_table_returns_empty():
         query, metadata, torch.zeros(0, 2, 5, dtype=torch.long, device=DEVICE), 32, 6, 0.25
     )
     assert out.shape == (0, 4, 5)
+
+
+@pytest.mark.parametrize("with_feedback", [False, True])
+def test_feedback_mass_matches_reference(poisoned, monkeypatch, with_feedback):
+    monkeypatch.setattr(triton_channels, "MASS_BLOCK", 16)  # rows of 37 blocks take three passes
+    torch.manual_seed(3)
+    estimate = torch.randn(3, 8, 37) * 4
+    estimate[0, :, 30:] = float("-inf")  # past a row's table
+    estimate[2] = float("-inf")  # a row without blocks
+    picked = torch.randint(0, 37, (3, 2, 9))
+    picked[0, 0, :3] = torch.tensor([31, 5, 5])  # outside the table, then a repeated position
+    exact = torch.randn(3, 8, 9) * 6
+    exact[1, :, ::2] = float("-inf")  # heads that attended none of those blocks
+    fed_back = (picked, exact) if with_feedback else None
+    expected = channels.feedback_mass(estimate, fed_back)
+    on_device = None if fed_back is None else (picked.to(DEVICE), exact.to(DEVICE))
+    got = triton_channels.feedback_mass(estimate.to(DEVICE), on_device)
+    assert torch.equal(torch.isneginf(got).cpu(), torch.isneginf(expected))
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-7, rtol=1e-5)
+    assert torch.allclose(got[:2].clamp(min=0).sum(-1).cpu(), torch.ones(2, 8), atol=1e-6)  # -inf: no mass

@@ -34,6 +34,7 @@ class BlockOps:
     block_metadata: Callable[..., torch.Tensor]
     score_table: Callable[..., torch.Tensor]
     channel_logsumexp: Callable[..., torch.Tensor]  # metadata="channels" (`ops.channels.block_logsumexp`)
+    channel_mass: Callable[..., torch.Tensor]  # its estimates, fed back, to masses (`ops.channels.feedback_mass`)
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -63,6 +64,7 @@ TORCH_OPS = BlockOps(
     block_metadata=reference.block_metadata,
     score_table=reference.score_table,
     channel_logsumexp=channels.block_logsumexp,
+    channel_mass=channels.feedback_mass,
     aggregate_group_scores=reference.aggregate_group_scores,
     select_blocks=reference.select_blocks,
     union_over_group=reference.union_over_group,
@@ -197,6 +199,7 @@ def _triton_ops() -> BlockOps:
         name="triton",
         score_table=triton_score.score_table,
         channel_logsumexp=triton_channels.block_logsumexp,
+        channel_mass=triton_channels.feedback_mass,
         select_group_union=triton_two_level.select_group_union,
         sparse_decode=triton_decode.sparse_decode,
         begin_decode=triton_decode.begin_decode,

@@ -171,6 +171,11 @@ def with_feedback(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.T
     return torch.where(torch.isneginf(logsumexp), logsumexp, raised)
 
 
+def feedback_mass(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """What the channel scorer ranks: `block_mass(with_feedback(logsumexp, fed_back))`, (B, Hq, N)."""
+    return block_mass(with_feedback(logsumexp, fed_back))
+
+
 def block_mass(logsumexp: torch.Tensor) -> torch.Tensor:
     """(B, Hq, N) per-block log-sum-exp -> the softmax mass of each block, -inf where it was -inf
     (unused entries; a row without blocks would otherwise be NaN)."""

@@ -11,7 +11,9 @@ follows. A code c enters as the float 1 + c / 2^BITS, made by placing its bits a
 mantissa (integer operations, where a conversion instruction runs at a quarter of the rate), and the
 sum of q * step over the channels is taken off at the end. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
 Everything computes in fp32, like the spec; only the order of the sums over channels differs.
-The softmax over a row's blocks (`channels.block_mass`) is one PyTorch op on (B, Hq, N).
+`feedback_mass` then turns the estimates into what the scorer ranks (`channels.feedback_mass`): the
+last step's exact numbers raised into them in place (one small launch, only with feedback), and each
+query head's softmax over its row's blocks (one launch, one program per (row, query head)).
 """
 
 from __future__ import annotations
@@ -198,4 +200,87 @@ def block_logsumexp(
         BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words, STAGES=STAGES,
         num_warps=NUM_WARPS,
     )  # fmt: skip
+    return out
+
+
+MASS_BLOCK = 1024  # table entries per pass of the softmax over a row's blocks
+
+
+@triton.jit
+def _feedback_kernel(
+    lse_ptr,  # (B, Hq, N) fp32 estimates, raised in place
+    picked_ptr,  # (B, Hkv, U) int64 table positions the last step loaded
+    exact_ptr,  # (B, Hq, U) fp32 exact log-sum-exps over them, -inf where a head attended none
+    stride_lb,
+    stride_lh,
+    stride_pb,
+    stride_ph,
+    stride_eb,
+    stride_eh,
+    num_q_heads,
+    num_blocks,
+    num_picked,
+    G: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+):
+    """Grid (B * Hq,). Each picked position's estimate becomes the larger of it and the exact number,
+    where the estimate is not -inf (outside the row's table). Raised with atomic max: positions may repeat."""
+    row_head = tl.program_id(0)
+    b = row_head // num_q_heads
+    head = row_head % num_q_heads
+    lse_row = lse_ptr + b * stride_lb + head * stride_lh
+    for first in range(0, num_picked, BLOCK_U):
+        u = first + tl.arange(0, BLOCK_U)
+        in_pick = u < num_picked
+        position = tl.load(picked_ptr + b * stride_pb + (head // G) * stride_ph + u, mask=in_pick, other=0)
+        position = tl.minimum(tl.maximum(position, 0), num_blocks - 1)
+        exact = tl.load(exact_ptr + b * stride_eb + head * stride_eh + u, mask=in_pick, other=float("-inf"))
+        estimate = tl.load(lse_row + position, mask=in_pick, other=float("-inf"))
+        tl.atomic_max(lse_row + position, exact, mask=in_pick & (estimate > float("-inf")) & (exact > estimate))
+
+
+@triton.jit
+def _mass_kernel(lse_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr):
+    """Grid (B * Hq,) over contiguous (B * Hq, N) rows: out = softmax of the row, -inf where it is -inf
+    (every entry of a row that has none finite)."""
+    row = tl.program_id(0).to(tl.int64) * num_blocks
+    best = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    for first in range(0, num_blocks, BLOCK):  # the running maximum and the sum of exps under it
+        n = first + tl.arange(0, BLOCK)
+        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"))
+        new_best = tl.maximum(best, tl.max(x, axis=0))
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # exp(-inf - shift) is 0, never NaN
+        total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        best = new_best
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    total = tl.maximum(total, 1.0)  # the largest entry adds exp(0) = 1; a row of none adds 0 and writes -inf
+    for first in range(0, num_blocks, BLOCK):
+        n = first + tl.arange(0, BLOCK)
+        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"))
+        mass = tl.where(x == float("-inf"), float("-inf"), tl.exp(x - shift) / total)
+        tl.store(out_ptr + row + n, mass, mask=n < num_blocks)
+
+
+def feedback_mass(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`channels.feedback_mass` in one or two launches: (B, Hq, N) fp32 estimates (raised in place where
+    fed back) -> (B, Hq, N) masses. fed_back: (B, Hkv, U) picked table positions and (B, Hq, U) exact
+    log-sum-exps, or None."""
+    batch, num_q_heads, num_blocks = logsumexp.shape
+    assert logsumexp.dtype == torch.float32 and logsumexp.is_contiguous()
+    out = torch.empty_like(logsumexp)
+    if out.numel() == 0:
+        return out
+    if fed_back is not None and fed_back[0].shape[-1] > 0:
+        picked, exact = fed_back
+        picked = picked if picked.stride(-1) == 1 else picked.contiguous()
+        exact = exact if exact.stride(-1) == 1 else exact.contiguous()
+        width = picked.shape[-1]
+        _feedback_kernel[(batch * num_q_heads,)](
+            logsumexp, picked, exact, logsumexp.stride(0), logsumexp.stride(1), picked.stride(0), picked.stride(1),
+            exact.stride(0), exact.stride(1), num_q_heads, num_blocks, width, G=num_q_heads // picked.shape[1],
+            BLOCK_U=min(triton.next_power_of_2(width), 1024), num_warps=1,
+        )  # fmt: skip
+    block = min(triton.next_power_of_2(num_blocks), MASS_BLOCK)
+    _mass_kernel[(batch * num_q_heads,)](logsumexp, out, num_blocks, BLOCK=block, num_warps=4)
     return out
