@@ -50,7 +50,7 @@ def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("knobs", [{"PREFETCH": True}, {"PREFETCH": True, "BLOCK_N": 8}, {"STAGES": 2}], ids=str)
+@pytest.mark.parametrize("knobs", [{"PREFETCH": False}, {"BLOCK_N": 8}, {"PREFETCH": False, "STAGES": 2}], ids=str)
 def test_launch_forms_match_reference(poisoned, monkeypatch, knobs):
     for name, value in knobs.items():
         monkeypatch.setattr(triton_channels, name, value)
