@@ -61,6 +61,15 @@ def _feedback(r: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _channel_step(r: dict[str, Any]) -> dict[str, Any]:
+    """The channel step with feedback beside the default's, one call on one machine."""
+    run = r["call_5_at_9e02884"]
+    ours, default = run["channels_feedback"]["real_locality"], run["default"]["real_locality"]
+    return {"ms": ours["graph_ms"], "book": ours["bookkeeping_us_per_layer"], "default": default["graph_ms"],
+            "default_book": default["bookkeeping_us_per_layer"], "over": ours["graph_ms"] / default["graph_ms"],
+            "floor": ours["graph_step_over_floor"]}  # fmt: skip
+
+
 def _generator(point: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def figures(r: dict[str, Any]) -> dict[str, Any]:
         ours, stock = r["points"][point]["real_locality"], r["points"][point]["stock"]
@@ -245,6 +254,15 @@ ROWS = [
         "as above",
         device="H100",
         link="eval/results/ruler_8k_feedback/report.md",
+    ),
+    Row(
+        "one decode step with channel scores and feedback, B=16 x 32K, real locality, CUDA graph",
+        "decode_step_runs/channel_chain_9e02884_h100.json",
+        _channel_step,
+        "**{ms:.2f} ms** ({over:.2f}x the default's step, {floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
+        "the default config in the same call: {default:.2f} ms, {default_book:.0f} us",
+        "",
+        device="H100",
     ),
     Row(
         "working-set control, HBM cache at 2x the working set",
