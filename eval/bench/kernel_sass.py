@@ -68,7 +68,7 @@ def channels_kernel() -> Kernel:
     constants = dict(D=dim, G=group, P=stored, S=size, BLOCK_G=group, BLOCK_N=triton_channels.BLOCK_N,
                      HEADER=channels.header_start(size, stored, dim), PER_BYTE=channels.PER_BYTE,
                      BITS=channels.BITS, CHUNK=4, UNROLL=triton_channels.UNROLL, PREFETCH=triton_channels.PREFETCH,
-                     STAGES=triton_channels.STAGES)  # fmt: skip
+                     HOIST_Q=triton_channels.HOIST_Q, STAGES=triton_channels.STAGES)  # fmt: skip
     return Kernel(triton_channels._block_lse_kernel, signature, constants, triton_channels.NUM_WARPS)
 
 

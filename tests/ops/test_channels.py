@@ -50,7 +50,11 @@ def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("knobs", [{"PREFETCH": False}, {"BLOCK_N": 8}, {"PREFETCH": False, "STAGES": 2}], ids=str)
+KNOB_SETTINGS = [{"PREFETCH": False}, {"BLOCK_N": 8}, {"PREFETCH": False, "STAGES": 2}, {"HOIST_Q": True},
+                 {"HOIST_Q": True, "PREFETCH": False, "BLOCK_N": 8}]  # fmt: skip
+
+
+@pytest.mark.parametrize("knobs", KNOB_SETTINGS, ids=str)
 def test_launch_forms_match_reference(poisoned, monkeypatch, knobs):
     for name, value in knobs.items():
         monkeypatch.setattr(triton_channels, name, value)

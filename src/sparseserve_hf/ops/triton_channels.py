@@ -29,6 +29,7 @@ NUM_WARPS = 1  # (a launch knob)
 UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
+HOIST_Q = False  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
 
@@ -48,6 +49,14 @@ def _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER: tl.con
     lows = tl.load(words_ptr + start_word + (HEADER + P // 2 + first) // 4, mask=valid, other=0)
     steps = tl.load(words_ptr + start_word + (HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
     return packed, pairs, lows, steps
+
+
+@triton.jit
+def _query_on(query_rows, pairs, valid, i, c: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(BLOCK_G, BLOCK_N) the group's query on stored channel i of each block, whose pair index is byte c
+    of `pairs` (the pair's second half from i = P / 2 on)."""
+    channel = ((pairs >> (8 * c)) & 0xFF) + (i // (P // 2)) * (D // 2)
+    return tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
 
 
 @triton.jit
@@ -81,6 +90,7 @@ def _block_lse_kernel(
     CHUNK: tl.constexpr,  # channels per code load: 4 (a 32-bit word) or 1 (a byte)
     UNROLL: tl.constexpr,
     PREFETCH: tl.constexpr,  # (only with CHUNK 4) a chunk's words loaded during the pass before it
+    HOIST_Q: tl.constexpr,  # (only with CHUNK 4) a chunk's 4 query gathers issued together at its start
     STAGES: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. Token t = PER_BYTE * j + k
@@ -129,6 +139,11 @@ def _block_lse_kernel(
             packed, pairs, lows, steps = _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER, P)
         else:
             packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :], other=0).to(tl.int32)
+        if HOIST_Q:
+            q0 = _query_on(query_rows, pairs, valid, first, 0, P, D, BLOCK_G)
+            q1 = _query_on(query_rows, pairs, valid, first + 1, 1, P, D, BLOCK_G)
+            q2 = _query_on(query_rows, pairs, valid, first + 2, 2, P, D, BLOCK_G)
+            q3 = _query_on(query_rows, pairs, valid, first + 3, 3, P, D, BLOCK_G)
         for c in tl.static_range(CHUNK):
             i = first + c
             if CHUNK == 4:
@@ -139,8 +154,18 @@ def _block_lse_kernel(
                 pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
                 low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
                 step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
-            channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
-            q = tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
+            if HOIST_Q:
+                if c == 0:
+                    q = q0
+                elif c == 1:
+                    q = q1
+                elif c == 2:
+                    q = q2
+                else:
+                    q = q3
+            else:
+                channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
+                q = tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
             kept += tl.abs(q)
             offset += q * low[None, :]
             weighted = q * tl.maximum(step, 1e-8)[None, :]  # (BLOCK_G, BLOCK_N)
@@ -197,7 +222,8 @@ def block_logsumexp(
         metadata.stride(0) // 4, ((1 << channels.BITS) - 1) << (23 - channels.BITS), 0x3F800000, num_blocks,
         num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
-        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words, STAGES=STAGES,
+        BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words,
+        HOIST_Q=HOIST_Q and words, STAGES=STAGES,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
