@@ -29,7 +29,7 @@ NUM_WARPS = 1  # (a launch knob)
 UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
-HOIST_Q = False  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
+HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
 
