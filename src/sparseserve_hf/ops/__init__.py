@@ -34,7 +34,8 @@ class BlockOps:
     block_metadata: Callable[..., torch.Tensor]
     score_table: Callable[..., torch.Tensor]
     channel_logsumexp: Callable[..., torch.Tensor]  # metadata="channels" (`ops.channels.block_logsumexp`)
-    channel_mass: Callable[..., torch.Tensor]  # its estimates, fed back, to masses (`ops.channels.feedback_mass`)
+    # its estimates, fed back, to masses (`ops.channels.feedback_mass`); may raise the estimates in place
+    channel_mass: Callable[..., torch.Tensor]
     aggregate_group_scores: Callable[..., torch.Tensor]
     select_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     union_over_group: Callable[..., tuple[torch.Tensor, torch.Tensor]]
