@@ -112,13 +112,15 @@ def test_channel_scores_budget_covering_the_sequence_equals_sdpa(dtype):
     assert torch.equal(greedy(model, ids, cache, 8), greedy(sdpa, ids, new_tokens=8))
 
 
-def test_channel_scores_pick_what_the_torch_path_picks():
-    """A small budget over a longer prompt: the Triton channel scores select as the PyTorch op does,
-    so the tokens are the same."""
+@pytest.mark.parametrize("feedback", [False, True], ids=["estimates", "fed_back"])
+def test_channel_scores_pick_what_the_torch_path_picks(feedback):
+    """A small budget over a longer prompt: the Triton channel scores (and their chain: feedback, softmax,
+    the KV head's top-k) select as the PyTorch ops do, so the tokens are the same."""
     model = tiny_llama("sparseserve")
     ids = random_ids(1, 200)
-    triton_tokens = greedy(model, ids, triton_cache(model, token_budget=48, **CHANNELS), 10)
+    fields = dict(CHANNELS, channel_feedback=feedback)
+    triton_tokens = greedy(model, ids, triton_cache(model, token_budget=48, **fields), 10)
     torch_cache = SparseServeCache(
-        model.config, SparseServeConfig(block_size=16, backend="torch", token_budget=48, **CHANNELS)
+        model.config, SparseServeConfig(block_size=16, backend="torch", token_budget=48, **fields)
     )
     assert torch.equal(triton_tokens, greedy(model, ids, torch_cache, 10))

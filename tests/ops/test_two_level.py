@@ -20,7 +20,7 @@ def both(scores, counts, num_selected, sink, window, kv_heads, score_floor=None,
     return one, two
 
 
-@pytest.mark.parametrize("kv_heads,group", [(2, 4), (1, 3)])
+@pytest.mark.parametrize("kv_heads,group", [(2, 4), (1, 3), (2, 1)])  # group 1: selection="kv_head"
 @pytest.mark.parametrize("counts", [[100, 37, 0], [64, 64, 63], [16, 17, 5]])
 def test_two_levels_give_the_one_level_union_entry_for_entry(kv_heads, group, counts):
     scores = scores_for(3, kv_heads * group, 100, counts)
