@@ -61,9 +61,10 @@
 #               config and 8-bit metadata (metadata_dtype=float8_e4m3fn; stock static skipped there)
 #   fp8kv       8-bit KV (kv_dtype=float8_e4m3fn): the decode kernel and drop-in GPU tests, then the real-locality
 #               step with 8-bit blocks and with model-dtype blocks in the same call (fp8_decode_vs_bf16)
-#   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass): their kernel,
-#               scorer and ladder tests, their kernel alone under its launch knobs, then the real-locality step with
-#               stock and the default config, and the same step with channel scores (the kernel's fastest knobs)
+#   channels    channel scores (metadata="channels", one pick per KV head by summed estimated mass, with feedback):
+#               their kernel, chain, scorer and ladder tests, their kernel alone under its launch knobs (graph
+#               replays), then the real-locality step with stock and the default config, and the same step with
+#               channel scores and feedback (the kernel's fastest knobs)
 #   feedback    channel feedback (`channel_feedback=True`): the per-block log-sum-exp kernel tests and the feedback
 #               tests, then the real-locality step with channel scores without and with it (what writing the
 #               numbers costs the step); the default config's step first, with stock
@@ -168,13 +169,14 @@ case $part in
       --out "$out/decode_step_lookup_first.json" 2>&1 | tee "$out/decode_step_lookup_first.log" | tail -14 ;;
   channels)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_triton_ladder.py \
-      tests/ops/test_channel_scores.py tests/test_scorers.py 2>&1 | tee "$out/gpu_pytest_channels.log" | tail -5
+      tests/ops/test_channel_scores.py tests/ops/test_two_level.py tests/test_scorers.py 2>&1 \
+      | tee "$out/gpu_pytest_channels.log" | tail -5
     python -m eval.bench.channel_kernel --out "$out/channel_kernel.json" 2>&1 | tee "$out/channel_kernel.log" | tail -12
     fastest=$(knob_args "$out/channel_kernel.json" fastest_knobs)
     python -m eval.bench.decode_step --graph --locality real --skip-static --no-stock-expandable --stock-windows 2 \
       --out "$out/decode_step_default.json" 2>&1 | tee "$out/decode_step_default.log" | tail -14
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=channels \
-      --set selection=kv_head --set group_aggregation=sum $fastest \
+      --set selection=kv_head --set group_aggregation=sum --set channel_feedback=True $fastest \
       --out "$out/decode_step_channels.json" 2>&1 | tee "$out/decode_step_channels.log" | tail -14 ;;
   feedback)
     python -m pytest -q -rf -p no:cacheprovider tests/ops/test_decode_block_lse.py tests/ops/test_decode.py \
