@@ -43,14 +43,15 @@ def test_scores_cover_the_table_and_mark_unused_entries(kind):
 
 
 @pytest.mark.parametrize("kind", list(SCORERS))
-def test_kinds_whose_stored_dtype_does_not_suit_them_say_so(kind):
-    scorer = SCORERS[kind]
-    scorer.check_dtype(FP8)  # every kind stores in 8 bits
-    if kind == "channels":
-        with pytest.raises(ValueError, match="8-bit"):
-            scorer.check_dtype(torch.bfloat16)
+def test_each_kind_says_what_it_stores_in(kind):
+    scorer, cpu = SCORERS[kind], torch.device("cpu")
+    assert scorer.stored_dtype("float8_e4m3fn", torch.bfloat16, cpu) == FP8  # every kind stores in 8 bits
+    assert scorer.stored_dtype("auto", torch.bfloat16, cpu) == FP8
+    if kind == "channels":  # bytes whatever the KV dtype and the device
+        with pytest.raises(ValueError, match="bytes"):
+            scorer.stored_dtype("kv", torch.bfloat16, cpu)
     else:
-        scorer.check_dtype(torch.bfloat16)
+        assert scorer.stored_dtype("kv", torch.bfloat16, cpu) == torch.bfloat16
 
 
 @pytest.mark.core

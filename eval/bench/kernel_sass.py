@@ -1,4 +1,4 @@
-"""A Triton kernel built for sm_90 on this machine, no GPU: its registers, shared memory and hot loops' instructions.
+"""A Triton kernel built for sm_90 (or --arch) on this machine, no GPU: its registers, shared memory and hot loops' instructions.
 
     python -m eval.bench.kernel_sass channels                      # the channel-score kernel at the step's shape
     python -m eval.bench.kernel_sass channels --knob BLOCK_N=16    # one of its launch knobs changed
@@ -8,6 +8,7 @@
     python -m eval.bench.kernel_sass decode --knob LATE=1          # its late half (slots through the table)
     python -m eval.bench.kernel_sass append                        # the lookup's listing of its misses
     python -m eval.bench.kernel_sass channels --json out.json
+    python -m eval.bench.kernel_sass channels --arch 80 --knob NATIVE_FP8=0   # for an A100: 8-bit floats from bits
 
 The GPU is lent for minutes; the compiler runs anywhere. Registers (they bound occupancy) and the
 instructions of each loop, by kind (multiply-adds against integer and logic, global loads, exchanges
@@ -33,7 +34,7 @@ from typing import Any
 
 import triton
 
-ARCH = 90  # Hopper (H100, H200)
+ARCH = 90  # Hopper (H100, H200): what --arch defaults to
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
@@ -60,15 +61,28 @@ def channels_kernel() -> Kernel:
     from sparseserve_hf.ops import channels, triton_channels
 
     signature = {"query_ptr": "*fp32", "abs_sum_ptr": "*fp32", "codes_ptr": "*u8", "words_ptr": "*i32",
-                 "bounds_ptr": "*fp8e4nv", "ids_ptr": "*i64", "out_ptr": "*fp32", "stride_ib": "i32",
+                 "ids_ptr": "*i64", "out_ptr": "*fp32", "stride_ib": "i32",
                  "stride_ih": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_mc": "i32", "stride_mw": "i32",
                  "code_mask": "i32", "one_bits": "i32", "num_blocks": "i32", "num_kv_heads": "i32"}  # fmt: skip
     size, dim, group = 32, 128, 4
     stored = channels.stored_channels(0.375, dim)
-    constants = dict(D=dim, G=group, P=stored, S=size, BLOCK_G=group, BLOCK_N=triton_channels.BLOCK_N,
-                     HEADER=channels.header_start(size, stored, dim), PER_BYTE=channels.PER_BYTE,
-                     BITS=channels.BITS, CHUNK=4, UNROLL=triton_channels.UNROLL, PREFETCH=triton_channels.PREFETCH,
-                     HOIST_Q=triton_channels.HOIST_Q, STAGES=triton_channels.STAGES)  # fmt: skip
+    constants = dict(
+        D=dim,
+        G=group,
+        P=stored,
+        S=size,
+        BLOCK_G=group,
+        BLOCK_N=triton_channels.BLOCK_N,
+        HEADER=channels.header_start(size, stored, dim),
+        PER_BYTE=channels.PER_BYTE,
+        BITS=channels.BITS,
+        CHUNK=4,
+        UNROLL=triton_channels.UNROLL,
+        PREFETCH=triton_channels.PREFETCH,
+        HOIST_Q=triton_channels.HOIST_Q,
+        STAGES=triton_channels.STAGES,
+        NATIVE_FP8=int(triton_channels.NATIVE_FP8 is not False),
+    )  # fmt: skip (0 for --arch 80)
     return Kernel(triton_channels._block_lse_kernel, signature, constants, triton_channels.NUM_WARPS)
 
 
@@ -161,7 +175,7 @@ KERNELS: dict[str, Callable[[], Kernel]] = {
 }
 
 
-def build(kernel: Kernel) -> tuple[bytes, int]:
+def build(kernel: Kernel, arch: int = ARCH) -> tuple[bytes, int]:
     """The cubin of `kernel` for sm_90 and the shared memory one program takes (bytes). As a launch
     would, every pointer and the `aligned_ints` are taken as multiples of 16 (bytes or units)."""
     from triton.backends.compiler import GPUTarget
@@ -175,7 +189,7 @@ def build(kernel: Kernel) -> tuple[bytes, int]:
     source = ASTSource(fn=fn, signature=typed, constexprs=fixed, attrs=attrs)
     stages = {} if kernel.num_stages is None else {"num_stages": kernel.num_stages}
     options = {"num_warps": kernel.num_warps} | stages
-    compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled.asm["cubin"], int(compiled.metadata.shared)
 
 
@@ -244,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--knob", action="append", default=[], help="a constexpr argument NAME=VALUE (an integer)")
     parser.add_argument("--warps", type=int, default=None, help="default: the kernel's own launch")
     parser.add_argument("--stages", type=int, default=None, help="pipelining stages (default: the kernel's own)")
+    parser.add_argument("--arch", type=int, default=ARCH, help="the compute capability built for, e.g. 80 (A100)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     kernel = KERNELS[args.kernel]()
@@ -254,11 +269,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kernel.constants[name] = int(value)
     kernel = replace(kernel, num_warps=args.warps or kernel.num_warps,
                      num_stages=kernel.num_stages if args.stages is None else args.stages)  # fmt: skip
-    cubin, shared = build(kernel)
-    result = {"kernel": args.kernel, "triton": triton.__version__, "arch": f"sm_{ARCH}", "num_warps": kernel.num_warps,
+    cubin, shared = build(kernel, args.arch)
+    result = {"kernel": args.kernel, "triton": triton.__version__, "arch": f"sm_{args.arch}", "num_warps": kernel.num_warps,
               "num_stages": kernel.num_stages, "constants": kernel.constants, "shared_bytes": shared} | report(cubin)  # fmt: skip
     result["programs_per_sm"] = programs_per_sm(result["registers"], result["num_warps"], shared)
-    print(f"{args.kernel}: Triton {triton.__version__}, sm_{ARCH}, {result['num_warps']} warps, "
+    print(f"{args.kernel}: Triton {triton.__version__}, sm_{args.arch}, {result['num_warps']} warps, "
           f"{result['registers']} registers ({result['stack_bytes']} bytes spilled), {shared} bytes of shared "
           f"memory ({result['programs_per_sm']} programs per SM at most), "
           f"{result['instructions']} instructions")  # fmt: skip

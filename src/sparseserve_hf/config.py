@@ -63,7 +63,7 @@ class SparseServeConfig:
             query head's attention over every token from them and scores a block by that estimate's
             mass on it. Token-level, so a needle is not averaged into its block; best with
             `selection="kv_head"` and `group_aggregation="sum"` (each KV head loads the blocks of most
-            estimated attention of its group, exactly the budget). Needs 8-bit metadata
+            estimated attention of its group, exactly the budget). Stored in 8 bits on every device
             (`metadata_dtype` "auto" or "float8_e4m3fn"); at the default share and 32-token blocks,
             4 rows of head_dim bytes per block: 1/32 of 16-bit KV.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
@@ -78,7 +78,9 @@ class SparseServeConfig:
             to nearest, saturated at +-448; blocks and attention are unchanged, only the scores
             see the rounding), "kv" (the KV cache's dtype) or "auto" (the default: float8_e4m3fn
             on the CPU and on CUDA GPUs of compute capability 8.9 or newer, whose kernels convert
-            it natively; "kv" on older GPUs). 8-bit metadata halves that memory and read against
+            it natively; "kv" on older GPUs; with metadata="channels" float8_e4m3fn everywhere, its
+            kernel decoding the 8-bit values from their bits where the GPU cannot). 8-bit metadata
+            halves that memory and read against
             16-bit KV (docs/metadata.md measures what the rounding costs in selection).
         channel_share: metadata="channels" only: the share of head_dim's channels each block keeps
             and each decode step reads (rounded down to whole RoPE pairs, at least one pair).

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .ops import channels
+from .ops import channels, reference
 
 if TYPE_CHECKING:
     from .config import SparseServeConfig
@@ -44,8 +44,9 @@ class Scorer(Protocol):
         """ValueError naming the field, where the config's other fields do not suit this kind."""
         ...
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        """ValueError where the metadata dtype the config resolved to does not suit this kind."""
+    def stored_dtype(self, name: str, kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype this kind's metadata is stored in on `device`, for `SparseServeConfig.metadata_dtype`
+        `name` and KV of `kv_dtype`."""
         ...
 
     def summarize(
@@ -121,8 +122,10 @@ class BlockSummaries:
                 f"got {config.metadata_sub_blocks!r}"
             )
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        """Any float dtype holds a summary."""
+    def stored_dtype(self, name: str, kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """`ops.reference.metadata_dtype`: "auto" is 8-bit where the GPU converts it natively (any float holds a
+        summary, and the scoring kernel converts 8-bit values in hardware)."""
+        return reference.metadata_dtype(name, kv_dtype, device)
 
     def summarize(
         self,
@@ -188,13 +191,14 @@ class ChannelScores:
                 "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
             )
 
-    def check_dtype(self, dtype: torch.dtype) -> None:
-        """One byte per value: the codes are raw bytes."""
-        if dtype.itemsize != 1:
+    def stored_dtype(self, name: str, kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """float8_e4m3fn on every device: the codes are raw bytes, and where a GPU does not convert 8-bit
+        floats natively the channel kernel decodes the minima and steps with integer operations."""
+        if name == "kv":  # `check` refuses it first; kept for callers that skip the config
             raise ValueError(
-                f"metadata='channels' needs 8-bit metadata, and metadata_dtype resolved to {dtype} here (a GPU "
-                "older than compute capability 8.9): use another metadata kind"
+                "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
             )
+        return torch.float8_e4m3fn
 
     def summarize(
         self,

@@ -88,3 +88,11 @@ def test_the_lookup_listing_kernel_is_built_as_launched(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert result["num_warps"] == 4 and 0 < result["registers"] <= 128 and result["programs_per_sm"] >= 4
+
+
+def test_the_channel_kernel_builds_for_an_a100_decoding_8bit_values_from_their_bits(tmp_path):
+    out = tmp_path / "sm80.json"
+    run = kernel_sass("channels", "--arch", "80", "--knob", "NATIVE_FP8=0", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["arch"] == "sm_80" and result["constants"]["NATIVE_FP8"] == 0 and result["stack_bytes"] == 0

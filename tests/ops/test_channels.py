@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernel_support import DEVICE, DTYPES
+from kernel_support import DEVICE, DTYPES, ON_GPU
 from sparseserve_hf.ops import channels, triton_channels
 
 FP8 = torch.float8_e4m3fn
@@ -51,7 +53,8 @@ def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim
 
 
 KNOB_SETTINGS = [{"PREFETCH": False, "HOIST_Q": False}, {"BLOCK_N": 8}, {"PREFETCH": False, "STAGES": 2},
-                 {"HOIST_Q": False}, {"PREFETCH": False, "BLOCK_N": 8}]  # fmt: skip
+                 {"HOIST_Q": False}, {"PREFETCH": False, "BLOCK_N": 8}, {"NATIVE_FP8": True},
+                 {"NATIVE_FP8": False}, {"NATIVE_FP8": False, "WORDS": False}]  # fmt: skip
 
 
 @pytest.mark.parametrize("knobs", KNOB_SETTINGS, ids=str)
@@ -120,3 +123,21 @@ def test_feedback_mass_matches_reference(poisoned, monkeypatch, with_feedback):
     assert torch.equal(torch.isneginf(got).cpu(), torch.isneginf(expected))
     torch.testing.assert_close(got.cpu(), expected, atol=1e-7, rtol=1e-5)
     assert torch.allclose(got[:2].clamp(min=0).sum(-1).cpu(), torch.ones(2, 8), atol=1e-6)  # -inf: no mass
+
+
+@pytest.mark.parametrize("native", [False, True] if not ON_GPU or triton_channels.native_fp8(DEVICE) else [False])
+def test_every_8bit_value_decodes_as_torch_reads_it(native):
+    """Each of the 254 non-NaN float8_e4m3fn bytes (zeros, subnormals, both signs, +-448), from its
+    bits or in hardware, is the value torch gives it."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.int32)
+    out = torch.empty(codes.shape, dtype=torch.float32, device=DEVICE)
+    _decode_bytes[(1,)](codes.to(DEVICE), out, codes.numel(), NATIVE=native, BLOCK=256)
+    expected = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.cpu(), expected)
+
+
+@triton.jit
+def _decode_bytes(codes_ptr, out_ptr, count, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    byte = tl.load(codes_ptr + i, mask=i < count, other=0)
+    tl.store(out_ptr + i, triton_channels._fp8_value(byte, NATIVE), mask=i < count)

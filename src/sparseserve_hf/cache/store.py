@@ -96,8 +96,7 @@ class TieredBlockStore:
         self.scorer = SCORERS[config.metadata]  # what a block's metadata is and how a step scores it
         # whether a decode step keeps its exact per-block numbers for the next step's scorer
         self.feeds_back = self.scorer.uses_feedback(config)
-        meta_dtype = reference.metadata_dtype(config.metadata_dtype, dtype, device)
-        self.scorer.check_dtype(meta_dtype)
+        meta_dtype = self.scorer.stored_dtype(config.metadata_dtype, dtype, torch.device(device))
         self.metadata = torch.zeros(
             (0, config.metadata_vectors, head_dim), dtype=meta_dtype, device=device
         )  # (C, M, D)

@@ -10,7 +10,9 @@ block's channels hold) scales each (block, head) at the end, and a log-sum-exp o
 follows. A code c enters as the float 1 + c / 2^BITS, made by placing its bits at the top of 1.0's
 mantissa (integer operations, where a conversion instruction runs at a quarter of the rate), and the
 sum of q * step over the channels is taken off at the end. A step reads each block's metadata once; no (B, Hkv, N, S, P) key copy is ever made.
-Everything computes in fp32, like the spec; only the order of the sums over channels differs.
+Everything computes in fp32, like the spec; only the order of the sums over channels differs. The
+8-bit minima and steps are converted in hardware where the GPU can (compute capability 8.9 or newer)
+and from their bits elsewhere (`NATIVE_FP8`), so the kernel builds for an A100 too.
 `feedback_mass` then turns the estimates into what the scorer ranks (`channels.feedback_mass`): the
 last step's exact numbers raised into them in place (one small launch, only with feedback), and each
 query head's softmax over its row's blocks (one launch, one program per (row, query head)).
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import channels
+from . import channels, reference
 
 BLOCK_N = 16  # blocks per program (a launch knob)
 NUM_WARPS = 1  # (a launch knob)
@@ -30,13 +32,27 @@ UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
 HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
+NATIVE_FP8: bool | None = None  # convert 8-bit floats in hardware; None: where the device can (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
 
 @triton.jit
-def _fp8_byte(words, c: tl.constexpr):
+def _fp8_value(byte, NATIVE: tl.constexpr):
+    """int32 bytes (0..255) read as float8_e4m3fn values, in fp32: converted in hardware where NATIVE,
+    else from their bits (sign, 4 exponent bits of bias 7, 3 mantissa bits; the pool holds no NaN)."""
+    if NATIVE:
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    exponent = (byte >> 3) & 0xF
+    mantissa = byte & 0x7
+    normal = (((byte & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # m x 2^-9
+    return tl.where(exponent == 0, tl.where(byte >= 0x80, -subnormal, subnormal), normal)
+
+
+@triton.jit
+def _fp8_byte(words, c: tl.constexpr, NATIVE: tl.constexpr):
     """Byte c of each 32-bit word, read as a float8_e4m3fn value, in fp32."""
-    return ((words >> (8 * c)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _fp8_value((words >> (8 * c)) & 0xFF, NATIVE)
 
 
 @triton.jit
@@ -65,7 +81,6 @@ def _block_lse_kernel(
     abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
     codes_ptr,  # the pool's bytes, uint8 (C, M, D)
     words_ptr,  # the same pool as int32 (C, M, D / 4) where CHUNK is 4 (else its bytes again)
-    bounds_ptr,  # the same pool as float8_e4m3fn (for the minima and the steps)
     ids_ptr,  # (B, Hkv, N) int64, unit stride on N
     out_ptr,  # (B, Hq, N) fp32
     stride_ib,
@@ -91,6 +106,7 @@ def _block_lse_kernel(
     UNROLL: tl.constexpr,
     PREFETCH: tl.constexpr,  # (only with CHUNK 4) a chunk's words loaded during the pass before it
     HOIST_Q: tl.constexpr,  # (only with CHUNK 4) a chunk's 4 query gathers issued together at its start
+    NATIVE_FP8: tl.constexpr,  # the minima and steps converted in hardware (compute capability >= 8.9)
     STAGES: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCK_N)); writes out[b, h*G:(h+1)*G, n-tile]. Token t = PER_BYTE * j + k
@@ -148,12 +164,14 @@ def _block_lse_kernel(
             i = first + c
             if CHUNK == 4:
                 pair = (pairs >> (8 * c)) & 0xFF
-                low = _fp8_byte(lows, c)
-                step = _fp8_byte(steps, c)
+                low = _fp8_byte(lows, c, NATIVE_FP8)
+                step = _fp8_byte(steps, c, NATIVE_FP8)
             else:
                 pair = tl.load(codes_ptr + start + HEADER + i % (P // 2), mask=valid, other=0).to(tl.int32)
-                low = tl.load(bounds_ptr + start + HEADER + P // 2 + i, mask=valid, other=0.0).to(tl.float32)
-                step = tl.load(bounds_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0.0).to(tl.float32)
+                low_byte = tl.load(codes_ptr + start + HEADER + P // 2 + i, mask=valid, other=0).to(tl.int32)
+                step_byte = tl.load(codes_ptr + start + HEADER + P // 2 + P + i, mask=valid, other=0).to(tl.int32)
+                low = _fp8_value(low_byte, NATIVE_FP8)
+                step = _fp8_value(step_byte, NATIVE_FP8)
             if HOIST_Q:
                 if c == 0:
                     q = q0
@@ -182,6 +200,11 @@ def _block_lse_kernel(
     lse = tl.where(valid[None, :], best + tl.log(total), float("-inf"))
     out = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + n[None, :]
     tl.store(out, lse, mask=has_g[:, None] & in_table[None, :])
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether `device` converts 8-bit floats in hardware (CUDA compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= reference.FP8_CAPABILITY
 
 
 def block_logsumexp(
@@ -217,13 +240,14 @@ def block_logsumexp(
     words = WORDS and stored % 8 == 0 and dim % 4 == 0  # then code rows and header runs start 4-aligned
     _block_lse_kernel[grid](
         by_channel, scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
-        metadata.view(torch.int32 if words else torch.uint8), metadata, block_ids, out,
+        metadata.view(torch.int32 if words else torch.uint8), block_ids, out,
         block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0),
         metadata.stride(0) // 4, ((1 << channels.BITS) - 1) << (23 - channels.BITS), 0x3F800000, num_blocks,
         num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
         BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words,
-        HOIST_Q=HOIST_Q and words, STAGES=STAGES,
+        HOIST_Q=HOIST_Q and words, NATIVE_FP8=native_fp8(query.device) if NATIVE_FP8 is None else NATIVE_FP8,
+        STAGES=STAGES,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
