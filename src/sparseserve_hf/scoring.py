@@ -166,6 +166,9 @@ class BlockSummaries:
         return -2 * depth if self.kind == "hybrid" and depth is not None else None
 
 
+CHANNEL_BYTES = "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
+
+
 class ChannelScores:
     """ "channels": each block keeps a 2-bit copy of a share of its keys' channels, chosen by their
     spread and the group's query profile, and is scored by its query heads' softmax mass as
@@ -187,17 +190,13 @@ class ChannelScores:
                 "metadata_sub_blocks does not apply to metadata='channels' (it scores every token): leave it None"
             )
         if config.metadata_dtype == "kv":
-            raise ValueError(
-                "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
-            )
+            raise ValueError(CHANNEL_BYTES)
 
     def stored_dtype(self, name: str, kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """float8_e4m3fn on every device: the codes are raw bytes, and where a GPU does not convert 8-bit
         floats natively the channel kernel decodes the minima and steps with integer operations."""
         if name == "kv":  # `check` refuses it first; kept for callers that skip the config
-            raise ValueError(
-                "metadata='channels' stores its codes in bytes: metadata_dtype must be 'auto' or 'float8_e4m3fn'"
-            )
+            raise ValueError(CHANNEL_BYTES)
         return torch.float8_e4m3fn
 
     def summarize(

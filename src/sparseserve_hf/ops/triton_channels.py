@@ -20,6 +20,8 @@ query head's softmax over its row's blocks (one launch, one program per (row, qu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -68,10 +70,10 @@ def _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER: tl.con
 
 
 @triton.jit
-def _query_on(query_rows, pairs, valid, i, c: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
-    """(BLOCK_G, BLOCK_N) the group's query on stored channel i of each block, whose pair index is byte c
-    of `pairs` (the pair's second half from i = P / 2 on)."""
-    channel = ((pairs >> (8 * c)) & 0xFF) + (i // (P // 2)) * (D // 2)
+def _query_on(query_rows, pair, valid, i, P: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(BLOCK_G, BLOCK_N) the group's query on stored channel i of each block, whose pair index is `pair`
+    (BLOCK_N,) (the pair's second half from i = P / 2 on)."""
+    channel = pair + (i // (P // 2)) * (D // 2)
     return tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
 
 
@@ -156,10 +158,10 @@ def _block_lse_kernel(
         else:
             packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :], other=0).to(tl.int32)
         if HOIST_Q:
-            q0 = _query_on(query_rows, pairs, valid, first, 0, P, D, BLOCK_G)
-            q1 = _query_on(query_rows, pairs, valid, first + 1, 1, P, D, BLOCK_G)
-            q2 = _query_on(query_rows, pairs, valid, first + 2, 2, P, D, BLOCK_G)
-            q3 = _query_on(query_rows, pairs, valid, first + 3, 3, P, D, BLOCK_G)
+            q0 = _query_on(query_rows, pairs & 0xFF, valid, first, P, D, BLOCK_G)
+            q1 = _query_on(query_rows, (pairs >> 8) & 0xFF, valid, first + 1, P, D, BLOCK_G)
+            q2 = _query_on(query_rows, (pairs >> 16) & 0xFF, valid, first + 2, P, D, BLOCK_G)
+            q3 = _query_on(query_rows, (pairs >> 24) & 0xFF, valid, first + 3, P, D, BLOCK_G)
         for c in tl.static_range(CHUNK):
             i = first + c
             if CHUNK == 4:
@@ -182,8 +184,7 @@ def _block_lse_kernel(
                 else:
                     q = q3
             else:
-                channel = pair + (i // (P // 2)) * (D // 2)  # (BLOCK_N,) the pair's second half from i = P / 2 on
-                q = tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
+                q = _query_on(query_rows, pair, valid, i, P, D, BLOCK_G)
             kept += tl.abs(q)
             offset += q * low[None, :]
             weighted = q * tl.maximum(step, 1e-8)[None, :]  # (BLOCK_G, BLOCK_N)
@@ -202,6 +203,7 @@ def _block_lse_kernel(
     tl.store(out, lse, mask=has_g[:, None] & in_table[None, :])
 
 
+@functools.cache  # asked per layer and step: the answer never changes for a device
 def native_fp8(device: torch.device) -> bool:
     """Whether `device` converts 8-bit floats in hardware (CUDA compute capability 8.9 or newer)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= reference.FP8_CAPABILITY
