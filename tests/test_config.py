@@ -62,7 +62,12 @@ def test_bad_values_raise_naming_the_field(overrides, field):
 @pytest.mark.core
 def test_defaults_and_derived_sizes():
     config = SparseServeConfig()
-    assert (config.block_size, config.token_budget, config.selection) == (32, 2048, "group_union")
+    assert (config.block_size, config.token_budget) == (32, 2048)
+    # channel scores, one selection per KV head by the group's summed estimate, the last step's exact numbers fed back
+    assert (config.metadata, config.selection, config.group_aggregation) == ("channels", "kv_head", "sum")
+    assert config.channel_feedback is None and config.feeds_back
+    assert not SparseServeConfig(backend="flash").feeds_back  # fa4 writes no per-block log-sum-exps
+    assert not SparseServeConfig(metadata="hybrid").feeds_back
     assert config.budget_blocks == 64 and config.selected_full_blocks == 63 and config.topk_blocks == 61
     assert (config.max_batch, config.max_batch_tokens, config.working_set_window, config.admission) == (
         32,
@@ -72,7 +77,7 @@ def test_defaults_and_derived_sizes():
     )
     assert (config.prefill_mode, config.max_inject_tokens) == ("layer_segmented", None)
     assert config.load_budget is None and config.load_blocks is None
-    assert SparseServeConfig(load_budget=4096).load_blocks == 127  # full blocks; the tail block on top
+    assert SparseServeConfig(selection="group_union", load_budget=4096).load_blocks == 127  # the tail block on top
 
 
 @pytest.mark.core

@@ -241,14 +241,14 @@ class SparseServeConfig:
     sink_blocks: int = 1
     window_blocks: int = 1
     dense_layers: tuple[int, ...] = ()
-    metadata: str = "hybrid"
+    metadata: str = "channels"
     metadata_sub_blocks: int | None = None
     metadata_dtype: str = "auto"
     channel_share: float = 0.375
-    channel_feedback: bool = False
+    channel_feedback: bool | None = None
     kv_dtype: str = "auto"
-    selection: str = "group_union"
-    group_aggregation: str = "max"
+    selection: str = "kv_head"
+    group_aggregation: str = "sum"
     load_budget: int | None = None
     hbm_cache_bytes: int | None = None
     dram_bytes: int | None = None
@@ -301,7 +301,8 @@ class SparseServeConfig:
         if not isinstance(self.channel_share, numbers.Real) or not 0 < self.channel_share <= 1:
             raise ValueError(f"channel_share must be a number in (0, 1], got {self.channel_share!r}")
         SCORERS[self.metadata].check(self)
-        _check_bool("channel_feedback", self.channel_feedback)
+        if self.channel_feedback is not None:
+            _check_bool("channel_feedback", self.channel_feedback)
         if self.channel_feedback and self.metadata != "channels":
             raise ValueError(f"channel_feedback applies to metadata='channels', not {self.metadata!r}")
         if self.channel_feedback and self.backend == "flash":
@@ -403,6 +404,15 @@ class SparseServeConfig:
             needs.append("no dense_layers (their KV grows with torch.cat)")
         if needs:
             raise ValueError(f"cuda_graphs=True needs {'; '.join(needs)}")
+
+    @property
+    def feeds_back(self) -> bool:
+        """Whether decode steps raise the channel estimates of the blocks they attended to their exact
+        log-sum-exps (`channel_feedback`, resolved: None is on for channel metadata on every backend
+        but "flash")."""
+        if self.channel_feedback is not None:
+            return self.channel_feedback
+        return self.metadata == "channels" and self.backend != "flash"
 
     @property
     def budget_blocks(self) -> int:

@@ -215,9 +215,9 @@ class ChannelScores:
         return True
 
     def uses_feedback(self, config: SparseServeConfig) -> bool:
-        """`config.channel_feedback`: a block the last step attended scores at least that step's exact
+        """`config.feeds_back`: a block the last step attended scores at least that step's exact
         log-sum-exp over it (`ops.channels.with_feedback`)."""
-        return config.channel_feedback
+        return config.feeds_back
 
     def score(
         self,

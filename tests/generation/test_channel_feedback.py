@@ -19,9 +19,10 @@ FEEDBACK = dict(
 
 def test_the_config_takes_feedback_only_where_it_applies():
     assert SparseServeConfig(metadata="channels", channel_feedback=True).channel_feedback
-    assert not SparseServeConfig().channel_feedback  # off by default
+    assert SparseServeConfig().feeds_back  # on by default, with the default channel metadata
+    assert not SparseServeConfig(channel_feedback=False).feeds_back
     with pytest.raises(ValueError, match="channel_feedback applies to metadata='channels'"):
-        SparseServeConfig(channel_feedback=True)  # the hybrid default scores ranks, not log-sum-exps
+        SparseServeConfig(metadata="hybrid", channel_feedback=True)  # hybrid scores ranks, not log-sum-exps
     with pytest.raises(ValueError, match="channel_feedback must be a bool"):
         SparseServeConfig(metadata="channels", channel_feedback=1)
     with pytest.raises(NotImplementedError, match="channel_feedback needs the Triton or torch"):
