@@ -164,9 +164,11 @@ def build(
     fp8_folder: Path | None = None,
     current_folders: list[Path] | None = None,
     gemma3_folders: list[Path] | None = None,
+    current_renames: dict[str, str] | None = None,
 ) -> dict:
-    """The whole report as one JSON-able dict. `renames` apply to `ruler_folders`, not to
-    `current_folders` (runs whose family names are today's); a row of the latter wins a tie.
+    """The whole report as one JSON-able dict. `renames` apply to `ruler_folders` and the LongBench
+    folders, `current_renames` to `current_folders` (later runs, whose names changed less); a row of the
+    latter wins a tie.
     `gemma3_folders`: RULER runs of Gemma-3-270M at 16K, judged on their own (`t7_gemma3_16k`)."""
     report: dict = {"min_dense_score": MIN_DENSE_SCORE}
     if gemma3_folders:
@@ -181,7 +183,7 @@ def build(
         }
     current_folders = current_folders or []
     if ruler_folders or current_folders:
-        rows = merge_rows(merge(ruler_folders, renames), merge(current_folders))
+        rows = merge_rows(merge(ruler_folders, renames), merge(current_folders, current_renames))
         ruler = ruler_report(rows)
         report["ruler"] = ruler
         report["ruler_meta"] = [read_meta(f) for f in [*ruler_folders, *current_folders]]
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="*",
         type=Path,
         default=[],
-        help="RULER runner output folders whose method families carry today's names (no --rename applies)",
+        help="later RULER runner output folders (--rename-current, not --rename, applies to them)",
     )
     parser.add_argument(
         "--gemma3",
@@ -389,11 +391,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--fp8", type=Path, default=None, help=f"a RULER run with the {FP8_FAMILY} family beside the default"
     )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
+    parser.add_argument(
+        "--rename-current", action="append", default=[], help="OLD=NEW for the --ruler-current folders"
+    )
     args = parser.parse_args(argv)
     if not (args.ruler or args.ruler_current or args.gemma3 or args.longbench or args.fp8 is not None):
         raise ValueError("give at least one --ruler, --ruler-current, --gemma3, --longbench or --fp8 folder")
     renames = parse_renames(args.rename)
-    report = build(args.ruler, args.longbench, renames, args.fp8, args.ruler_current, args.gemma3)
+    current_renames = parse_renames(args.rename_current)
+    report = build(args.ruler, args.longbench, renames, args.fp8, args.ruler_current, args.gemma3, current_renames)
     command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = command
     report["notes"] = args.note

@@ -27,6 +27,7 @@ README = ROOT / "README.md"
 BEGIN = "<!-- measured: written by `python -m eval.measured` from eval/results; do not edit by hand -->"
 END = "<!-- end of measured -->"
 HEADER = "| what | ours | baseline (same run) | target | device, result |\n|---|---|---|---|---|"
+HYBRID = "; the hybrid group union, the default before 17d265a"  # rows measured before channel scores were the default
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,8 @@ def _dropin(context: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     }  # fmt: skip
 
 
-def _feedback(r: dict[str, Any]) -> dict[str, Any]:
-    """Channel scores with feedback, and without it on the same samples."""
-    families = r["t7_by_family"]
-    without = families["channels"]
-    return families["channels_feedback"] | {
-        "without_1_16": without["ratio_at_1_16"], "without_1_32": without["ratio_at_1_32"],
-    }  # fmt: skip
-
-
 def _channel_step(r: dict[str, Any]) -> dict[str, Any]:
-    """The channel step with feedback beside the default's, one call on one machine."""
+    """The channel step with feedback (the default since) beside the hybrid group union's, one call on one machine."""
     run = r["call_5_at_9e02884"]
     ours, default = run["channels_feedback"]["real_locality"], run["default"]["real_locality"]
     return {"ms": ours["graph_ms"], "book": ours["bookkeeping_us_per_layer"], "default": default["graph_ms"],
@@ -122,6 +114,7 @@ ROWS = [
         "**{ms:.1f} ms**, peak HBM {peak:.2f}x",
         "best stock {stock:.1f} ms (**{ratio:.2f}x**)",
         "<= 0.6x",
+        note=HYBRID,
     ),
     Row(
         "the same, B=2 x 128K",
@@ -130,6 +123,7 @@ ROWS = [
         "**{ms:.1f} ms**, peak HBM {peak:.2f}x",
         "{stock:.1f} ms (**{ratio:.2f}x**)",
         "<= 0.35x, peak <= 0.6x",
+        note=HYBRID,
     ),
     Row(
         "the same, B=1 x 256K",
@@ -138,6 +132,7 @@ ROWS = [
         "**{ms:.2f} ms**, peak HBM {peak:.2f}x",
         "{stock:.2f} ms (**{ratio:.3f}x**)",
         "<= 0.25x, peak <= 0.5x",
+        note=HYBRID,
     ),
     Row(
         "one decode step as a CUDA graph, B=16 x 32K",
@@ -147,7 +142,7 @@ ROWS = [
         "{bookkeeping_us_per_layer:.0f} us/layer",
         "stock {stock:.1f} ms (**{speedup_vs_best_stock:.1f}x** faster)",
         "<= 1.5x floor, >= 5x stock, <= 46 us/layer",
-        note=" (H100: 1.34-1.43x the floor)",
+        note=" (H100: 1.34-1.43x the floor" + HYBRID + ")",
     ),
     Row(
         "`Generator`, closed loop, 16 x 16K x 1024 new",
@@ -156,15 +151,17 @@ ROWS = [
         "**{ours:.1f} tok/s**",
         "stock {stock:.1f} (**{ratio:.2f}x**)",
         ">= 2x",
+        note=HYBRID,
     ),
     Row(
         "the same with `load_budget=4096`",
         "generator_runs/load_budget_h100.json",
         _closed_loop_load_budget,
         "{capped:.0f} tok/s, {rows:.0f} rows decoding",
-        "the default, {default:.0f} ({ratio:.2f}x)",
+        "the group union without the cap, {default:.0f} ({ratio:.2f}x)",
         "",
         device="H100",
+        note=HYBRID,
     ),
     Row(
         "`Generator` under a 40 GiB HBM cap, 16 x 32K x 1024 new",
@@ -173,6 +170,7 @@ ROWS = [
         "**{ours:.1f} tok/s**",
         "stock {stock:.1f}, {rows} rows at a time (**{ratio:.2f}x**)",
         ">= 4x",
+        note=HYBRID,
     ),
     Row(
         "TTFT of one 32K prompt on an idle `Generator`",
@@ -207,7 +205,7 @@ ROWS = [
         ">= 15x, >= 0.6",
     ),
     Row(
-        "score + top-k + attention, `SparseServeConfig()`",
+        "score + top-k + attention, B=32 x 128K",
         "decode_step_runs/two_level_wide_h100_fc94f3f.json",
         _two_level_wide,
         "**{real:.2f}x** SDPA (real locality; {random:.2f}x random KV)",
@@ -215,7 +213,7 @@ ROWS = [
         ">= 8x",
         device="H100",
         note=" (two-level selection in {chunk}-block pieces, {runs} run(s); one level {one_low:.2f}-{one_high:.2f}x in the same "
-        "calls; see docs/performance.md)",
+        "calls; see docs/performance.md" + HYBRID + ")",
     ),
     Row(
         "layer-segmented prefill of 128K, peak HBM",
@@ -229,38 +227,38 @@ ROWS = [
         "accuracy, RULER-style at 8K, default selector",
         "accuracy.json",
         lambda r: r["t7"],
-        "**{ratio_at_1_16:.2f}** of dense at {loaded_fraction_1_16:.3f} of the context loaded",
+        "**{ratio_at_1_16:.3f}** of dense at 1/16 of the context loaded, **{ratio_at_1_32:.3f}** at 1/32",
         "dense; the block oracle {oracle_at_1_16:.3f} (1/16), {oracle_at_1_32:.3f} (1/32)",
         ">= 0.99 at 1/16, >= 0.97 at 1/32",
-        device="H200",
+        device="H100 (the oracle: H200)",
         link="eval/results/accuracy.md",
     ),
     Row(
-        'the same, channel scores (`metadata="channels"`)',
-        "ruler_8k_channels/report.json",
+        "the same without channel feedback (`channel_feedback=False`)",
+        "accuracy.json",
         lambda r: r["t7_by_family"]["channels"],
         "**{ratio_at_1_16:.3f}** at 1/16 loaded, **{ratio_at_1_32:.3f}** at 1/32",
         "dense",
         "as above",
         device="H100",
-        link="eval/results/ruler_8k_channels/report.md",
+        link="eval/results/accuracy.md",
     ),
     Row(
-        "the same with channel feedback (`channel_feedback=True`)",
-        "ruler_8k_feedback/report.json",
-        _feedback,
-        "**{ratio_at_1_16:.3f}** at 1/16 loaded, **{ratio_at_1_32:.3f}** at 1/32",
-        "channel scores without it, same samples: {without_1_16:.3f}, {without_1_32:.3f}",
+        "the same, the hybrid group union (the default before 17d265a)",
+        "accuracy.json",
+        lambda r: r["t7_by_family"]["hybrid"],
+        "**{ratio_at_1_16:.2f}** at {loaded_fraction_1_16:.3f} of the context loaded (none loads 1/32)",
+        "dense",
         "as above",
-        device="H100",
-        link="eval/results/ruler_8k_feedback/report.md",
+        device="H200",
+        link="eval/results/accuracy.md",
     ),
     Row(
-        "one decode step with channel scores and feedback, B=16 x 32K, real locality, CUDA graph",
+        "one decode step of the channel default, B=16 x 32K, real locality, CUDA graph",
         "decode_step_runs/channel_chain_9e02884_h100.json",
         _channel_step,
-        "**{ms:.2f} ms** ({over:.2f}x the default's step, {floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
-        "the default config in the same call: {default:.2f} ms, {default_book:.0f} us",
+        "**{ms:.2f} ms** ({over:.2f}x the hybrid's step, {floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
+        "the hybrid group union in the same call: {default:.2f} ms, {default_book:.0f} us",
         "",
         device="H100",
     ),
@@ -282,6 +280,7 @@ ROWS = [
         ">= 3x",
         device="H200",
         link="eval/results/serving.md",
+        note=HYBRID,
     ),
     Row(
         "serving, second edition, `decode_heavy` saturated (all 40 requests at t=0, 40 GiB cap)",
@@ -293,7 +292,7 @@ ROWS = [
         ">= 6x and >= 9x",
         device="H100",
         link="docs/serving.md",
-        note=" (stock in four parts on two H100s)",
+        note=" (stock in four parts on two H100s" + HYBRID + ")",
     ),
     Row(
         "serving, second edition, `paper` saturated (all 40 requests at t=0, 40 GiB cap)",
@@ -305,7 +304,7 @@ ROWS = [
         ">= 3x and >= 3x",
         device="H100",
         link="docs/serving.md",
-        note=" (stock in two parts on two H100s), [figure](eval/results/serving_saturated.png)",
+        note=" (stock in two parts on two H100s" + HYBRID + "), [figure](eval/results/serving_saturated.png)",
     ),
 ]
 

@@ -8,8 +8,9 @@ What it shows:
   2. A ~7.7K-token prompt hides one "special magic number" at half depth in Paul Graham's essays.
   3. Dense baseline: stock `model.generate` with SDPA attention and the default `DynamicCache`.
   4. SparseServe: the same `model.generate`, but `past_key_values=SparseServeCache(...)`. All KV
-     blocks live in the host (DRAM) pool; each decode step attends to only `TOKEN_BUDGET` tokens
-     per head, and only the blocks it selects are copied into the small device (HBM) block cache.
+     blocks live in the host (DRAM) pool; each decode step loads and attends to only `TOKEN_BUDGET`
+     tokens per KV head (a sixteenth of the prompt), and only the blocks it selects are copied into
+     the small device (HBM) block cache.
 On a CPU "HBM" is just another tensor in RAM; the byte counts are what matter here.
 """
 
@@ -29,13 +30,14 @@ from sparseserve_hf.data.models import load_default
 CONTEXT_TOKENS = 7680
 NEEDLE_DEPTH = 0.5
 MAX_NEW_TOKENS = 24
-# Tokens each query head attends to per decode step: the default, about a quarter of this prompt.
-# Smaller budgets make the plain Quest selector miss needles (better selection is still to come).
-TOKEN_BUDGET = 2048
+# Tokens each KV head loads and attends to per decode step: a sixteenth of this prompt. The default
+# selector (each block's 2-bit copy of its own key channels, scored by the estimated attention of the
+# KV head's query heads) finds the needle's block at this budget.
+TOKEN_BUDGET = 512
 # Device block cache: room for the KV of HBM_CACHE_TOKENS tokens in every layer and KV head. Each
-# (layer, KV head) has its own LRU partition, and a KV head loads the union of its 3 query heads'
-# blocks: up to 3x the budget in one step, all of which must fit (a lookup never evicts what it uses).
-HBM_CACHE_TOKENS = 3 * TOKEN_BUDGET
+# (layer, KV head) has its own LRU partition, which must hold one step's selection (a lookup never
+# evicts what it uses); twice the budget keeps what the next steps select again.
+HBM_CACHE_TOKENS = 2 * TOKEN_BUDGET
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

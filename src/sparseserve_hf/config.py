@@ -42,9 +42,10 @@ class SparseServeConfig:
     Attributes:
         block_size: tokens per KV block (a power of two). One head-block is
             `block_size x head_dim` keys plus as many values, for one KV head.
-        token_budget: tokens each query head selects at decode, counting the sink, window
-            and top-k blocks and the partial tail block (with "group_union" a head attends
-            to the union of its group's selections, up to G x this).
+        token_budget: tokens each KV head loads and attends at decode with the default
+            `selection="kv_head"`, counting the sink, window and top-k blocks and the partial
+            tail block. With "group_union" or "query_head" it is each query head's pick, and a
+            KV head loads the union of its group's picks (up to G x this).
         sink_blocks: leading blocks always selected (attention sinks).
         window_blocks: most recent full blocks always selected (the partial tail block
             is always attended on top of these).
@@ -55,15 +56,16 @@ class SparseServeConfig:
             min/max, an upper bound on q.k), "cuboid" (per-channel key mean, ArkVale) or
             "hybrid" (the block's quest min/max plus the cuboid mean of each sub-block; the
             two rankings interleaved: Quest keeps diffuse layers' mass, the sub-block means find
-            the few tokens a retrieval head reads). "hybrid" is the default: on the real model it
-            keeps more of dense's accuracy than either alone, for 3x quest's metadata vectors.
-            "channels": each block keeps a 2-bit copy of the `channel_share` of its keys' channels
+            the few tokens a retrieval head reads): on the real model it keeps more of dense's
+            accuracy than either alone, for 3x quest's metadata vectors.
+            "channels" (the default): each block keeps a 2-bit copy of the `channel_share` of its keys' channels
             where its keys spread most, weighted by the size of recent prompts' queries (whole RoPE
             pairs, with a minimum and a step per channel, `ops.channels`); each step estimates every
             query head's attention over every token from them and scores a block by that estimate's
-            mass on it. Token-level, so a needle is not averaged into its block; best with
-            `selection="kv_head"` and `group_aggregation="sum"` (each KV head loads the blocks of most
-            estimated attention of its group, exactly the budget). Stored in 8 bits on every device
+            mass on it. Token-level, so a needle is not averaged into its block; with the default
+            `selection="kv_head"` and `group_aggregation="sum"` each KV head loads the blocks of most
+            estimated attention of its group, exactly the budget: at a sixteenth of the context
+            loaded it keeps far more of dense's accuracy than the block summaries. Stored in 8 bits on every device
             (`metadata_dtype` "auto" or "float8_e4m3fn"); at the default share and 32-token blocks,
             4 rows of head_dim bytes per block: 1/32 of 16-bit KV.
         metadata_sub_blocks: summaries per block (a power of two dividing block_size): Quest
@@ -87,7 +89,8 @@ class SparseServeConfig:
         channel_feedback: metadata="channels" only: each decode step's attention also writes its
             exact log-sum-exp over every block it attended (per query head), and the next step's
             channel estimate of those blocks is raised to it where lower (`ops.channels.with_feedback`):
-            no byte more is read. Off by default (docs/selection_at_equal_loads.md measures it).
+            no byte more is read. None (the default) = on for channel metadata wherever the decode
+            attention writes those numbers (every backend but "flash"); read it through `feeds_back`.
         kv_dtype: how full blocks are stored, in DRAM and in the HBM block cache: "auto" (the
             default: the model's dtype, exactly) or "float8_e4m3fn" (one byte per value, each
             head-block's keys and its values scaled by their own fp32 scale so that their largest
@@ -99,10 +102,12 @@ class SparseServeConfig:
             loads the union of its group's selections), "group_union" (the same selections,
             but every query head attends to the whole union its KV head loaded: no more
             transfers, up to G x the attention work) or "kv_head" (one selection per
-            KV head from its query heads' scores, aggregated by `group_aggregation`).
-            "group_union" is the default: at the same transfers it keeps the most needles on
-            the real model (per KV head keeps fewer at the same nominal budget).
-        group_aggregation: "max" or "sum", how query-head scores combine for "kv_head".
+            KV head from its query heads' scores, aggregated by `group_aggregation`: the
+            default, it loads exactly `token_budget`). At the same nominal budget "group_union"
+            keeps more needles, for 1.5-3x the loads; at the same loads one pick per KV head of
+            the summed channel estimates keeps the most.
+        group_aggregation: "sum" (the default) or "max", how query-head scores combine for
+            "kv_head".
         load_budget: "group_union" only: tokens each KV head loads per decode step at most,
             counted as `token_budget` is (full blocks plus the tail block). Where the union of
             its query heads' picks is larger, the KV head loads the union of each head's k best

@@ -275,7 +275,7 @@ class Selection(Protocol):
 
 
 class GroupUnion:
-    """ "group_union" (the default): every query head picks its own blocks, its KV head loads the union
+    """ "group_union": every query head picks its own blocks, its KV head loads the union
     of its group's picks (capped by `load_budget`), and every query head attends all of them. One op
     (one kernel with Triton)."""
 

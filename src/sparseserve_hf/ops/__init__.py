@@ -194,7 +194,7 @@ def _triton_ops() -> BlockOps:
     )
 
     # select_blocks / union_over_group stay the reference's torch ops (the per-query-head and
-    # per-KV-head selections); the default group union has its own kernel.
+    # per-KV-head selections); the group union has its own kernel.
     return replace(
         TORCH_OPS,
         name="triton",
