@@ -391,9 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--fp8", type=Path, default=None, help=f"a RULER run with the {FP8_FAMILY} family beside the default"
     )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW method family, e.g. sparse=quest")
-    parser.add_argument(
-        "--rename-current", action="append", default=[], help="OLD=NEW for the --ruler-current folders"
-    )
+    parser.add_argument("--rename-current", action="append", default=[], help="OLD=NEW for the --ruler-current folders")
     args = parser.parse_args(argv)
     if not (args.ruler or args.ruler_current or args.gemma3 or args.longbench or args.fp8 is not None):
         raise ValueError("give at least one --ruler, --ruler-current, --gemma3, --longbench or --fp8 folder")
