@@ -82,9 +82,10 @@ class FakePieceCapture:
     """CPU stand-in for `layer_graphs.PieceCapture`, with what a real capture and replay do to state.
 
     Like `FakeGraphs`, but for one layer's attention piece: a capture runs the piece's Python on
-    the state before its warm-up and then puts the warmed-up state back, and its outputs hold
-    nothing (zeros) until a replay; a replay runs the piece again (the kernels), writes into the
-    captured outputs, and refuses to run once a store tensor it holds has moved.
+    the state before its warm-up (the store's and the layers' tensors) and then puts the warmed-up
+    state back, and its outputs hold nothing (zeros) until a replay; a replay runs the piece again
+    (the kernels), writes into the captured outputs, and refuses to run once a store tensor or a
+    tensor of its layer that it holds has moved.
     """
 
     def __init__(self, cache) -> None:
@@ -125,12 +126,19 @@ class FakePieceCapture:
         for t in layer.last_pick:
             if isinstance(t, torch.Tensor):
                 t.zero_()
-        piece = FakePiece(self, fn, out, layer, layer.last_pick, {n: t.data_ptr() for n, t in tensors.items()})
+        held = {n: t.data_ptr() for n, t in self._tensors(layer).items()}
+        piece = FakePiece(self, fn, out, layer, layer.last_pick, held)
         self.live.setdefault(layer_idx, weakref.WeakSet()).add(piece)
         return piece, out
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        return self.cache.store.graph_tensors()
+    def _tensors(self, layer=None) -> dict[str, torch.Tensor]:
+        """The store's tensors and every layer's (the channel feedback a piece writes is the layer's), or
+        only `layer`'s beside the store's: what one layer's piece holds."""
+        if layer is None:
+            return self.cache.graph_tensors()
+        return {f"store.{n}": t for n, t in self.cache.store.graph_tensors().items()} | {
+            f"layer.{n}": t for n, t in layer.graph_tensors().items()
+        }
 
 
 class FakePiece:
@@ -138,8 +146,8 @@ class FakePiece:
         self.capture, self.fn, self.out, self.layer, self.pick, self.held = capture, fn, out, layer, pick, held
 
     def replay(self) -> None:
-        moved = [name for name, t in self.capture._tensors().items() if t.data_ptr() != self.held[name]]
-        assert not moved, f"replayed a piece whose store tensors moved: {moved}"
+        moved = [name for name, t in self.capture._tensors(self.layer).items() if t.data_ptr() != self.held.get(name)]
+        assert not moved, f"replayed a piece whose store or layer tensors moved: {moved}"
         self.out.copy_(self.fn())
         for fresh, held in zip(self.layer.last_pick, self.pick):
             if isinstance(held, torch.Tensor):

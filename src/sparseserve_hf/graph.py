@@ -358,9 +358,13 @@ class StaticDecoder:
         for layer, rows in zip(self.layers, captured.rows):
             for name, held in rows.items():
                 current = getattr(layer, name)
-                if current is not held:
+                if current is held:
+                    continue
+                if current is None:  # the rows have none of these (no numbers fed back yet)
+                    held.fill_(layer.GRAPH_EMPTY[name])
+                else:
                     held.copy_(current)
-                    setattr(layer, name, held)
+                setattr(layer, name, held)
 
     def _set_picks(self, picks: list[Any]) -> None:
         """Each layer's `last_pick` (what the working-set tracker reads after a step)."""

@@ -451,6 +451,7 @@ class SparseServeLayer(CacheLayerMixin):
             attended = attended & head_mask
         return torch.where(attended, picked.repeat_interleave(group, dim=1), -1)
 
+    @plain_tensors  # called from the attention function, often under inference mode
     def remember_pick(self, picked: torch.Tensor, num_q_heads: int) -> None:
         """Keep this step's pick (B, Hkv, U) in place for the next step's scorer (where the store
         `feeds_back`), and make sure `feedback_lse` is the (B, Hq, U) tensor this step's attention
@@ -673,8 +674,13 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_blocks[full_rows] += 1
         self.tail_len.index_fill_(0, full_rows, 0)  # not `[rows] = 0`: a Python scalar through an index syncs
 
+    # What a captured step's feedback tensors hold for rows with no numbers of their own (a row that
+    # came, or a batch whose last step fed nothing back): nothing raised.
+    GRAPH_EMPTY = {"feedback_picked": 0, "feedback_lse": float("-inf")}
+
     def graph_tensors(self) -> dict[str, torch.Tensor]:
-        """The layer's tensors a captured decode step reads or writes by address."""
+        """The layer's tensors a captured decode step reads or writes by address (`GRAPH_EMPTY` says
+        what those the layer may lack hold when it does)."""
         tensors = {
             "tail": self.tail,
             "tail_len": self.tail_len,
