@@ -102,7 +102,7 @@ def test_a_batch_with_feedback_equals_its_requests_one_by_one(llama, cuda_graphs
     assert batch == generator_outputs(llama, config, prompts, params, one_by_one=True)
 
 
-def test_rows_moved_between_caches_keep_their_numbers_and_slots_that_change_hands_lose_them(llama):
+def test_rows_keep_their_numbers_wherever_they_move_and_new_rows_start_without(llama):
     cache = SparseServeCache(llama.config, SparseServeConfig(**FEEDBACK))
     decode(llama, cache, torch.tensor([prompt(150, seed=n) for n in range(3)]), 3)
     layer = cache.layers[0]
@@ -115,5 +115,11 @@ def test_rows_moved_between_caches_keep_their_numbers_and_slots_that_change_hand
     taken = cache.take_rows([1])  # slot 1 becomes vacant and knows nothing
     assert torch.equal(taken.layers[0].feedback_lse, before[[1]])
     assert layer.feedback_lse[1].isneginf().all() and torch.equal(layer.feedback_lse[0], before[0])
-    cache.place_rows(taken, [1])  # back into its slot: a row that comes starts without numbers
-    assert layer.feedback_lse[1].isneginf().all() and torch.equal(layer.feedback_lse[2], before[2])
+    cache.place_rows(taken, [1])  # back into its slot with its own numbers, as it would decode alone
+    assert torch.equal(layer.feedback_lse, before)
+    fresh = SparseServeCache(llama.config, SparseServeConfig(**FEEDBACK), store=cache.store)
+    decode(llama, fresh, torch.tensor([prompt(150, seed=7)]), 0)  # prefilled, no decode step yet: no numbers
+    vacated = cache.take_rows([0])
+    cache.place_rows(fresh, [0])  # a new row in a slot another request left: it starts without numbers
+    assert layer.feedback_lse[0].isneginf().all() and torch.equal(layer.feedback_lse[1:], before[1:])
+    assert torch.equal(vacated.layers[0].feedback_lse, before[[0]])

@@ -14,10 +14,12 @@ from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 LENGTHS = (5, 37, 80, 130, 16, 1)
 
 
-CHANNEL_SCORES = dict(metadata="channels", selection="kv_head", group_aggregation="sum")
-# A KV head loads exactly its budget with one selection per KV head (a group union loads up to G x
-# it), so working sets are smaller: a smaller HBM cache makes admission leave rows out as often.
-CHANNEL_CACHE_BYTES = 36 * 2048
+# The default selector loads exactly its budget per KV head; the hybrid group union (the default before
+# channel scores) loads up to G x it, so its working sets are larger: a larger HBM cache makes admission
+# leave rows out as often.
+CACHE_BYTES = 32 * 2048
+HYBRID_UNION = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
+HYBRID_CACHE_BYTES = 48 * 2048
 
 
 def small_config(**overrides) -> SparseServeConfig:
@@ -53,7 +55,7 @@ def test_every_full_attention_family_batches_as_stock_and_as_one_by_one(arch):
     outs = Generator(model, None, small_config(token_budget=1024)).generate(prompts, SamplingParams(max_new_tokens=12))
     assert [list(o.token_ids) for o in outs] == [stock_greedy(stock, p, 12) for p in prompts]
     config = small_config(  # the paper's admission rule, so that rows sit out (reserve_decode would start fewer)
-        max_batch=3, token_budget=64, hbm_cache_bytes=48 * 2048, max_inject_tokens=60, reserve_decode=False
+        max_batch=3, token_budget=64, hbm_cache_bytes=CACHE_BYTES, max_inject_tokens=60, reserve_decode=False
     )
     params = SamplingParams(max_new_tokens=16)
     gen = Generator(model, None, config)
@@ -69,7 +71,7 @@ def test_every_full_attention_family_batches_as_stock_and_as_one_by_one(arch):
         dict(
             max_batch=3,
             token_budget=64,
-            hbm_cache_bytes=48 * 2048,
+            hbm_cache_bytes=CACHE_BYTES,
             prefill_mode="layer_segmented",
             max_inject_tokens=60,
         ),
@@ -79,13 +81,13 @@ def test_every_full_attention_family_batches_as_stock_and_as_one_by_one(arch):
             kv_dtype="float8_e4m3fn",
             max_batch=3,
             token_budget=64,
-            hbm_cache_bytes=48 * 512,
+            hbm_cache_bytes=32 * 512,
             max_inject_tokens=60,
             reserve_decode=False,
         ),
-        dict(CHANNEL_SCORES, max_batch=3, token_budget=64, hbm_cache_bytes=CHANNEL_CACHE_BYTES, max_inject_tokens=60),
+        dict(HYBRID_UNION, max_batch=3, token_budget=64, hbm_cache_bytes=HYBRID_CACHE_BYTES, max_inject_tokens=60),
     ],
-    ids=["default", "segmented-small-cache", "chunked", "full-no-admission", "fp8-kv", "channel-scores"],
+    ids=["default", "segmented-small-cache", "chunked", "full-no-admission", "fp8-kv", "hybrid-union"],
 )
 def test_small_budget_batch_equals_one_by_one(llama, overrides):
     """Budget 48 of up to 150 tokens: real selection. Rows join, sit out and leave; tokens must not move."""
@@ -224,7 +226,7 @@ def test_iteration_breakdown_counts_every_iteration_and_all_prefill_work(llama):
 
 
 GRAPH_CONFIG = dict(
-    max_batch=3, token_budget=64, hbm_cache_bytes=48 * 2048, dram_bytes=4000 * 2048, prefill_mode="layer_segmented",
+    max_batch=3, token_budget=64, hbm_cache_bytes=CACHE_BYTES, dram_bytes=4000 * 2048, prefill_mode="layer_segmented",
     max_inject_tokens=60,
 )  # fmt: skip
 
@@ -236,10 +238,10 @@ GRAPH_CONFIG = dict(
     "selector",
     [
         {},
-        CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES},
-        CHANNEL_SCORES | {"hbm_cache_bytes": CHANNEL_CACHE_BYTES, "channel_feedback": True},
+        {"channel_feedback": False},
+        HYBRID_UNION | {"hbm_cache_bytes": HYBRID_CACHE_BYTES},
     ],
-    ids=["default", "channel-scores", "channel-feedback"],
+    ids=["default", "no-feedback", "hybrid-union"],
 )
 def test_cuda_graph_decode_gives_the_eager_tokens_and_working_sets(llama, stand_in_graphs, pools, selector):
     """cuda_graphs=True: rows join, sit out and leave (a restart each time), tokens and admission must not move.

@@ -370,7 +370,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.block_ids[slots] = grown(other.block_ids, width, fill=-1, dim=2)
         if self.query_profile is not None:
             self.query_profile[slots] = other.query_profile
-        self._forget_feedback(slots)  # the rows that came decode from their own numbers from their next step
+        self._place_feedback(other, slots)
         self.num_positions = max(self.num_positions, other.num_positions)
         self.last_pick, self._undo = None, None
         other._clear()
@@ -467,6 +467,19 @@ class SparseServeLayer(CacheLayerMixin):
         if self.feedback_lse is None:
             return None, None
         return self.feedback_picked[rows], self.feedback_lse[rows]
+
+    def _place_feedback(self, other: SparseServeLayer, slots: torch.Tensor) -> None:
+        """`other`'s rows' last-step numbers into `slots`: a row that sat out resumes from its own, as
+        it would have decoded alone; rows with none (new ones) start without."""
+        if other.feedback_lse is None:
+            self._forget_feedback(slots)
+            return
+        if self.feedback_lse is None or self.feedback_lse.shape[1:] != other.feedback_lse.shape[1:]:
+            rows = self.tail.shape[0]
+            self.feedback_picked = other.feedback_picked.new_zeros((rows, *other.feedback_picked.shape[1:]))
+            self.feedback_lse = other.feedback_lse.new_full((rows, *other.feedback_lse.shape[1:]), float("-inf"))
+        self.feedback_picked[slots] = other.feedback_picked
+        self.feedback_lse[slots] = other.feedback_lse
 
     def _forget_feedback(self, slots: torch.Tensor) -> None:
         """Rows at `slots` start over without the last step's numbers (in place: a captured step keeps them)."""
