@@ -361,7 +361,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="small")
     fig.tight_layout()
-    save_plot(fig, path, dpi=120)
+    save_plot(fig, path, dpi=90)
     plt.close(fig)
 
 

@@ -83,6 +83,14 @@ def _parse_value(field: str, raw: str) -> Any:
     return raw
 
 
+def kind_config(kind: str) -> SparseServeConfig:
+    """The default config with `kind` of metadata (its own default sub-blocks); a block summary (quest,
+    cuboid, hybrid) with the group union and max aggregation every run of it was made with."""
+    if kind == SparseServeConfig().metadata:
+        return SparseServeConfig()
+    return SparseServeConfig(metadata=kind, selection="group_union", group_aggregation="max")
+
+
 def sparse_methods(
     budgets: list[int], metadata_kinds: list[str], variants: list[str] | None = None, oracle: bool = False
 ) -> list:
@@ -93,7 +101,7 @@ def sparse_methods(
     """
     methods = []
     for kind in metadata_kinds:
-        config = SparseServeConfig(metadata=kind)  # the kind's own default sub-blocks
+        config = kind_config(kind)
         family = "sparse" if config == SparseServeConfig() else kind
         methods += methods_for(budgets, config, family)
     for text in variants or []:

@@ -46,11 +46,13 @@ from sparseserve_hf.attention import pick_blocks
 from sparseserve_hf.ops import reference
 
 CAPTURE = "selection_diagnostics_capture"
-# Selector variants: name -> SparseServeConfig overrides (token_budget from --budgets). "default" is
-# SparseServeConfig() as shipped; the others change one lever each (the quest ones: from the Quest
-# selector that was the default when eval/results/selection_diagnostics.md was written).
+# Selector variants: name -> overrides of BASE (token_budget from --budgets). "default" is BASE, the
+# hybrid group union these diagnostics were written around (the package default until channel scores
+# replaced it; channel variants set metadata="channels"); the others change one lever each (the quest
+# ones: from the Quest selector that was the default when eval/results/selection_diagnostics.md was written).
+BASE = SparseServeConfig(metadata="hybrid", selection="group_union", group_aggregation="max")
 VARIANTS: dict[str, dict] = {
-    "default": {},  # hybrid metadata with a cuboid mean per 8 tokens (= "hybrid_s8")
+    "default": {},  # hybrid metadata with a cuboid mean per 8 tokens (= "hybrid_s8"), the group union
     "quest": dict(metadata="quest"),  # the default until the 8K accuracy runs (eval/results/accuracy.md)
     "query_head": dict(metadata="quest", selection="query_head"),
     "kv_head_max": dict(metadata="quest", selection="kv_head", group_aggregation="max"),
@@ -1109,7 +1111,7 @@ def variant_configs(names: list[str], budget: int) -> dict[str, SparseServeConfi
             overrides = dict(_parse_override(part) for part in spec.split(";") if part)
         else:
             raise ValueError(f"--variants: unknown variant {name!r}; known: {sorted(VARIANTS)} or name=field:value")
-        configs[name] = replace(SparseServeConfig(token_budget=budget), **overrides)
+        configs[name] = replace(BASE, token_budget=budget, **overrides)
     return configs
 
 

@@ -65,7 +65,7 @@ def test_sub_blocks_with_a_budget_covering_the_sequence_equal_dense(llama):
     sdpa = tiny_model("llama", "sdpa")
     ids = random_ids(1, 90)
     cache = SparseServeCache(
-        llama.config, SparseServeConfig(block_size=BLOCK, token_budget=1024, metadata_sub_blocks=4)
+        llama.config, SparseServeConfig(block_size=BLOCK, token_budget=1024, metadata="hybrid", metadata_sub_blocks=4)
     )
     assert torch.equal(greedy(llama, ids, cache, max_new_tokens=8), greedy(sdpa, ids, max_new_tokens=8))
 

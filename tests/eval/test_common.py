@@ -53,8 +53,8 @@ def test_batched_answers_equal_single_answers(tiny, method):
     assert all(text.strip() for text in together)
     if method.config is None:
         assert loads == {}
-    else:  # 64 tokens per query head of 150-178 stored: a KV head reads part of the context
-        assert 0 < loads["loaded_fraction"] < 1 and loads["loaded_tokens_per_kv_head"] >= 64
+    else:  # one pick of 64 tokens per KV head of 150-178 stored (its tail counted as the budget counts it)
+        assert 0 < loads["loaded_fraction"] < 1 and 56 < loads["loaded_tokens_per_kv_head"] <= 64
 
 
 def test_the_oracle_method_answers_in_batches_and_reports_its_loads(tiny):

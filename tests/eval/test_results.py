@@ -16,7 +16,13 @@ from eval import accuracy_report
 RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
 MAX_RESULTS_BYTES = 1_500_000
 RULER_RUNS = ("ruler_8k_a", "ruler_8k", "ruler_8k_budgets", "ruler_8k_hybrid", "ruler_4k", "ruler_4k_hybrid")
-CURRENT_RULER_RUNS = ("ruler_8k_metadata_dtype", "ruler_8k_oracle", "ruler_8k_fp8_kv")  # today's family names
+CURRENT_RULER_RUNS = (
+    "ruler_8k_metadata_dtype",
+    "ruler_8k_oracle",
+    "ruler_8k_fp8_kv",
+    "ruler_8k_channels",
+    "ruler_8k_feedback",
+)
 
 
 def test_results_stay_small():
@@ -29,7 +35,8 @@ def test_the_accuracy_report_regenerates_from_the_committed_runs(tmp_path):
     argv += ["--ruler-current", *(str(RESULTS / name) for name in CURRENT_RULER_RUNS)]
     argv += ["--fp8", str(RESULTS / "ruler_8k_fp8_kv")]
     argv += ["--longbench", str(RESULTS / "longbench_multi_news"), "--out", str(tmp_path)]
-    argv += ["--rename", "sparse=quest", "--rename", "hybrid_s8=sparse"]  # as accuracy.json's command
+    argv += ["--rename", "sparse=quest", "--rename", "hybrid_s8=hybrid"]  # as accuracy.json's command
+    argv += ["--rename-current", "sparse=hybrid", "--rename-current", "channels_feedback=sparse"]
     accuracy_report.main(argv)
     committed = json.loads((RESULTS / "accuracy.json").read_text())
     regenerated = json.loads((tmp_path / "accuracy.json").read_text())

@@ -258,7 +258,7 @@ def test_runner_end_to_end_on_the_default_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ruler, "evaluate", evaluate_and_read_the_checkpoint)
     argv = ["--tasks", "niah_single_1,qa_1", "--lengths", "1024", "--samples", "2", "--budgets", "256"]
-    argv += ["--batch-size", "2", "--metadata", "hybrid,quest", "--oracle"]
+    argv += ["--batch-size", "2", "--metadata", "channels,quest", "--oracle"]
     argv += ["--max-new-tokens", "12"]  # the answer prefix puts the answer first; 12 tokens hold it
     summary = ruler.main(argv + ["--out", str(out), "--dump-samples", str(dump), "--device", "cpu"])
     assert set(summary["score"]) == {"niah_single_1@1024", "qa_1@1024"}
@@ -276,7 +276,9 @@ def test_runner_end_to_end_on_the_default_model(tmp_path, monkeypatch):
             assert "loaded_fraction" not in row
         elif row["method"] == "oracle_256":  # exactly 7 full blocks per KV head and the tail; no metadata
             assert 7 * 32 < row["loaded_tokens_per_kv_head"] <= 8 * 32 and row["metadata_fraction"] == 0.0
-        else:
+        elif row["method"] == "sparse_256":  # the default: one pick per KV head, exactly the budget
+            assert 7 * 32 < row["loaded_tokens_per_kv_head"] <= 8 * 32 and 0 < row["metadata_fraction"] < 0.1
+        else:  # quest, the group union: a KV head loads the union of its query heads' picks
             assert 0 < row["loaded_fraction"] < 1 and row["loaded_tokens_per_kv_head"] > 256
             assert row["loaded_tokens_p95_over_heads"] >= row["loaded_tokens_per_kv_head"] * 0.5
             assert 0 < row["metadata_fraction"] < 0.1

@@ -112,7 +112,8 @@ def test_overlaps_on_known_selections():
 def test_an_override_that_loads_every_block_decodes_like_dense():
     """The seam decides what is loaded: every block loaded = dense tokens, at a budget that would not."""
     model, dense = tiny_model("llama"), tiny_model("llama", "sdpa")
-    config = SparseServeConfig(block_size=16, token_budget=64, sink_blocks=1, window_blocks=1)
+    # the group union: its picks are G x a query head's wide, room for every block of this context
+    config = SparseServeConfig(block_size=16, token_budget=64, sink_blocks=1, window_blocks=1, selection="group_union")
     store = TieredBlockStore(
         config, get_ops("torch", torch.device("cpu")), HEAD_DIM, torch.float32, torch.device("cpu")
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from eval.common import parse_variant, sparse_methods
 from eval.ruler import parse_args
 from eval.selection_diagnostics import (
+    BASE,
     REUSED,
     Recording,
     StepMass,
@@ -38,6 +41,11 @@ from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.ops import reference
 
 
+def hybrid(**fields) -> SparseServeConfig:
+    """The diagnostics' base selector (the hybrid group union) with `fields` changed."""
+    return replace(BASE, **fields)
+
+
 def test_parse_variant_types_and_validation():
     family, overrides = parse_variant("quest_s8:metadata_sub_blocks=4:dense_layers=0,1:metadata=cuboid")
     assert family == "quest_s8" and overrides == dict(metadata_sub_blocks=4, dense_layers=(0, 1), metadata="cuboid")
@@ -61,9 +69,8 @@ def test_ruler_variant_families():
         "w2_256",
         "w2_512",
     ]
-    assert (
-        methods[1].config == SparseServeConfig(token_budget=256, metadata="quest") and methods[1].config.sub_blocks == 1
-    )
+    quest = hybrid(token_budget=256, metadata="quest")  # a block summary family: with the group union
+    assert methods[1].config == quest and methods[1].config.sub_blocks == 1
     assert methods[3].config == SparseServeConfig(token_budget=256, metadata="quest", metadata_sub_blocks=4)
     assert methods[5].config == SparseServeConfig(token_budget=256, window_blocks=2)  # the default metadata
     # the default configuration's kind is the "sparse" family; others are named by kind
@@ -92,7 +99,7 @@ def test_step_stats_by_hand():
     q = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     needle = torch.tensor([False, False, True, False, False])
     mass = step_mass(q, keys, needle, 1.0, 2)
-    config = SparseServeConfig(block_size=32, token_budget=64, sink_blocks=0, window_blocks=0)  # 1 full block each
+    config = hybrid(block_size=32, token_budget=64, sink_blocks=0, window_blocks=0)  # 1 full block each
     chosen = torch.tensor([[True, False], [True, False]])  # both heads attend block 0 only
     stats = step_stats(config, mass, chosen, torch.tensor([1]), 5)  # the KV head loads 1 block of 2 tokens
     # Head 0: nearly all mass on block 1 (oracle) -> recall ~0, needle lost; head 1: uniform, 2/5 on each block.
@@ -100,14 +107,14 @@ def test_step_stats_by_hand():
     torch.testing.assert_close(stats["recall"][1], torch.tensor(1.0))
     torch.testing.assert_close(stats["attended"][1], torch.tensor(0.6))
     # the loaded fraction counts tokens in the config's blocks: at block size 2, (1 block x 2 + a 1-token tail) / 5
-    small = SparseServeConfig(block_size=2, token_budget=4, sink_blocks=0, window_blocks=0)
+    small = hybrid(block_size=2, token_budget=4, sink_blocks=0, window_blocks=0)
     loaded = step_stats(small, mass, chosen, torch.tensor([1]), 5)["loaded_fraction"]
     torch.testing.assert_close(loaded, torch.full((2,), 3 / 5))
 
 
 def test_the_oracle_loads_the_groups_heaviest_blocks_with_sink_and_window():
     # 4 query heads / 2 KV heads, 6 full blocks; budget: 3 full blocks per KV head (1 sink + 1 window + 1).
-    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    config = hybrid(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
     block_mass = torch.zeros(4, 6)
     block_mass[0, 2], block_mass[1, 3] = 0.5, 0.4  # KV head 0's group: block 2 heaviest in sum
     block_mass[2, 4], block_mass[3, 1] = 0.3, 0.35  # KV head 1's group: block 1 (4 is the window)
@@ -121,7 +128,7 @@ def test_the_oracle_loads_the_groups_heaviest_blocks_with_sink_and_window():
 
 def test_pooled_budget_goes_where_the_mass_is_within_each_heads_cap():
     # 3 KV heads, 8 full blocks, 4 full blocks per head (the tail aside): sink + window + 2 free each.
-    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    config = hybrid(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
     assert config.selected_full_blocks == 4
     mass = torch.full((3, 8), 0.01)
     mass[0, 1:7] = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])  # head 0 wants all its middle blocks
@@ -143,7 +150,7 @@ def test_pooled_budget_goes_where_the_mass_is_within_each_heads_cap():
 def test_the_mass_estimate_picks_the_blocks_the_sub_block_means_point_at():
     # 2 query heads / 1 KV head, 6 full blocks of 2 sub-blocks; head 0's query matches a sub-block
     # mean of block 3, head 1's one of block 1: with sink + window that is the budget of 4 blocks.
-    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    config = hybrid(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
     meta = torch.zeros(1, 6, 2, 2)  # (Hkv, N, sub, D)
     meta[0, 3, 1] = torch.tensor([5.0, 0.0])
     meta[0, 1, 0] = torch.tensor([0.0, 5.0])
@@ -164,7 +171,7 @@ def test_quantized_keys_round_each_token_to_16_levels():
 def test_two_stage_keeps_the_candidate_whose_tokens_the_query_reads():
     # 1 KV head / 2 query heads, 8 full blocks of 2 tokens (D = 2); budget: sink + window + 1 block.
     # Block 5 holds the token both queries point at; its Quest box is also the widest, so it is a candidate.
-    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1, metadata="quest")
+    config = hybrid(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1, metadata="quest")
     keys = torch.zeros(1, 16, 2)
     keys[0, 11] = torch.tensor([6.0, 0.0])  # block 5, second token
     keys[0, 4] = torch.tensor([1.0, 1.0])  # block 2: a weaker pull
@@ -195,7 +202,7 @@ def test_channel_scores_read_the_channels_the_queries_weigh_and_find_the_block_t
     # 1 KV head / 2 query heads, 8 full blocks of 2 tokens (D = 4); budget: sink + window + 1 block.
     # The queries weigh channel 0 (and 1 a little); block 5 holds a token large there, block 2 one
     # large on channel 3, which the queries barely read: with 1 channel, block 5 wins alone.
-    config = SparseServeConfig(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
+    config = hybrid(block_size=2, token_budget=8, sink_blocks=1, window_blocks=1)
     keys = torch.zeros(1, 16, 4)
     keys[0, 11, 0] = 6.0  # block 5
     keys[0, 4, 3] = 200.0  # block 2: large on a channel the queries hardly read
@@ -228,7 +235,7 @@ def test_feedback_raises_the_blocks_the_last_step_attended_to_their_exact_scores
 
 def test_two_stage_channels_over_every_block_with_exact_keys_is_the_mass_oracle():
     torch.manual_seed(0)
-    config = SparseServeConfig(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
+    config = hybrid(block_size=2, token_budget=10, sink_blocks=1, window_blocks=1)
     keys, q = torch.randn(2, 24, 8) * 2, torch.randn(6, 8)  # 2 KV heads of 3 query heads, 12 full blocks
     chosen, loaded = two_stage_channel_blocks(config, q, keys, keys, 12, 0.5, channels=2, share=1)
     probs = torch.softmax(0.5 * (q.view(2, 3, 8) @ keys.transpose(1, 2)), dim=-1)  # (Hkv, G, L)
@@ -264,7 +271,7 @@ def test_calibrated_channels_pick_pairs_from_keys_or_prompt_queries():
 
 def test_variant_configs():
     configs = variant_configs(["default", "x=metadata_sub_blocks:2"], 256)
-    assert configs["default"] == SparseServeConfig(token_budget=256)
+    assert configs["default"] == hybrid(token_budget=256)
     assert configs["x"].metadata_sub_blocks == 2
     with pytest.raises(ValueError, match="unknown variant"):
         variant_configs(["nope"], 256)
@@ -299,7 +306,7 @@ def test_longbench_takes_the_same_method_families():
     from eval.longbench import parse_args as longbench_args
 
     args = longbench_args(
-        ["--tasks", "multi_news", "--budgets", "512", "--metadata", "hybrid,quest", "--variant", "b16:block_size=16"]
+        ["--tasks", "multi_news", "--budgets", "512", "--metadata", "channels,quest", "--variant", "b16:block_size=16"]
     )
     methods = sparse_methods([512], metadata_kinds(args.metadata), args.variant)
     assert [m.name for m in methods] == ["dense", "sparse_512", "quest_512", "b16_512"]
@@ -319,7 +326,7 @@ def test_one_layers_exact_attention_chooses_for_the_layers_after_it():
     queries = [torch.randn(heads, 1, dim, generator=gen) for _ in range(3)]
     keys[1][:, 12:16] = queries[1][0, 0] * 4  # block 3 of layer 1 matches its first query head strongly
     rec = Recording(queries, keys, torch.tensor([length - 1]), torch.zeros(length, dtype=torch.bool), 1.0, "")
-    config = SparseServeConfig(block_size=size, token_budget=4 * size, selection="kv_head")  # 3 full blocks
+    config = hybrid(block_size=size, token_budget=4 * size, selection="kv_head")  # 3 full blocks
     (picks,) = reused_blocks(rec, config, 1, "pool")  # one step
     assert picks.shape == (kv_heads, 8) and torch.equal(picks[0], picks[1])
     assert picks[0].nonzero().flatten().tolist() == [0, 3, 7]  # sink, the block layer 1 reads, window
@@ -344,7 +351,7 @@ def test_feedback_and_pooled_variants_run_over_a_recording_and_load_what_their_b
     rec = Recording(queries, keys, positions, torch.zeros(length, dtype=torch.bool), 0.5, "",
                     prompt_query_abs=[q.abs().mean(1) for q in queries],
                     prompt_last_query=[torch.randn(heads, dim, generator=gen) for _ in range(2)])  # fmt: skip
-    config = SparseServeConfig(block_size=size, token_budget=4 * size, selection="kv_head")
+    config = hybrid(block_size=size, token_budget=4 * size, selection="kv_head")
     base = "blockch_std_p24_q2"
     names = [base, f"{base}_fblse", f"{base}_fbmax", f"{base}_fbprefill", f"{base}_pooled2", "oracle_pooled2"]
     stats = evaluate_recording(rec, dict.fromkeys(names, config))

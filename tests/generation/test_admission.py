@@ -10,7 +10,7 @@ from gen_support import prompt
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 
 BLOCK_BYTES = 2 * 16 * 16 * 4  # K+V x 16 tokens x head_dim 16 x fp32
-SLOTS = 2 * 96  # 2 sparse layers
+SLOTS = 2 * 48  # 2 sparse layers
 
 
 def run_trace(model, admission: bool, seed: int) -> tuple[Generator, int]:
@@ -48,10 +48,10 @@ def test_admitted_working_sets_never_exceed_the_cache(llama, seed):
     assert worst <= SLOTS  # what a step actually touched fit in the cache
     assert totals["sat_out"] > 0  # the load was high enough for admission to say no
     assert totals["finished"] == 10 and totals["hbm_bytes_in_use"] == 0 and totals["dram_bytes_in_use"] == 0
-    # what the budget cost, over every request's decode steps: 64 tokens per query head, 2 heads per KV
-    # head, so a KV head reads at most 2 x 64 (sink and window shared) of 150-316 stored tokens
+    # what the budget cost, over every request's decode steps: one pick of 64 tokens per KV head (its
+    # tail counted as the budget counts it) of 150-316 stored tokens
     assert totals["decode_steps"] > 0 and 0 < totals["loaded_fraction"] < 1
-    assert 64 <= totals["loaded_tokens_per_kv_head"] <= 2 * 64
+    assert 48 < totals["loaded_tokens_per_kv_head"] <= 64
 
 
 def test_hit_rate_with_admission_is_at_least_without_under_load(llama):
@@ -65,10 +65,10 @@ def test_hit_rate_with_admission_is_at_least_without_under_load(llama):
 
 
 def first_to_second_token_waits(model, reserve_decode: bool) -> tuple[list[int], list[list[int]]]:
-    """8 requests submitted at once into a cache whose slots serve 4 decode rows: the iterations each
+    """8 requests submitted at once into a cache whose slots serve a few decode rows: the iterations each
     request waited between its first and second tokens, and every request's tokens."""
     config = SparseServeConfig(
-        block_size=16, token_budget=64, hbm_cache_bytes=100 * BLOCK_BYTES, reserve_decode=reserve_decode
+        block_size=16, token_budget=128, hbm_cache_bytes=80 * BLOCK_BYTES, reserve_decode=reserve_decode
     )
     gen = Generator(model, None, config)
     ids = [gen.submit(prompt(200, seed=70 + i), SamplingParams(max_new_tokens=10)) for i in range(8)]

@@ -9,9 +9,9 @@ from gen_support import prompt
 
 from sparseserve_hf import Generator, SamplingParams, SparseServeCache, SparseServeConfig
 
-# 16-token blocks, budget 96: each query head picks 5 full blocks, so a KV head loads up to 10;
-# load_budget=96 caps it at 5 (80 tokens, the tail block on top).
-BUDGET = dict(block_size=16, token_budget=96)
+# The group union (the cap's selection), 16-token blocks, budget 96: each query head picks 5 full
+# blocks, so a KV head loads up to 10; load_budget=96 caps it at 5 (80 tokens, the tail block on top).
+BUDGET = dict(block_size=16, token_budget=96, selection="group_union")
 CAP_TOKENS = 96
 PROMPTS = (150, 170, 190, 210)
 

@@ -13,11 +13,11 @@ from sync_guard import forbid_host_syncs
 
 @pytest.mark.core
 def test_initial_estimate_is_the_budget_per_layer_and_kv_head(llama):
-    config = SparseServeConfig(block_size=16, token_budget=96)  # 5 full blocks: sink 1 + window 1 + top-3
-    # 2 layers x 2 KV heads x (1 + 1 + group 2 x 3 top-k), capped by the row's full blocks
-    assert initial_working_set(config, llama.config, 1000) == 2 * 2 * 8
-    assert initial_working_set(config, llama.config, 50) == 2 * 2 * 3  # 50 tokens: 3 full blocks + tail
-    per_kv_head = SparseServeConfig(block_size=16, token_budget=96, selection="kv_head")
+    union = SparseServeConfig(block_size=16, token_budget=96, selection="group_union")  # 5 full blocks each
+    # 2 layers x 2 KV heads x (sink 1 + window 1 + group 2 x 3 top-k), capped by the row's full blocks
+    assert initial_working_set(union, llama.config, 1000) == 2 * 2 * 8
+    assert initial_working_set(union, llama.config, 50) == 2 * 2 * 3  # 50 tokens: 3 full blocks + tail
+    per_kv_head = SparseServeConfig(block_size=16, token_budget=96)  # the default: one pick per KV head
     assert initial_working_set(per_kv_head, llama.config, 1000) == 2 * 2 * 5
 
 

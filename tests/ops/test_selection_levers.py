@@ -62,13 +62,14 @@ def test_config_metadata_vectors():
     assert SparseServeConfig(metadata="quest").metadata_vectors == 2
     assert SparseServeConfig(metadata="quest", metadata_sub_blocks=4).metadata_vectors == 8
     assert SparseServeConfig(metadata="cuboid", metadata_sub_blocks=4).metadata_vectors == 4
-    assert SparseServeConfig.from_dict(SparseServeConfig(metadata_sub_blocks=2).to_dict()).metadata_sub_blocks == 2
+    hybrid = SparseServeConfig(metadata="hybrid", metadata_sub_blocks=2)
+    assert SparseServeConfig.from_dict(hybrid.to_dict()).metadata_sub_blocks == 2
 
 
-def test_default_metadata_is_hybrid_with_a_mean_per_8_tokens():
-    config = SparseServeConfig()
+def test_hybrid_metadata_keeps_a_mean_per_8_tokens_by_default():
+    config = SparseServeConfig(metadata="hybrid")
     assert (config.metadata, config.sub_blocks, config.metadata_vectors) == ("hybrid", 4, 6)
-    assert SparseServeConfig(block_size=2, token_budget=8).sub_blocks == 2  # capped at block_size
+    assert SparseServeConfig(metadata="hybrid", block_size=2, token_budget=8).sub_blocks == 2  # capped at block_size
     assert SparseServeConfig(metadata="quest").sub_blocks == 1
     assert SparseServeConfig(metadata="cuboid").sub_blocks == 1
     # None means "the kind's default", so switching kinds with replace() gets the new kind's default

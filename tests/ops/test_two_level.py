@@ -128,7 +128,10 @@ def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
     for min_table in (None, 16):
         monkeypatch.setattr(triton_two_level, "MIN_TABLE", min_table)
         monkeypatch.setattr(triton_two_level, "CHUNK", 16)
-        config = SparseServeConfig(block_size=16, token_budget=128, backend="triton", hbm_cache_bytes=1 << 19)
+        config = SparseServeConfig(
+            block_size=16, token_budget=128, backend="triton", hbm_cache_bytes=1 << 19, metadata="hybrid",
+            selection="group_union", group_aggregation="max",
+        )  # fmt: skip
         cache = SparseServeCache(model.config, config)
         runs.append((greedy(model, ids, cache, 4), [layer.last_selection for layer in cache.layers]))
     assert torch.equal(runs[0][0], runs[1][0]) and set(launched) == {
