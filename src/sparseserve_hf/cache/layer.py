@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -689,7 +690,7 @@ class SparseServeLayer(CacheLayerMixin):
 
     # What a captured step's feedback tensors hold for rows with no numbers of their own (a row that
     # came, or a batch whose last step fed nothing back): nothing raised.
-    GRAPH_EMPTY = {"feedback_picked": 0, "feedback_lse": float("-inf")}
+    GRAPH_EMPTY: ClassVar[dict[str, float]] = {"feedback_picked": 0, "feedback_lse": float("-inf")}
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors a captured decode step reads or writes by address (`GRAPH_EMPTY` says
