@@ -130,7 +130,7 @@ def test_cuda_8bit_kv_decodes_alike_on_every_route_and_close_to_model_dtype_kv(d
             steps = [model(fed[:, t : t + 1], past_key_values=cache).logits[:, -1].float() for t in range(250, 289)]
         logits[kv_dtype] = torch.stack(steps)
     error = (logits["float8_e4m3fn"] - logits["auto"]).abs().mean() / logits["auto"].std()
-    assert 0 < error <= 0.02
+    assert 0 < error <= 0.04  # the channel default feeds exact numbers over 8-bit blocks back: some picks move
 
 
 class _Cycle:

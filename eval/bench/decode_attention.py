@@ -21,9 +21,9 @@ Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `se
 both (the block-table lookup and misses are the decode step's business (`decode_step`)); `kernel_gb_per_s` bytes the kernel
 reads (K/V of the attended blocks and tails) per second; `union` rows time the "group_union" worst
 case (each KV head loads G x 63 distinct blocks) and select through the decode step's own path
-(`attention.pick_blocks`: per-head top-k and the GQA union). The two `default` rows are
-`SparseServeConfig()` end to end (hybrid metadata in the config's own dtype, 8-bit on Hopper; the
-group union): `locality="real"` loads what the real default model loaded (`selection_trace`:
+(`attention.pick_blocks`: per-head top-k and the GQA union). The two `default` rows are the hybrid
+group union end to end, `SparseServeConfig()` until channel scores became the default (hybrid
+metadata in the config's own dtype, 8-bit on Hopper; the group union): `locality="real"` loads what the real default model loaded (`selection_trace`:
 scoring and top-k run and are timed, then the recorded selections replace the picks, and every
 query head attends its KV head's whole load), `select_and_attend_speedup_default`;
 `locality="random"` the union's worst case (G x 63 distinct blocks per KV head, what random
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="JSON output path")
     add_knob_option(parser, "triton_rank.COMBINE_WARPS=16")
     parser.add_argument(
-        "--default-only", action="store_true", help="only SparseServeConfig()'s rows (real and random locality)"
+        "--default-only", action="store_true", help="only the hybrid group union's rows (real and random locality)"
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -131,6 +131,11 @@ def flash_decode_module(device: torch.device):
     return flash_decode
 
 
+# The "default" rows' selector: the hybrid group union, SparseServeConfig() until channel scores became
+# the default (their select + attend is timed inside the decode step: `decode_step`'s bookkeeping).
+HYBRID_UNION = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
+
+
 def measure(
     batch: int,
     context: int,
@@ -141,8 +146,8 @@ def measure(
     metadata: str = "quest",
     locality: str | None = None,
 ) -> dict[str, Any]:
-    """One row. `locality` None: `metadata` in the KV dtype; "random" / "real": `SparseServeConfig()`
-    (see the module docstring), `metadata` and `group_union` then come from it."""
+    """One row. `locality` None: `metadata` in the KV dtype; "random" / "real": the hybrid group union
+    (`HYBRID_UNION`, see the module docstring), `metadata` and `group_union` then come from it."""
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.attention import pick_blocks
     from sparseserve_hf.ops import get_ops, reference, triton_decode, triton_score
@@ -151,7 +156,7 @@ def measure(
     if locality is None:
         config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, metadata=metadata, metadata_dtype="kv")
     else:
-        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget)
+        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, **HYBRID_UNION)
         metadata, group_union = config.metadata, config.selection == "group_union"
     metadata_dtype = reference.metadata_dtype(config.metadata_dtype, DTYPE, device)
     union_width = Q_HEADS // KV_HEADS * config.selected_full_blocks  # the union's entries per KV head
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows.append(measure(batch, context, args, device, group_union=False, flash=flash))
         rows.append(measure(headline[1], headline[0], args, device, group_union=True, flash=flash))
         rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
-    for locality in ("real", "random"):  # SparseServeConfig() end to end
+    for locality in ("real", "random"):  # the hybrid group union end to end
         rows.append(measure(headline[1], headline[0], args, device, group_union=True, locality=locality))
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s

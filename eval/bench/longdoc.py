@@ -16,7 +16,9 @@ question with prefix caching over 8 unshared copies of the document's blocks
 (`prefix_dram_ratio`); whether both runs gave the same tokens (`prefix_tokens_equal`), and, since
 greedy decoding of random weights flips on bf16 rounding (a question prefilled over a reused
 prefix runs other kernel shapes than one prefilled with its document), the same comparison in
-float32 over a shorter document (`prefix_tokens_equal_fp32`, the `check` block) and where the bf16
+float32 over a shorter document (`prefix_tokens_equal_fp32`, the `check` block, selecting from block
+summaries of the keys alone: channel scores, the default, weigh a block's channels by the prompt that
+wrote it, so a shared prefix may lead to other picks than a request's own copy) and where the bf16
 runs first part (`first_difference`, per question: the index of the first differing token).
 
 `--profile PATH` also writes the profile of one later question's TTFT with prefix caching (submit
@@ -163,18 +165,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+# The float32 check's selector: block summaries that depend on the keys alone. Channel scores (the
+# default) weigh each block's channels by the queries of the prompt that wrote it, so a request reading a
+# shared prefix may pick other blocks than with its own copy: its tokens need not be equal.
+KEYS_ONLY = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
+
+
 def float32_check(model, base: SparseServeConfig, sizes: dict[str, int], device) -> dict[str, Any]:
-    """The token comparison again with the model in float32 over a shorter document."""
+    """The token comparison again with the model in float32 over a shorter document, selecting from block
+    summaries of the keys alone (`KEYS_ONLY`): whether prefix caching hands a request exactly its blocks."""
     dtype = model.dtype
     model.float()
     try:
-        shared, plain = compare_runs(model, base, sizes, model.config.vocab_size, device)
+        keys_only = SparseServeConfig(**(base.to_dict() | KEYS_ONLY))
+        shared, plain = compare_runs(model, keys_only, sizes, model.config.vocab_size, device)
     finally:
         model.to(dtype)
     return {
         "prefix_tokens_equal_fp32": shared["tokens"] == plain["tokens"],
         "check": {
             "dtype": "torch.float32",
+            "selector": KEYS_ONLY,
             "workload": sizes,
             "first_difference": first_difference(shared["tokens"], plain["tokens"]),
         },

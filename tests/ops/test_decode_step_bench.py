@@ -29,7 +29,7 @@ def test_decode_step_dry_run_writes_its_ratios(tmp_path):
     assert result["stock_best_ms"] == min(result[key] for key in stock_keys) and result["stock_dynamic_error"] is None
     windows = result["stock_dynamic_windows_ms"]
     assert len(windows) == 3 and result["stock_dynamic_ms"] == min(windows)  # the fastest window counts
-    assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "hybrid"
+    assert "--dry-run" in result["command"] and result["device"] and result["config"]["metadata"] == "channels"
     assert result["config"]["metadata_dtype"] == "float8_e4m3fn"  # --set reached the config
     assert result["workload"]["knob"] == ["triton_decode.PROGRAMS_PER_SM=3"]  # recorded: it changes a launch
     assert result["trace"]["sha256"] and 0 < result["trace"]["overlap_1step"] <= 1
