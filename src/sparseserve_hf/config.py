@@ -421,7 +421,8 @@ class SparseServeConfig:
 
     @property
     def budget_blocks(self) -> int:
-        """Blocks attended per query head at decode, the partial tail block included."""
+        """Blocks of `token_budget` (what a KV head attends at decode; with the group union, each query
+        head), the partial tail block included."""
         return self.token_budget // self.block_size
 
     @property
