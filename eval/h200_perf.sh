@@ -82,6 +82,9 @@
 #               level (triton_two_level.MIN_TABLE=None), alternating, then 1,024- and 256-block pieces
 #   twolevelstep the captured step per layer (8-layer cut, B=16 x 32K: 1,023-block tables, one level by default) with
 #               two-level selection there too (triton_two_level.MIN_TABLE=1024) in 512- and 256-block pieces
+#   default     T8 for the default config (channel scores since 17d265a): the real-locality step with stock where
+#               it fits (a card of more than 100 GB; --skip-dense on an 80 GB one), then the hybrid group union
+#               (the default before) in the same call, without stock
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -111,6 +114,15 @@ case $part in
     python -m eval.bench.score_tuning --out "$out/score_tuning.json" 2>&1 | tee "$out/score_tuning.log" | tail -30 ;;
   step)
     python -m eval.bench.decode_step --graph --out "$out/decode_step.json" 2>&1 | tee "$out/decode_step.log" | tail -40 ;;
+  default)
+    memory=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    stock=(--no-stock-expandable --stock-windows 2)
+    ((memory < 100000)) && stock=(--skip-dense)  # stock's 64 GB of KV beside the weights fits no 80 GB card
+    python -m eval.bench.decode_step --graph --locality real --skip-static "${stock[@]}" --out "$out/decode_step.json" \
+      2>&1 | tee "$out/decode_step.log" | tail -25
+    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=hybrid \
+      --set selection=group_union --set group_aggregation=max --out "$out/decode_step_hybrid.json" 2>&1 \
+      | tee "$out/decode_step_hybrid.log" | tail -12 ;;
   generator)
     python -m eval.bench.generator_vs_generate --points closed_loop,prefill --out "$out/generator_vs_generate.json" 2>&1 \
       | tee "$out/generator.log" | tail -30 ;;
@@ -309,5 +321,5 @@ case $part in
     python -m eval.bench.longdoc --out "$out/longdoc.json" 2>&1 | tee "$out/longdoc.log" | tail -10 ;;
   prefill)
     python -m eval.bench.prefill_memory --out "$out/prefill_memory.json" 2>&1 | tee "$out/prefill_memory.log" | tail -20 ;;
-  *) echo "unknown part '$part' (tests, twolevelwide, twolevelstep, feedback, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (tests, default, twolevelwide, twolevelstep, feedback, ahead, aheadload, ncu, slots, attention, reorder, fp8profile, fp8slots, channels, benchtests, kernels, step, generator, capacity, prefill, scoring, lookup, profile, metadata, beside, knobs, twolevel, prefill256k, addnorm, longdoc, dropin, dropin128k, dropin256k, multigpu, tp)" >&2; exit 2 ;;
 esac
