@@ -84,7 +84,8 @@
 #               two-level selection there too (triton_two_level.MIN_TABLE=1024) in 512- and 256-block pieces
 #   default     T8 for the default config (channel scores since 17d265a): the real-locality step with stock where
 #               it fits (a card of more than 100 GB; --skip-dense on an 80 GB one), then the hybrid group union
-#               (the default before) in the same call, without stock
+#               (the default before) in the same call, without stock; then score + top-k + attention at B=32 x
+#               128K for both (decode_attention --default-only: T3's select_and_attend_speedup_default)
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
@@ -122,7 +123,9 @@ case $part in
       2>&1 | tee "$out/decode_step.log" | tail -25
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense --set metadata=hybrid \
       --set selection=group_union --set group_aggregation=max --out "$out/decode_step_hybrid.json" 2>&1 \
-      | tee "$out/decode_step_hybrid.log" | tail -12 ;;
+      | tee "$out/decode_step_hybrid.log" | tail -12
+    python -m eval.bench.decode_attention --default-only --contexts 131072 --batches 32 \
+      --out "$out/decode_attention_default.json" 2>&1 | tee "$out/decode_attention_default.log" | tail -8 ;;
   generator)
     python -m eval.bench.generator_vs_generate --points closed_loop,prefill --out "$out/generator_vs_generate.json" 2>&1 \
       | tee "$out/generator.log" | tail -30 ;;

@@ -21,9 +21,11 @@ Quest + a cuboid mean per 8 tokens, 3x the bytes, two rankings interleaved); `se
 both (the block-table lookup and misses are the decode step's business (`decode_step`)); `kernel_gb_per_s` bytes the kernel
 reads (K/V of the attended blocks and tails) per second; `union` rows time the "group_union" worst
 case (each KV head loads G x 63 distinct blocks) and select through the decode step's own path
-(`attention.pick_blocks`: per-head top-k and the GQA union). The two `default` rows are the hybrid
-group union end to end, `SparseServeConfig()` until channel scores became the default (hybrid
-metadata in the config's own dtype, 8-bit on Hopper; the group union): `locality="real"` loads what the real default model loaded (`selection_trace`:
+(`attention.pick_blocks`: per-head top-k and the GQA union). The two `default` rows are
+`SparseServeConfig()` end to end (channel scores: each block's channel metadata built from random keys,
+one pick per KV head by the group's summed estimated mass); two rows before them time the hybrid group
+union the same way (the default before; `*_hybrid_union` keys), in the config's own metadata dtype (8-bit
+on Hopper): `locality="real"` loads what the real default model loaded (`selection_trace`:
 scoring and top-k run and are timed, then the recorded selections replace the picks, and every
 query head attends its KV head's whole load), `select_and_attend_speedup_default`;
 `locality="random"` the union's worst case (G x 63 distinct blocks per KV head, what random
@@ -69,7 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="JSON output path")
     add_knob_option(parser, "triton_rank.COMBINE_WARPS=16")
     parser.add_argument(
-        "--default-only", action="store_true", help="only the hybrid group union's rows (real and random locality)"
+        "--default-only",
+        action="store_true",
+        help="only the rows of SparseServeConfig() and the hybrid group union (real and random locality)",
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (tests the script)")
     return parser.parse_args(argv)
@@ -118,6 +122,15 @@ def decode_inputs(
     )  # fmt: skip
 
 
+def channel_pool(count: int, config, device: torch.device) -> torch.Tensor:
+    """(count, M, D) channel metadata (`ops.channels`) of random keys: 4,096 blocks' worth, tiled."""
+    from sparseserve_hf.ops import channels
+
+    keys = torch.randn(min(count, 4096), BLOCK, HEAD_DIM, device=device)
+    made = channels.channel_metadata(keys, config.channel_share, torch.float8_e4m3fn)
+    return made.repeat((count + made.shape[0] - 1) // made.shape[0], 1, 1)[:count].contiguous()
+
+
 def flash_decode_module(device: torch.device):
     """`ops.flash_decode` where flash-attn-4 runs on `device`, else None (the reason printed)."""
     from sparseserve_hf.ops import resolve_backend
@@ -131,8 +144,8 @@ def flash_decode_module(device: torch.device):
     return flash_decode
 
 
-# The "default" rows' selector: the hybrid group union, SparseServeConfig() until channel scores became
-# the default (their select + attend is timed inside the decode step: `decode_step`'s bookkeeping).
+# The selector of the rows beside the default's: the hybrid group union, SparseServeConfig() until channel
+# scores became the default.
 HYBRID_UNION = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
 
 
@@ -145,9 +158,11 @@ def measure(
     flash=None,
     metadata: str = "quest",
     locality: str | None = None,
+    selector: dict | None = None,
 ) -> dict[str, Any]:
     """One row. `locality` None: `metadata` in the KV dtype; "random" / "real": the hybrid group union
-    (`HYBRID_UNION`, see the module docstring), `metadata` and `group_union` then come from it."""
+    (`HYBRID_UNION`, see the module docstring) or, with `selector` {} , `SparseServeConfig()` (channel scores,
+    one pick per KV head); `metadata` and `group_union` then come from the config."""
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.attention import pick_blocks
     from sparseserve_hf.ops import get_ops, reference, triton_decode, triton_score
@@ -156,14 +171,17 @@ def measure(
     if locality is None:
         config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, metadata=metadata, metadata_dtype="kv")
     else:
-        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, **HYBRID_UNION)
+        fields = HYBRID_UNION if selector is None else selector
+        config = SparseServeConfig(block_size=BLOCK, token_budget=args.budget, **fields)
         metadata, group_union = config.metadata, config.selection == "group_union"
     metadata_dtype = reference.metadata_dtype(config.metadata_dtype, DTYPE, device)
-    union_width = Q_HEADS // KV_HEADS * config.selected_full_blocks  # the union's entries per KV head
+    union_width = (Q_HEADS // KV_HEADS if group_union else 1) * config.selected_full_blocks  # entries per KV head
     slots_per_kv_head = union_width if locality == "real" else None  # the trace's loads: up to that many
     x = decode_inputs(
         batch, context, args.budget, group_union, device, config.metadata_vectors, metadata_dtype, slots_per_kv_head
     )
+    if metadata == "channels":  # the kernel gathers the query by each block's stored pair indices: real metadata
+        x["metadata"] = channel_pool(x["metadata"].shape[0], config, device)
     scale = HEAD_DIM**-0.5
     topk = min(args.budget // BLOCK - 1, x["table"].shape[2])
     ops = get_ops("triton", device)
@@ -185,7 +203,7 @@ def measure(
     def select() -> tuple[torch.Tensor, torch.Tensor]:
         """(picked, valid) (B, H, U): H = Hkv for the union (the decode step's own path), else Hq."""
         table = x["table"]
-        if group_union:  # scores, per-head top-k and the GQA union
+        if group_union or locality is not None:  # the config's scorer and selection (the decode step's own path)
             scores = SCORERS[metadata].score(ops, x["query"], x["metadata"], table, config, scale)
             picked, valid, _ = pick_blocks(ops, config, scores, x["num_blocks"], KV_HEADS, table.shape[2])
             if replay is not None:  # the picks ran; the loads follow the trace, as in the decode step
@@ -308,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(measure(headline[1], headline[0], args, device, group_union=False, metadata="hybrid"))
     for locality in ("real", "random"):  # the hybrid group union end to end
         rows.append(measure(headline[1], headline[0], args, device, group_union=True, locality=locality))
+    for locality in ("real", "random"):  # SparseServeConfig() end to end: channel scores, one pick per KV head
+        rows.append(measure(headline[1], headline[0], args, device, group_union=False, locality=locality, selector={}))
     for row in rows:
         row["hbm_fraction"] = row["kernel_gb_per_s"] / copy_gb_per_s
     columns = ["context", "batch", "union", "metadata", "metadata_dtype", "locality", "blocks_per_kv_head"]
@@ -318,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     at_headline = [r for r in rows if (r["context"], r["batch"]) == headline and not r["union"]]
     top = next((r for r in at_headline if r["metadata"] == "quest"), {})
     hybrid = next((r for r in at_headline if r["metadata"] == "hybrid"), {})
-    default = {r["locality"]: r for r in rows if r["locality"] is not None}
+    default = {r["locality"]: r for r in rows if r["locality"] is not None and r["metadata"] == "channels"}
+    hybrid_union = {r["locality"]: r for r in rows if r["locality"] is not None and r["metadata"] == "hybrid"}
     result = {
         **run_record(device),
         "knobs": knobs,
@@ -332,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "select_and_attend_speedup_default": default["real"].get("select_attend_speedup"),
         "select_and_attend_speedup_default_random": default["random"].get("select_attend_speedup"),
         "default_blocks_per_kv_head": {k: r["blocks_per_kv_head"] for k, r in default.items()},
+        "select_and_attend_speedup_hybrid_union": hybrid_union["real"].get("select_attend_speedup"),
+        "select_and_attend_speedup_hybrid_union_random": hybrid_union["random"].get("select_attend_speedup"),
         "timing": "ms columns: median CUDA-graph replay (GPU time, as a captured decode step runs); "
         "*_eager_ms: median eager call with its host launches (triton do_bench)",
         "hbm_bandwidth_fraction": top.get("hbm_fraction"),

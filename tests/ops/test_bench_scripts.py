@@ -62,11 +62,15 @@ def test_decode_attention_dry_run_writes_its_ratios(tmp_path):
     for key in ("speedup_vs_dense_sdpa", "select_and_attend_speedup", "hbm_bandwidth_fraction", "copy_gb_per_s"):
         assert result[key] > 0, key
     assert any(row["union"] for row in result["rows"])
-    default = {row["locality"]: row for row in result["rows"] if row["locality"] is not None}
-    assert set(default) == {"real", "random"} and result["select_and_attend_speedup_default"] > 0
-    assert default["real"]["metadata"] == "hybrid" and default["real"]["metadata_dtype"] == "float8_e4m3fn"
+    located = [row for row in result["rows"] if row["locality"] is not None]
+    default = {row["locality"]: row for row in located if row["metadata"] == "channels"}  # SparseServeConfig()
+    union = {row["locality"]: row for row in located if row["metadata"] == "hybrid"}  # the default before
+    assert set(default) == set(union) == {"real", "random"} and result["select_and_attend_speedup_default"] > 0
+    assert result["select_and_attend_speedup_hybrid_union"] > 0
+    assert default["real"]["metadata_dtype"] == union["real"]["metadata_dtype"] == "float8_e4m3fn"
     # the union of G x 3 picks over 15 blocks is the whole table; the trace loads fewer, as a real model does
-    assert 0 < default["real"]["blocks_per_kv_head"] < default["random"]["blocks_per_kv_head"]
+    assert 0 < union["real"]["blocks_per_kv_head"] < union["random"]["blocks_per_kv_head"]
+    assert default["random"]["blocks_per_kv_head"] == 3  # one pick per KV head: exactly the budget's full blocks
 
 
 def test_channel_kernel_dry_run_launches_every_setting(tmp_path):
@@ -322,6 +326,11 @@ def test_decode_attention_default_rows_alone_with_a_knob(tmp_path):
         "--out", str(out),
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert [row["locality"] for row in result["rows"]] == ["real", "random"]
+    assert [(row["locality"], row["metadata"]) for row in result["rows"]] == [
+        ("real", "hybrid"),
+        ("random", "hybrid"),
+        ("real", "channels"),
+        ("random", "channels"),
+    ]
     assert result["knobs"] == {"triton_rank.COMBINE_WARPS": 4} and result["select_and_attend_speedup_default"] > 0
     assert result["speedup_vs_dense_sdpa"] is None  # the Quest rows did not run
