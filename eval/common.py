@@ -83,12 +83,17 @@ def _parse_value(field: str, raw: str) -> Any:
     return raw
 
 
+# The hybrid group union: SparseServeConfig() until channel scores became the default, and the selection
+# every block-summary run (quest, cuboid, hybrid) was made with.
+HYBRID_UNION = {"metadata": "hybrid", "selection": "group_union", "group_aggregation": "max"}
+
+
 def kind_config(kind: str) -> SparseServeConfig:
     """The default config with `kind` of metadata (its own default sub-blocks); a block summary (quest,
     cuboid, hybrid) with the group union and max aggregation every run of it was made with."""
     if kind == SparseServeConfig().metadata:
         return SparseServeConfig()
-    return SparseServeConfig(metadata=kind, selection="group_union", group_aggregation="max")
+    return SparseServeConfig(**(HYBRID_UNION | {"metadata": kind}))
 
 
 def sparse_methods(

@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from eval.common import HYBRID_UNION
 from eval.oracle_attention import top_blocks
 from eval.results_io import save_plot
 from sparseserve_hf import SparseServeConfig
@@ -50,7 +51,7 @@ CAPTURE = "selection_diagnostics_capture"
 # hybrid group union these diagnostics were written around (the package default until channel scores
 # replaced it; channel variants set metadata="channels"); the others change one lever each (the quest
 # ones: from the Quest selector that was the default when eval/results/selection_diagnostics.md was written).
-BASE = SparseServeConfig(metadata="hybrid", selection="group_union", group_aggregation="max")
+BASE = SparseServeConfig(**HYBRID_UNION)
 VARIANTS: dict[str, dict] = {
     "default": {},  # hybrid metadata with a cuboid mean per 8 tokens (= "hybrid_s8"), the group union
     "quest": dict(metadata="quest"),  # the default until the 8K accuracy runs (eval/results/accuracy.md)

@@ -55,6 +55,7 @@ from eval.bench.common import (
     time_ms,
     write_json,
 )
+from eval.common import HYBRID_UNION
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -142,11 +143,6 @@ def flash_decode_module(device: torch.device):
         print(f"no flash column: {exc}")
         return None
     return flash_decode
-
-
-# The selector of the rows beside the default's: the hybrid group union, SparseServeConfig() until channel
-# scores became the default.
-HYBRID_UNION = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
 
 
 def measure(

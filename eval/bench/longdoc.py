@@ -45,6 +45,7 @@ from eval.bench.common import (
     write_profile,
 )
 from eval.bench.decode_step_setup import build_model
+from eval.common import HYBRID_UNION
 from sparseserve_hf import Generator, SamplingParams, SparseServeConfig
 from sparseserve_hf.generation.sizing import EngineSizes
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 # The float32 check's selector: block summaries that depend on the keys alone. Channel scores (the
 # default) weigh each block's channels by the queries of the prompt that wrote it, so a request reading a
 # shared prefix may pick other blocks than with its own copy: its tokens need not be equal.
-KEYS_ONLY = dict(metadata="hybrid", selection="group_union", group_aggregation="max")
+KEYS_ONLY = HYBRID_UNION
 
 
 def float32_check(model, base: SparseServeConfig, sizes: dict[str, int], device) -> dict[str, Any]:

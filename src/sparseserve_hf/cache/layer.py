@@ -476,9 +476,7 @@ class SparseServeLayer(CacheLayerMixin):
             self._forget_feedback(slots)
             return
         if self.feedback_lse is None or self.feedback_lse.shape[1:] != other.feedback_lse.shape[1:]:
-            rows = self.tail.shape[0]
-            self.feedback_picked = other.feedback_picked.new_zeros((rows, *other.feedback_picked.shape[1:]))
-            self.feedback_lse = other.feedback_lse.new_full((rows, *other.feedback_lse.shape[1:]), float("-inf"))
+            self.feedback_picked, self.feedback_lse = _no_feedback(other, self.tail.shape[0])
         self.feedback_picked[slots] = other.feedback_picked
         self.feedback_lse[slots] = other.feedback_lse
 
@@ -831,6 +829,12 @@ class _Undo:
         self.profile = profile
 
 
+def _no_feedback(like: SparseServeLayer, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feedback tensors of `rows` rows shaped as `like`'s, that know nothing (-inf: no estimate raised)."""
+    picked = like.feedback_picked.new_zeros((rows, *like.feedback_picked.shape[1:]))
+    return picked, like.feedback_lse.new_full((rows, *like.feedback_lse.shape[1:]), float("-inf"))
+
+
 def _joined_feedback(
     first: SparseServeLayer, second: SparseServeLayer
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -845,9 +849,9 @@ def _joined_feedback(
             parts_picked.append(layer.feedback_picked)
             parts_lse.append(layer.feedback_lse)
         else:
-            rows = layer.tail.shape[0]
-            parts_picked.append(ref.feedback_picked.new_zeros((rows, *ref.feedback_picked.shape[1:])))
-            parts_lse.append(ref.feedback_lse.new_full((rows, *ref.feedback_lse.shape[1:]), float("-inf")))
+            picked, lse = _no_feedback(ref, layer.tail.shape[0])
+            parts_picked.append(picked)
+            parts_lse.append(lse)
     if parts_lse[0].shape[1:] != parts_lse[1].shape[1:]:
         return None, None
     return torch.cat(parts_picked), torch.cat(parts_lse)
