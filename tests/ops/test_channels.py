@@ -83,12 +83,12 @@ def test_other_block_sizes_match_reference(poisoned, block_size):
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_score_channels_matches_reference_and_strided_tables(poisoned):
+def test_score_channels_matches_reference_with_strided_tables_and_queries(poisoned):
     torch.manual_seed(5)
     metadata = channel_pool(300, 32, 64, 0.375)
     wide = ragged_table(2, 3, 48, 300, [48, 20])
     table = wide[:, :, :40]  # a view: rows strided past its width, as a graph step's fixed-width tables
-    query = torch.randn(2, 9, 64)
+    query = torch.randn(2, 64, 9).transpose(1, 2)  # (B, Hq, D) strided on every dim
     expected = channels.score_channels(query, metadata, table, 32, 24, 0.125)
     estimate = triton_channels.block_logsumexp(query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 32, 24, 0.125)
     got = channels.block_mass(estimate)  # as the channel scorer composes them

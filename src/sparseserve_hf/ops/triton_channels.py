@@ -13,9 +13,10 @@ sum of q * step over the channels is taken off at the end. A step reads each blo
 Everything computes in fp32, like the spec; only the order of the sums over channels differs. The
 8-bit minima and steps are converted in hardware where the GPU can (compute capability 8.9 or newer)
 and from their bits elsewhere (`NATIVE_FP8`), so the kernel builds for an A100 too.
-`feedback_mass` then turns the estimates into what the scorer ranks (`channels.feedback_mass`): the
-last step's exact numbers raised into them in place (one small launch, only with feedback), and each
-query head's softmax over its row's blocks (one launch, one program per (row, query head)).
+The query enters scaled and regrouped by channel (`_query_by_channel`, one small launch).
+`feedback_mass` then turns the estimates into what the scorer ranks (`channels.feedback_mass`) in one
+launch, one program per (row, query head): the last step's exact numbers raised into its row in place
+(only with feedback), then the head's softmax over its row's blocks.
 """
 
 from __future__ import annotations
@@ -234,14 +235,12 @@ def block_logsumexp(
     if out.numel() == 0:
         return out
     block_g = triton.next_power_of_2(group)
-    scaled = query.float().view(batch, num_kv_heads, group, dim) * scaling
-    # (B, Hkv, D, BLOCK_G): a channel's heads side by side, zeros past G
-    by_channel = torch.nn.functional.pad(scaled.transpose(2, 3), (0, block_g - group)).contiguous()
+    by_channel, abs_sum = _query_by_channel(query, num_kv_heads, block_g, scaling)
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
     words = WORDS and stored % 8 == 0 and dim % 4 == 0  # then code rows and header runs start 4-aligned
     _block_lse_kernel[grid](
-        by_channel, scaled.abs().sum(-1).contiguous(), metadata.view(torch.uint8),
+        by_channel, abs_sum, metadata.view(torch.uint8),
         metadata.view(torch.int32 if words else torch.uint8), block_ids, out,
         block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0),
         metadata.stride(0) // 4, ((1 << channels.BITS) - 1) << (23 - channels.BITS), 0x3F800000, num_blocks,
@@ -255,16 +254,51 @@ def block_logsumexp(
     return out
 
 
+@triton.jit
+def _by_channel_kernel(
+    query_ptr, by_channel_ptr, abs_sum_ptr, stride_qb, stride_qh, stride_qd, scaling, num_kv_heads,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Grid (B * Hkv,): the group's queries times `scaling` in fp32, a channel's heads side by side
+    (zeros past G), and each head's sum of their magnitudes over the D channels."""
+    row_head = tl.program_id(0)
+    b = row_head // num_kv_heads
+    h = row_head % num_kv_heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < D
+    heads = query_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh + d[:, None] * stride_qd  # (BLOCK_D, BLOCK_G)
+    scaled = tl.load(heads, mask=in_dim[:, None] & (g < G)[None, :], other=0.0).to(tl.float32) * scaling
+    tl.store(by_channel_ptr + row_head * D * BLOCK_G + d[:, None] * BLOCK_G + g[None, :], scaled, mask=in_dim[:, None])
+    tl.store(abs_sum_ptr + row_head * G + g, tl.sum(tl.abs(scaled), axis=0), mask=g < G)
+
+
+def _query_by_channel(
+    query: torch.Tensor, num_kv_heads: int, block_g: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Hq, D) queries -> (B, Hkv, D, BLOCK_G) fp32 scaled queries, heads last (zeros past G), and
+    (B, Hkv, G) each head's sum of magnitudes, in one launch (a decode step's query is a few KiB:
+    the five torch kernels that would make them cost more than the work)."""
+    batch, num_q_heads, dim = query.shape
+    group = num_q_heads // num_kv_heads
+    by_channel = torch.empty((batch, num_kv_heads, dim, block_g), dtype=torch.float32, device=query.device)
+    abs_sum = torch.empty((batch, num_kv_heads, group), dtype=torch.float32, device=query.device)
+    _by_channel_kernel[(batch * num_kv_heads,)](
+        query, by_channel, abs_sum, query.stride(0), query.stride(1), query.stride(2), scaling, num_kv_heads,
+        D=dim, G=group, BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=block_g, num_warps=1,
+    )  # fmt: skip
+    return by_channel, abs_sum
+
+
 MASS_BLOCK = 1024  # table entries per pass of the softmax over a row's blocks
 
 
 @triton.jit
-def _feedback_kernel(
-    lse_ptr,  # (B, Hq, N) fp32 estimates, raised in place
-    picked_ptr,  # (B, Hkv, U) int64 table positions the last step loaded
-    exact_ptr,  # (B, Hq, U) fp32 exact log-sum-exps over them, -inf where a head attended none
-    stride_lb,
-    stride_lh,
+def _mass_kernel(
+    lse_ptr,  # (B * Hq, N) fp32 estimates, contiguous (raised in place where FEEDBACK)
+    out_ptr,  # (B * Hq, N) fp32 masses
+    picked_ptr,  # (B, Hkv, U) int64 table positions the last step loaded (where FEEDBACK)
+    exact_ptr,  # (B, Hq, U) fp32 exact log-sum-exps over them, -inf where a head attended none (where FEEDBACK)
     stride_pb,
     stride_ph,
     stride_eb,
@@ -273,34 +307,34 @@ def _feedback_kernel(
     num_blocks,
     num_picked,
     G: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    BLOCK: tl.constexpr,
     BLOCK_U: tl.constexpr,
 ):
-    """Grid (B * Hq,). Each picked position's estimate becomes the larger of it and the exact number,
-    where the estimate is not -inf (outside the row's table). Raised with atomic max: positions may repeat."""
+    """Grid (B * Hq,), one program per (row, query head). With FEEDBACK, each picked position's
+    estimate first becomes the larger of it and the exact number where the estimate is not -inf
+    (outside the row's table); positions may repeat, so by atomic max. Then out = softmax of the
+    row, -inf where it is -inf (every entry of a row that has none finite)."""
     row_head = tl.program_id(0)
-    b = row_head // num_q_heads
-    head = row_head % num_q_heads
-    lse_row = lse_ptr + b * stride_lb + head * stride_lh
-    for first in range(0, num_picked, BLOCK_U):
-        u = first + tl.arange(0, BLOCK_U)
-        in_pick = u < num_picked
-        position = tl.load(picked_ptr + b * stride_pb + (head // G) * stride_ph + u, mask=in_pick, other=0)
-        position = tl.minimum(tl.maximum(position, 0), num_blocks - 1)
-        exact = tl.load(exact_ptr + b * stride_eb + head * stride_eh + u, mask=in_pick, other=float("-inf"))
-        estimate = tl.load(lse_row + position, mask=in_pick, other=float("-inf"))
-        tl.atomic_max(lse_row + position, exact, mask=in_pick & (estimate > float("-inf")) & (exact > estimate))
-
-
-@triton.jit
-def _mass_kernel(lse_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr):
-    """Grid (B * Hq,) over contiguous (B * Hq, N) rows: out = softmax of the row, -inf where it is -inf
-    (every entry of a row that has none finite)."""
-    row = tl.program_id(0).to(tl.int64) * num_blocks
+    row = row_head.to(tl.int64) * num_blocks
+    if FEEDBACK:
+        b = row_head // num_q_heads
+        head = row_head % num_q_heads
+        for first in range(0, num_picked, BLOCK_U):
+            u = first + tl.arange(0, BLOCK_U)
+            in_pick = u < num_picked
+            position = tl.load(picked_ptr + b * stride_pb + (head // G) * stride_ph + u, mask=in_pick, other=0)
+            position = tl.minimum(tl.maximum(position, 0), num_blocks - 1)
+            exact = tl.load(exact_ptr + b * stride_eb + head * stride_eh + u, mask=in_pick, other=float("-inf"))
+            estimate = tl.load(lse_ptr + row + position, mask=in_pick, other=float("-inf"))
+            raise_ = in_pick & (estimate > float("-inf")) & (exact > estimate)
+            tl.atomic_max(lse_ptr + row + position, exact, mask=raise_)
+        tl.debug_barrier()  # the raised row is read below by every thread of the program (volatile: not from L1)
     best = tl.full([], float("-inf"), tl.float32)
     total = tl.zeros([], tl.float32)
     for first in range(0, num_blocks, BLOCK):  # the running maximum and the sum of exps under it
         n = first + tl.arange(0, BLOCK)
-        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"))
+        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"), volatile=FEEDBACK)
         new_best = tl.maximum(best, tl.max(x, axis=0))
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # exp(-inf - shift) is 0, never NaN
         total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
@@ -309,30 +343,29 @@ def _mass_kernel(lse_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr):
     total = tl.maximum(total, 1.0)  # the largest entry adds exp(0) = 1; a row of none adds 0 and writes -inf
     for first in range(0, num_blocks, BLOCK):
         n = first + tl.arange(0, BLOCK)
-        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"))
+        x = tl.load(lse_ptr + row + n, mask=n < num_blocks, other=float("-inf"), volatile=FEEDBACK)
         mass = tl.where(x == float("-inf"), float("-inf"), tl.exp(x - shift) / total)
         tl.store(out_ptr + row + n, mass, mask=n < num_blocks)
 
 
 def feedback_mass(logsumexp: torch.Tensor, fed_back: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """`channels.feedback_mass` in one or two launches: (B, Hq, N) fp32 estimates (raised in place where
-    fed back) -> (B, Hq, N) masses. fed_back: (B, Hkv, U) picked table positions and (B, Hq, U) exact
+    """`channels.feedback_mass` in one launch: (B, Hq, N) fp32 estimates (raised in place where fed
+    back) -> (B, Hq, N) masses. fed_back: (B, Hkv, U) picked table positions and (B, Hq, U) exact
     log-sum-exps, or None."""
     batch, num_q_heads, num_blocks = logsumexp.shape
     assert logsumexp.dtype == torch.float32 and logsumexp.is_contiguous()
     out = torch.empty_like(logsumexp)
     if out.numel() == 0:
         return out
-    if fed_back is not None and fed_back[0].shape[-1] > 0:
-        picked, exact = fed_back
-        picked = picked if picked.stride(-1) == 1 else picked.contiguous()
-        exact = exact if exact.stride(-1) == 1 else exact.contiguous()
-        width = picked.shape[-1]
-        _feedback_kernel[(batch * num_q_heads,)](
-            logsumexp, picked, exact, logsumexp.stride(0), logsumexp.stride(1), picked.stride(0), picked.stride(1),
-            exact.stride(0), exact.stride(1), num_q_heads, num_blocks, width, G=num_q_heads // picked.shape[1],
-            BLOCK_U=min(triton.next_power_of_2(width), 1024), num_warps=1,
-        )  # fmt: skip
-    block = min(triton.next_power_of_2(num_blocks), MASS_BLOCK)
-    _mass_kernel[(batch * num_q_heads,)](logsumexp, out, num_blocks, BLOCK=block, num_warps=4)
+    feedback = fed_back is not None and fed_back[0].shape[-1] > 0
+    picked, exact = fed_back if feedback else (logsumexp, logsumexp)  # unread without feedback
+    picked = picked if picked.stride(-1) == 1 else picked.contiguous()
+    exact = exact if exact.stride(-1) == 1 else exact.contiguous()
+    width = picked.shape[-1] if feedback else 1
+    _mass_kernel[(batch * num_q_heads,)](
+        logsumexp, out, picked, exact, picked.stride(0), picked.stride(1), exact.stride(0), exact.stride(1),
+        num_q_heads, num_blocks, width, G=num_q_heads // picked.shape[1] if feedback else 1, FEEDBACK=feedback,
+        BLOCK=min(triton.next_power_of_2(num_blocks), MASS_BLOCK), BLOCK_U=min(triton.next_power_of_2(width), 1024),
+        num_warps=4,
+    )  # fmt: skip
     return out
