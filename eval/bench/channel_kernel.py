@@ -21,14 +21,16 @@ from pathlib import Path
 import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
-    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words, "PREFETCH": ahead, "HOIST_Q": hoist, "STAGES": stages}
-    for n, w, u, words, ahead, hoist, stages in [
-        (16, 1, 1, True, True, True, 0), (8, 1, 1, True, False, False, 0), (8, 1, 2, True, False, False, 0),
-        (4, 1, 1, True, False, False, 0), (16, 2, 1, True, False, False, 0), (32, 4, 1, True, False, False, 0),
-        (8, 1, 1, False, False, False, 0), (16, 1, 1, True, False, False, 0), (8, 1, 1, True, True, False, 0),
-        (16, 2, 1, True, True, False, 0), (16, 1, 1, True, False, False, 2), (8, 1, 1, True, False, False, 2),
-        (8, 1, 1, True, False, False, 3), (16, 2, 1, True, False, False, 2), (16, 1, 1, True, True, False, 0),
-        (8, 1, 1, True, True, True, 0), (16, 1, 1, True, False, True, 0), (16, 2, 1, True, True, True, 0),
+    {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words, "PREFETCH": ahead, "HOIST_Q": hoist, "STAGES": stages,
+     "Q_AHEAD": q_ahead}
+    for n, w, u, words, ahead, hoist, stages, q_ahead in [
+        (16, 1, 1, True, True, True, 0, False), (8, 1, 1, True, False, False, 0, False), (8, 1, 2, True, False, False, 0, False),
+        (4, 1, 1, True, False, False, 0, False), (16, 2, 1, True, False, False, 0, False), (32, 4, 1, True, False, False, 0, False),
+        (8, 1, 1, False, False, False, 0, False), (16, 1, 1, True, False, False, 0, False), (8, 1, 1, True, True, False, 0, False),
+        (16, 2, 1, True, True, False, 0, False), (16, 1, 1, True, False, False, 2, False), (8, 1, 1, True, False, False, 2, False),
+        (8, 1, 1, True, False, False, 3, False), (16, 2, 1, True, False, False, 2, False), (16, 1, 1, True, True, False, 0, False),
+        (8, 1, 1, True, True, True, 0, False), (16, 1, 1, True, False, True, 0, False), (16, 2, 1, True, True, True, 0, False),
+        (16, 1, 1, True, True, True, 0, True), (8, 1, 1, True, True, True, 0, True), (16, 2, 1, True, True, True, 0, True),
     ]
 ]  # fmt: skip
 

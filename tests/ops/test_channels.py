@@ -54,7 +54,8 @@ def test_block_logsumexp_matches_reference(poisoned, dtype, kv_heads, group, dim
 
 KNOB_SETTINGS = [{"PREFETCH": False, "HOIST_Q": False}, {"BLOCK_N": 8}, {"PREFETCH": False, "STAGES": 2},
                  {"HOIST_Q": False}, {"PREFETCH": False, "BLOCK_N": 8}, {"NATIVE_FP8": True},
-                 {"NATIVE_FP8": False}, {"NATIVE_FP8": False, "WORDS": False}]  # fmt: skip
+                 {"NATIVE_FP8": False}, {"NATIVE_FP8": False, "WORDS": False}, {"Q_AHEAD": True},
+                 {"Q_AHEAD": True, "BLOCK_N": 8}]  # fmt: skip
 
 
 @pytest.mark.parametrize("knobs", KNOB_SETTINGS, ids=str)

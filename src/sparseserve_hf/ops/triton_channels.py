@@ -35,6 +35,9 @@ UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
 HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
+Q_AHEAD = (
+    False  # with PREFETCH and HOIST_Q: those gathers a pass ahead, from pair words loaded two ahead (a launch knob)
+)
 NATIVE_FP8: bool | None = None  # convert 8-bit floats in hardware; None: where the device can (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
@@ -64,10 +67,16 @@ def _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER: tl.con
     and (BLOCK_N,) words of their pair indices, minima and steps (byte c of each is channel first + c;
     P // 2 a multiple of 4 keeps each run of 4 in one word)."""
     packed = tl.load(words_ptr + code_words + first // 4, mask=valid[None, :], other=0)
-    pairs = tl.load(words_ptr + start_word + (HEADER + first % (P // 2)) // 4, mask=valid, other=0)
+    pairs = _pair_words(words_ptr, start_word, valid, first, HEADER, P)
     lows = tl.load(words_ptr + start_word + (HEADER + P // 2 + first) // 4, mask=valid, other=0)
     steps = tl.load(words_ptr + start_word + (HEADER + P // 2 + P + first) // 4, mask=valid, other=0)
     return packed, pairs, lows, steps
+
+
+@triton.jit
+def _pair_words(words_ptr, start_word, valid, first, HEADER: tl.constexpr, P: tl.constexpr):
+    """(BLOCK_N,) the words of the pair indices of the 4 stored channels from `first` on."""
+    return tl.load(words_ptr + start_word + (HEADER + first % (P // 2)) // 4, mask=valid, other=0)
 
 
 @triton.jit
@@ -76,6 +85,17 @@ def _query_on(query_rows, pair, valid, i, P: tl.constexpr, D: tl.constexpr, BLOC
     (BLOCK_N,) (the pair's second half from i = P / 2 on)."""
     channel = pair + (i // (P // 2)) * (D // 2)
     return tl.load(query_rows[:, None] + (channel * BLOCK_G)[None, :], mask=valid[None, :], other=0.0)
+
+
+@triton.jit
+def _chunk_query(query_rows, pairs, valid, first, P: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The group's query on the 4 stored channels from `first` on, each (BLOCK_G, BLOCK_N), from their
+    pair words `pairs` (BLOCK_N,) (byte c: channel first + c)."""
+    q0 = _query_on(query_rows, pairs & 0xFF, valid, first, P, D, BLOCK_G)
+    q1 = _query_on(query_rows, (pairs >> 8) & 0xFF, valid, first + 1, P, D, BLOCK_G)
+    q2 = _query_on(query_rows, (pairs >> 16) & 0xFF, valid, first + 2, P, D, BLOCK_G)
+    q3 = _query_on(query_rows, (pairs >> 24) & 0xFF, valid, first + 3, P, D, BLOCK_G)
+    return q0, q1, q2, q3
 
 
 @triton.jit
@@ -109,6 +129,7 @@ def _block_lse_kernel(
     UNROLL: tl.constexpr,
     PREFETCH: tl.constexpr,  # (only with CHUNK 4) a chunk's words loaded during the pass before it
     HOIST_Q: tl.constexpr,  # (only with CHUNK 4) a chunk's 4 query gathers issued together at its start
+    Q_AHEAD: tl.constexpr,  # (only with PREFETCH and HOIST_Q) those gathers issued during the pass before
     NATIVE_FP8: tl.constexpr,  # the minima and steps converted in hardware (compute capability >= 8.9)
     STAGES: tl.constexpr,
 ):
@@ -148,6 +169,9 @@ def _block_lse_kernel(
         next_packed, next_pairs, next_lows, next_steps = _chunk_words(
             words_ptr, code_words, start_word, valid, 0, HEADER, P
         )
+        if Q_AHEAD:  # the first chunk's gathers, and the second chunk's pair words
+            next_q0, next_q1, next_q2, next_q3 = _chunk_query(query_rows, next_pairs, valid, 0, P, D, BLOCK_G)
+            later_pairs = _pair_words(words_ptr, start_word, valid, CHUNK % P, HEADER, P)
     for first in tl.range(0, P, CHUNK, loop_unroll_factor=UNROLL, num_stages=STAGES if STAGES > 0 else None):
         if PREFETCH:  # this chunk's words came a pass ago; the next chunk's (the first again at the end) go out
             packed, pairs, lows, steps = next_packed, next_pairs, next_lows, next_steps
@@ -158,11 +182,14 @@ def _block_lse_kernel(
             packed, pairs, lows, steps = _chunk_words(words_ptr, code_words, start_word, valid, first, HEADER, P)
         else:
             packed = tl.load(codes_ptr + code_rows + first, mask=valid[None, :], other=0).to(tl.int32)
-        if HOIST_Q:
-            q0 = _query_on(query_rows, pairs & 0xFF, valid, first, P, D, BLOCK_G)
-            q1 = _query_on(query_rows, (pairs >> 8) & 0xFF, valid, first + 1, P, D, BLOCK_G)
-            q2 = _query_on(query_rows, (pairs >> 16) & 0xFF, valid, first + 2, P, D, BLOCK_G)
-            q3 = _query_on(query_rows, (pairs >> 24) & 0xFF, valid, first + 3, P, D, BLOCK_G)
+        if Q_AHEAD:  # this chunk's gathers came a pass ago; the next chunk's go out from its pair words,
+            # loaded a pass ago too, and the pair words of the chunk after it are loaded
+            q0, q1, q2, q3 = next_q0, next_q1, next_q2, next_q3
+            ahead = (first + CHUNK) % P
+            next_q0, next_q1, next_q2, next_q3 = _chunk_query(query_rows, later_pairs, valid, ahead, P, D, BLOCK_G)
+            later_pairs = _pair_words(words_ptr, start_word, valid, (first + 2 * CHUNK) % P, HEADER, P)
+        elif HOIST_Q:
+            q0, q1, q2, q3 = _chunk_query(query_rows, pairs, valid, first, P, D, BLOCK_G)
         for c in tl.static_range(CHUNK):
             i = first + c
             if CHUNK == 4:
@@ -247,7 +274,8 @@ def block_logsumexp(
         num_kv_heads, D=dim, G=group, P=stored, S=block_size, BLOCK_G=block_g,
         BLOCK_N=BLOCK_N, HEADER=channels.header_start(block_size, stored, dim), PER_BYTE=channels.PER_BYTE,
         BITS=channels.BITS, CHUNK=4 if words else 1, UNROLL=UNROLL, PREFETCH=PREFETCH and words,
-        HOIST_Q=HOIST_Q and words, NATIVE_FP8=native_fp8(query.device) if NATIVE_FP8 is None else NATIVE_FP8,
+        HOIST_Q=HOIST_Q and words, Q_AHEAD=Q_AHEAD and PREFETCH and HOIST_Q and words,
+        NATIVE_FP8=native_fp8(query.device) if NATIVE_FP8 is None else NATIVE_FP8,
         STAGES=STAGES,
         num_warps=NUM_WARPS,
     )  # fmt: skip
