@@ -90,7 +90,7 @@ case $part in
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
   16k_gemma3)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
-    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 512,1024 --oracle \
+    python -m eval.ruler "${gemma[@]}" --batch-size "${GEMMA_BATCH:-8}" --budgets 512,1024 --oracle \
       --out "$out/ruler_16k_gemma3" | tail -30 ;;
   16k_gemma3_hybrid)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)

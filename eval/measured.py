@@ -61,6 +61,16 @@ def _channel_step(r: dict[str, Any]) -> dict[str, Any]:
             "floor": ours["graph_step_over_floor"], "hybrid_floor": hybrid["graph_step_over_floor"]}  # fmt: skip
 
 
+def _fused_step(r: dict[str, Any]) -> dict[str, Any]:
+    """The default's step after a change, beside the captured step per layer before and after it (same call)."""
+    step = r["default"]["real_locality"]
+    per_layer = {commit: [run["us_per_layer"] for run in r["step_knobs"] if not run["knobs"] and
+                          run["git_commit"] == commit] for commit in (r["base_commit"], r["commit"])}  # fmt: skip
+    before, after = per_layer[r["base_commit"]], per_layer[r["commit"]]
+    return {"ms": step["graph_ms"], "floor": step["graph_step_over_floor"], "book": step["bookkeeping_us_per_layer"],
+            "before": min(before), "after": min(after), "runs": len(after)}  # fmt: skip
+
+
 def _generator(point: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def figures(r: dict[str, Any]) -> dict[str, Any]:
         ours, stock = r["points"][point]["real_locality"], r["points"][point]["stock"]
@@ -258,6 +268,15 @@ ROWS = [
         _channel_step,
         "**{ms:.2f} ms** ({over:.2f}x the hybrid's step, {floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
         "the hybrid group union in the same call: {default:.2f} ms ({hybrid_floor:.2f}x its floor), {default_book:.0f} us",
+        "",
+        device="H100",
+    ),
+    Row(
+        "the same step with the query's preparation and the fed-back softmax one launch each (9a64873)",
+        "decode_step_runs/fused_prep_9a64873_h100.json",
+        _fused_step,
+        "**{ms:.2f} ms** ({floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
+        "the captured step per layer (8-layer cut), fastest of {runs} runs each: {before:.0f} us before, {after:.0f} us after",
         "",
         device="H100",
     ),
