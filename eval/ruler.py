@@ -23,6 +23,7 @@ import argparse
 import functools
 import gzip
 import importlib.util
+import itertools
 import json
 import random
 import re
@@ -646,9 +647,10 @@ def evaluate(
     """Answer every sample with every method; one result row per (sample, method).
 
     Samples of one task and length are answered `batch_size` at a time (left-padded; their
-    lengths differ by at most LENGTH_TOLERANCE), each batch by every method in turn. With
-    `checkpoint`, each batch's rows are appended there (JSON lines) as soon as they exist, so a
-    run stopped by a time limit still leaves what it measured.
+    lengths differ by at most LENGTH_TOLERANCE), each batch by every method in turn, the batches
+    taken in turn from each (task, length) (`interleaved_batches`). With `checkpoint`, each batch's
+    rows are appended there (JSON lines) as soon as they exist, so a run stopped by a time limit
+    still leaves what it measured: every method on the same samples, the first of every task.
 
     Each sample is tokenized once and the same ids go to every method. `max_new_tokens` caps
     RULER's per-task answer length (None: no cap); the answer prefix makes answers come first,
@@ -656,12 +658,9 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from eval.common import answer_batch, batches
+    from eval.common import answer_batch
 
-    groups: dict[tuple[str, int], list[RulerSample]] = {}
-    for sample in samples:
-        groups.setdefault((sample.task, sample.length), []).append(sample)
-    jobs = [batch for group in groups.values() for batch in batches(group, batch_size)]
+    jobs = interleaved_batches(samples, batch_size)
     rows: list[dict] = []
     for batch in tqdm(jobs, desc=f"batches of <= {batch_size} samples"):
         prompts = [tokenizer(s.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0] for s in batch]
@@ -675,6 +674,18 @@ def evaluate(
             with checkpoint.open("a", encoding="utf-8") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in new_rows)
     return rows
+
+
+def interleaved_batches(samples: list[RulerSample], batch_size: int) -> list[list[RulerSample]]:
+    """Batches of at most `batch_size` samples of one (task, length) each, in file order within it,
+    taking one batch of each (task, length) in turn (first seen first)."""
+    from eval.common import batches
+
+    groups: dict[tuple[str, int], list[RulerSample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.task, sample.length), []).append(sample)
+    rounds = itertools.zip_longest(*(batches(group, batch_size) for group in groups.values()))
+    return [batch for batch_round in rounds for batch in batch_round if batch is not None]
 
 
 def _row(sample: RulerSample, method, prediction: str) -> dict:

@@ -297,3 +297,15 @@ def test_from_samples_keeps_only_the_tasks_asked_for(smol, tmp_path):
     assert [s.task for s in ruler.read_samples(part)] == ["vt"]
     ruler.main(argv)  # no --tasks: every task in the file
     assert [s.task for s in ruler.read_samples(part)] == ["vt", "niah_single_1"]
+
+
+def test_batches_take_turns_over_tasks_so_a_cut_run_covers_each():
+    """A run stopped by a time limit has answered the first samples of every task, not all of one."""
+    samples = [ruler.RulerSample(task, i, 1024, "p", ["r"], 900, 8, "all") for task, n in (("a", 5), ("b", 2), ("c", 3))
+               for i in range(n)]  # fmt: skip
+    order = [[(s.task, s.index) for s in batch] for batch in ruler.interleaved_batches(samples, 2)]
+    assert order == [
+        [("a", 0), ("a", 1)], [("b", 0), ("b", 1)], [("c", 0), ("c", 1)],
+        [("a", 2), ("a", 3)], [("c", 2)],
+        [("a", 4)],
+    ]  # fmt: skip
