@@ -334,3 +334,12 @@ def test_decode_attention_default_rows_alone_with_a_knob(tmp_path):
     ]
     assert result["knobs"] == {"triton_rank.COMBINE_WARPS": 4} and result["select_and_attend_speedup_default"] > 0
     assert result["speedup_vs_dense_sdpa"] is None  # the Quest rows did not run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
+def test_mma_probe_hands_lane_registers_to_a_tensor_core_instruction():
+    from eval.bench import mma_probe
+
+    result = mma_probe.probe()
+    assert result["matches"], result
