@@ -263,6 +263,16 @@ ROWS = [
         link="eval/results/accuracy.md",
     ),
     Row(
+        "accuracy, RULER-style at 16K on Gemma-3-270M, default selector",
+        "accuracy.json",
+        lambda r: r["t7_gemma3_16k"],
+        "**{ratio_at_1_16:.3f}** of dense at 1/16 loaded, **{ratio_at_1_32:.3f}** at 1/32 ({n_samples_per_task}+ samples per task)",
+        "dense; the block oracle {oracle_at_1_16:.3f} (1/16), {oracle_at_1_32:.3f} (1/32)",
+        ">= 0.99 at 1/16, >= 0.97 at 1/32",
+        device="H100",
+        link="eval/results/accuracy.md",
+    ),
+    Row(
         "one decode step of the channel default, B=16 x 32K, real locality, CUDA graph",
         "decode_step_runs/channel_default_d454fd4_h100.json",
         _channel_step,

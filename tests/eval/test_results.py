@@ -35,12 +35,14 @@ def test_the_accuracy_report_regenerates_from_the_committed_runs(tmp_path):
     argv += ["--ruler-current", *(str(RESULTS / name) for name in CURRENT_RULER_RUNS)]
     argv += ["--fp8", str(RESULTS / "ruler_8k_fp8_kv")]
     argv += ["--longbench", str(RESULTS / "longbench_multi_news"), "--out", str(tmp_path)]
+    argv += ["--gemma3", str(RESULTS / "ruler_16k_gemma3")]
     argv += ["--rename", "sparse=quest", "--rename", "hybrid_s8=hybrid"]  # as accuracy.json's command
     argv += ["--rename-current", "sparse=hybrid", "--rename-current", "channels_feedback=sparse"]
     accuracy_report.main(argv)
     committed = json.loads((RESULTS / "accuracy.json").read_text())
     regenerated = json.loads((tmp_path / "accuracy.json").read_text())
-    for key in ("ruler", "ratio_to_dense_8k", "t7_8k", "t7_by_family", "fp8", "longbench"):
+    keys = ("ruler", "ratio_to_dense_8k", "t7_8k", "t7_by_family", "fp8", "longbench", "t7_gemma3_16k_by_family")
+    for key in keys:
         assert regenerated[key] == committed[key], key
 
 
