@@ -20,9 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
-
-
 @triton.jit
 def _mma_kernel(a_ptr, b_ptr, d_ptr):
     """One warp: D (16, 8) fp32 = A (16, 16) fp16 @ B (16, 8) fp16, A row-major and B stored as its
@@ -39,8 +36,9 @@ def _mma_kernel(a_ptr, b_ptr, d_ptr):
     b0 = tl.load(b_words)
     b1 = tl.load(b_words + 4)  # row + 8
     zero = tl.zeros([32], tl.float32)
-    d0, d1, d2, d3 = tl.inline_asm_elementwise(
-        MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, zero, zero, zero, zero],
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(  # a kernel reads no global string: the instruction is spelled here
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, zero, zero, zero, zero],
         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
     out = d_ptr + group * 8 + pair * 2  # D (16, 8)
