@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _mma_kernel(a_ptr, b_ptr, d_ptr):
     """One warp: D (16, 8) fp32 = A (16, 16) fp16 @ B (16, 8) fp16, A row-major and B stored as its
