@@ -22,7 +22,7 @@ import torch
 
 SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest keep their defaults)
     {"BLOCK_N": n, "NUM_WARPS": w, "UNROLL": u, "WORDS": words, "PREFETCH": ahead, "HOIST_Q": hoist, "STAGES": stages,
-     "Q_AHEAD": q_ahead}
+     "Q_AHEAD": q_ahead, "MMA": False}
     for n, w, u, words, ahead, hoist, stages, q_ahead in [
         (16, 1, 1, True, True, True, 0, False), (8, 1, 1, True, False, False, 0, False), (8, 1, 2, True, False, False, 0, False),
         (4, 1, 1, True, False, False, 0, False), (16, 2, 1, True, False, False, 0, False), (32, 4, 1, True, False, False, 0, False),
@@ -32,7 +32,7 @@ SETTINGS = [  # the knobs of `triton_channels` each timed setting sets (the rest
         (8, 1, 1, True, True, True, 0, False), (16, 1, 1, True, False, True, 0, False), (16, 2, 1, True, True, True, 0, False),
         (16, 1, 1, True, True, True, 0, True), (8, 1, 1, True, True, True, 0, True), (16, 2, 1, True, True, True, 0, True),
     ]
-]  # fmt: skip
+] + [{"MMA": True}]  # fmt: skip
 
 
 def replay_us(fn) -> float:

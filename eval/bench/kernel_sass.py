@@ -2,6 +2,7 @@
 
     python -m eval.bench.kernel_sass channels                      # the channel-score kernel at the step's shape
     python -m eval.bench.kernel_sass channels --knob BLOCK_N=16    # one of its launch knobs changed
+    python -m eval.bench.kernel_sass channels_mma                  # the same scores on tensor cores
     python -m eval.bench.kernel_sass combine --warps 4             # the rank interleave on 4 warps
     python -m eval.bench.kernel_sass union --knob BLOCK_N=4096     # the top-k and union over 4,096-block tables
     python -m eval.bench.kernel_sass decode --stages 2             # the attention split kernel, 2 stages
@@ -80,10 +81,26 @@ def channels_kernel() -> Kernel:
         UNROLL=triton_channels.UNROLL,
         PREFETCH=triton_channels.PREFETCH,
         HOIST_Q=triton_channels.HOIST_Q,
+        Q_AHEAD=triton_channels.Q_AHEAD,
         STAGES=triton_channels.STAGES,
         NATIVE_FP8=int(triton_channels.NATIVE_FP8 is not False),
     )  # fmt: skip (0 for --arch 80)
     return Kernel(triton_channels._block_lse_kernel, signature, constants, triton_channels.NUM_WARPS)
+
+
+def channels_mma_kernel() -> Kernel:
+    """The channel scores on tensor cores (`ops.triton_channels_mma`, `triton_channels.MMA`): the same
+    shape as `channels_kernel`, one warp per program, 16 blocks in turn (its loop is one block)."""
+    from sparseserve_hf.ops import channels, triton_channels_mma
+
+    signature = {"query_ptr": "*fp32", "abs_sum_ptr": "*fp32", "halves_ptr": "*i16", "ids_ptr": "*i64", "out_ptr": "*fp32", "stride_ib": "i32", "stride_ih": "i32", "stride_ob": "i32",
+                 "stride_oh": "i32", "stride_mc": "i32", "num_blocks": "i32", "num_kv_heads": "i32"}  # fmt: skip
+    size, dim, group = 32, 128, 4
+    stored = channels.stored_channels(0.375, dim)
+    constants = dict(D=dim, G=group, P=stored, BLOCK_G=group, HEADER=channels.header_start(size, stored, dim),
+                     BLOCKS=triton_channels_mma.BLOCKS, NATIVE_FP8=True)  # fmt: skip
+    aligned = ("stride_ib", "stride_ih", "stride_ob", "stride_oh", "stride_mc")
+    return Kernel(triton_channels_mma._block_lse_mma_kernel, signature, constants, 1, aligned_ints=aligned)
 
 
 def combine_kernel() -> Kernel:
@@ -167,6 +184,7 @@ def install_kernel() -> Kernel:
 
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "channels": channels_kernel,
+    "channels_mma": channels_mma_kernel,
     "combine": combine_kernel,
     "union": union_kernel,
     "decode": decode_kernel,

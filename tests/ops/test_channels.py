@@ -142,3 +142,26 @@ def _decode_bytes(codes_ptr, out_ptr, count, NATIVE: tl.constexpr, BLOCK: tl.con
     i = tl.arange(0, BLOCK)
     byte = tl.load(codes_ptr + i, mask=i < count, other=0)
     tl.store(out_ptr + i, triton_channels._fp8_value(byte, NATIVE), mask=i < count)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the tensor-core form is inline PTX: CUDA only")
+@pytest.mark.parametrize("kv_heads,group,dim,share", [(1, 4, 128, 0.375), (2, 3, 64, 1.0), (2, 1, 128, 0.375)], ids=str)
+def test_tensor_core_form_matches_reference(poisoned, monkeypatch, kv_heads, group, dim, share):
+    """`triton_channels.MMA`: the products on tensor cores with fp16 weights, within fp16's rounding of them."""
+    from sparseserve_hf.ops import triton_channels_mma
+
+    monkeypatch.setattr(triton_channels, "MMA", True)
+    torch.manual_seed(dim + group)
+    stored = channels.stored_channels(share, dim)
+    assert triton_channels_mma.fits(32, stored, group)
+    table = ragged_table(3, kv_heads, 37, 400, [37, 5, 0])  # 37 blocks: programs of 16, 16 and 5
+    metadata = channel_pool(400, 32, dim, share)
+    query = torch.randn(3, kv_heads * group, dim, dtype=torch.bfloat16)
+    expected = channels.block_logsumexp(query, metadata, table, 32, stored, dim**-0.5)
+    got = triton_channels.block_logsumexp(
+        query.to(DEVICE), metadata.to(DEVICE), table.to(DEVICE), 32, stored, dim**-0.5
+    )
+    assert torch.equal(torch.isneginf(got).cpu(), table.repeat_interleave(group, 1) < 0)
+    finite = ~torch.isneginf(expected)
+    torch.testing.assert_close(got.cpu()[finite], expected[finite], atol=2e-2, rtol=2e-3)

@@ -35,9 +35,8 @@ UNROLL = 1  # unroll factor of the loop over the stored channels (a launch knob)
 WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch knob)
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
 HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
-Q_AHEAD = (
-    False  # with PREFETCH and HOIST_Q: those gathers a pass ahead, from pair words loaded two ahead (a launch knob)
-)
+Q_AHEAD = False  # with PREFETCH, HOIST_Q: those gathers a pass ahead, from pair words two ahead (a launch knob)
+MMA = False  # the products on tensor cores where the shape fits (`triton_channels_mma`; a launch knob)
 NATIVE_FP8: bool | None = None  # convert 8-bit floats in hardware; None: where the device can (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
@@ -257,6 +256,11 @@ def block_logsumexp(
     batch, num_kv_heads, num_blocks = block_ids.shape
     num_q_heads, dim = query.shape[1], query.shape[2]
     group = num_q_heads // num_kv_heads
+    if MMA and query.is_cuda and metadata.is_contiguous():
+        from . import triton_channels_mma  # it imports this module's helpers: only here
+
+        if triton_channels_mma.fits(block_size, stored, group):
+            return triton_channels_mma.block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
     assert metadata.element_size() == 1 and metadata.stride(2) == 1 and metadata.stride(1) == dim
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
