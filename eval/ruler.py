@@ -688,6 +688,16 @@ def interleaved_batches(samples: list[RulerSample], batch_size: int) -> list[lis
     return [batch for batch_round in rounds for batch in batch_round if batch is not None]
 
 
+def unanswered(samples: list[RulerSample], methods: list[str], rows: list[dict]) -> list[RulerSample]:
+    """The samples that some method of `methods` has no row for among `rows` (runner rows, keyed by
+    task@length, sample index and method), in their order."""
+    answered: dict[tuple[str, int], set[str]] = {}
+    for row in rows:
+        answered.setdefault((row["task"], row["index"]), set()).add(row["method"])
+    wanted = set(methods)
+    return [s for s in samples if not wanted <= answered.get((f"{s.task}@{s.length}", s.index), set())]
+
+
 def _row(sample: RulerSample, method, prediction: str) -> dict:
     return dict(
         task=f"{sample.task}@{sample.length}",
@@ -753,6 +763,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         'e.g. "quest_s8:metadata_sub_blocks=4" -> methods quest_s8_<budget>',
     )
     parser.add_argument(
+        "--skip-answered",
+        type=Path,
+        action="append",
+        default=[],
+        help="a runner folder of an earlier run (its samples.jsonl or a cut run's partial.jsonl), repeatable: "
+        "samples it answered under every method of this run are left out (a sweep split over time-limited calls)",
+    )
+    parser.add_argument(
         "--oracle",
         action="store_true",
         help="also the block oracle at every budget (methods oracle_<budget>: true attention picks each KV "
@@ -765,6 +783,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Generate (or read) the samples, answer them densely and at every budget, and write the results."""
     import torch
 
+    from eval.accuracy_report import read_rows
     from eval.common import metadata_kinds, parse_budgets, sparse_methods, write_results
     from sparseserve_hf.data.models import REAL_MODELS, load_model
 
@@ -783,6 +802,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     methods = sparse_methods(parse_budgets(args.budgets), metadata_kinds(args.metadata), args.variant, args.oracle)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    answered = [row for folder in args.skip_answered for row in read_rows(folder)]  # raises before the model loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model, tokenizer = load_model(args.model, dtype, attn_implementation="sparseserve", device=device)
@@ -797,6 +817,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         write_samples(args.dump_samples, samples)
     if args.dump_only:
         return None
+    samples = unanswered(samples, [method.name for method in methods], answered)
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.out / "partial.jsonl"

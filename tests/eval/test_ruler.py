@@ -309,3 +309,18 @@ def test_batches_take_turns_over_tasks_so_a_cut_run_covers_each():
         [("a", 2), ("a", 3)], [("c", 2)],
         [("a", 4)],
     ]  # fmt: skip
+
+
+def test_a_split_sweep_answers_only_what_earlier_runs_left(tmp_path):
+    """--skip-answered: a sample every method of this run answered before is left out; one that some
+    method missed (a run cut mid-batch, a new budget) is answered again."""
+    samples = [ruler.RulerSample(task, i, 1024, "p", ["r"], 900, 8, "all") for task in ("a", "b") for i in range(3)]
+    rows = [{"task": "a@1024", "index": 0, "method": m} for m in ("dense", "sparse_256")]
+    rows += [{"task": "a@1024", "index": 1, "method": "dense"}, {"task": "b@2048", "index": 2, "method": "dense"}]
+    left = ruler.unanswered(samples, ["dense", "sparse_256"], rows)
+    assert [(s.task, s.index) for s in left] == [("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
+    assert ruler.unanswered(samples, ["dense"], rows) == [
+        s for s in samples if (s.task, s.index) not in {("a", 0), ("a", 1)}
+    ]
+    with pytest.raises(FileNotFoundError, match="neither samples.jsonl nor partial.jsonl"):
+        ruler.main(["--skip-answered", str(tmp_path), "--device", "cpu"])
