@@ -93,13 +93,14 @@ def channels_mma_kernel() -> Kernel:
     shape as `channels_kernel`, one warp per program, 16 blocks in turn (its loop is one block)."""
     from sparseserve_hf.ops import channels, triton_channels_mma
 
-    signature = {"query_ptr": "*fp32", "abs_sum_ptr": "*fp32", "halves_ptr": "*i16", "ids_ptr": "*i64", "out_ptr": "*fp32", "stride_ib": "i32", "stride_ih": "i32", "stride_ob": "i32",
-                 "stride_oh": "i32", "stride_mc": "i32", "num_blocks": "i32", "num_kv_heads": "i32"}  # fmt: skip
+    signature = {"query_ptr": "*fp32", "abs_sum_ptr": "*fp32", "words_ptr": "*i32", "ids_ptr": "*i64",
+                 "out_ptr": "*fp32", "stride_ib": "i32", "stride_ih": "i32", "stride_ob": "i32", "stride_oh": "i32",
+                 "stride_mw": "i32", "code_mask": "i32", "num_blocks": "i32", "num_kv_heads": "i32"}  # fmt: skip
     size, dim, group = 32, 128, 4
     stored = channels.stored_channels(0.375, dim)
     constants = dict(D=dim, G=group, P=stored, BLOCK_G=group, HEADER=channels.header_start(size, stored, dim),
-                     BLOCKS=triton_channels_mma.BLOCKS, NATIVE_FP8=True)  # fmt: skip
-    aligned = ("stride_ib", "stride_ih", "stride_ob", "stride_oh", "stride_mc")
+                     BLOCKS=triton_channels_mma.BLOCKS)  # fmt: skip
+    aligned = ("stride_ib", "stride_ih", "stride_ob", "stride_oh", "stride_mw")
     return Kernel(triton_channels_mma._block_lse_mma_kernel, signature, constants, 1, aligned_ints=aligned)
 
 

@@ -154,7 +154,7 @@ def test_tensor_core_form_matches_reference(poisoned, monkeypatch, kv_heads, gro
     monkeypatch.setattr(triton_channels, "MMA", True)
     torch.manual_seed(dim + group)
     stored = channels.stored_channels(share, dim)
-    assert triton_channels_mma.fits(32, stored, group)
+    assert triton_channels_mma.fits(32, stored, group, DEVICE)
     table = ragged_table(3, kv_heads, 37, 400, [37, 5, 0])  # 37 blocks: programs of 16, 16 and 5
     metadata = channel_pool(400, 32, dim, share)
     query = torch.randn(3, kv_heads * group, dim, dtype=torch.bfloat16)

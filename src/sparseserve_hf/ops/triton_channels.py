@@ -259,7 +259,7 @@ def block_logsumexp(
     if MMA and query.is_cuda and metadata.is_contiguous():
         from . import triton_channels_mma  # it imports this module's helpers: only here
 
-        if triton_channels_mma.fits(block_size, stored, group):
+        if triton_channels_mma.fits(block_size, stored, group, query.device):
             return triton_channels_mma.block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
     assert metadata.element_size() == 1 and metadata.stride(2) == 1 and metadata.stride(1) == dim
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)

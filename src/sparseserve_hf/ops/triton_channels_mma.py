@@ -5,18 +5,23 @@ stored channel times its step (fp16 weights), by the channels' 2-bit codes of th
 `tl.dot` would take both operands in a register layout of its own and move them there through
 shared memory, which cost what the tensor cores saved. Here a program is one warp and every tensor
 has 32 elements, one per lane, so each lane builds exactly the registers PTX's fragment layout gives
-it and hands them to the instruction (`tl.inline_asm_elementwise`):
-- lane = 4 x g + t. A (weights, 16 x 16 per step of 16 channels): row g is query head g (rows G..15
-  zero), the lane's columns are channels 2t, 2t + 1, 2t + 8 and 2t + 9 of the step;
-- B (codes, 16 x 8): the same four channels of token g of an 8-token tile; the code bytes of two
-  adjacent channels are adjacent (byte j * P + i holds tokens 4j .. 4j + 3 of channel i), so one
-  16-bit load holds both, and each code becomes an exact fp16 by placing it under 1024's exponent
-  and subtracting 1024 in the same pair (`sub.f16x2`);
+it and hands them to the instruction (`tl.inline_asm_elementwise`). Lane = 4 x g + t; per step of 16
+stored channels the lane holds four of them, 4t .. 4t + 3, as the fragment's k positions 2t, 2t + 8,
+2t + 1, 2t + 9 (any order of k serves, as long as A and B agree): four adjacent bytes, so each field
+of theirs is one 32-bit load.
+- A (16 x 16): row g is query head g (rows G..15 zero): the head's query on each channel times its
+  step, an fp16 pair product (`mul.rn.f16x2`) of the query converted in pairs and the steps converted
+  from 8-bit floats two at a time;
+- B (16 x 8): the same channels' codes of token g of an 8-token tile. A code word holds the four
+  channels' bytes of 4 tokens; shifting it to the token's bits and masking two bytes leaves two codes
+  at the bottom of each 16-bit half, which under 1024's exponent (an `or`) read 1024 + code, and one
+  `sub.f16x2` makes them exact;
 - D (16 x 8, fp32): row g, tokens 2t and 2t + 1 of the tile; four tiles cover a 32-token block.
-Each lane adds its channels' share of q . minimum and |q|, the four lanes of a head sum them, and the
-log-sum-exp over the block's tokens is taken across those four lanes. Weights in fp16 (the FMA kernel
-and the spec multiply in fp32): the estimates differ from the spec's by about 1e-3 of a logit's size.
-Shapes it takes (`fits`): 2-bit codes of 32-token blocks, P a multiple of 16, G <= 8.
+The query times the minima and the query's magnitude on the stored channels (SparQ's correction) are
+products too, against a B of ones: the lane reads its head's sums over every channel in its own D.
+Weights in fp16 (the FMA kernel and the spec multiply in fp32): the estimates differ from the spec's
+by about 1e-3 of a logit's size. Shapes it takes (`fits`): 2-bit codes of 32-token blocks, P a
+multiple of 16, G <= 8, on a GPU that converts 8-bit floats (compute capability 8.9 or newer).
 """
 
 from __future__ import annotations
@@ -26,15 +31,25 @@ import triton
 import triton.language as tl
 
 from . import channels
-from .triton_channels import _fp8_value, _query_by_channel, native_fp8
+from .triton_channels import _query_by_channel, native_fp8
 
 BLOCKS = 16  # blocks one program (one warp) scores in turn (a launch knob)
+LOG2E = tl.constexpr(1.4426950408889634)  # kernels read module constants only as constexprs
+LN2 = tl.constexpr(0.6931471805599453)
 
 
-def fits(block_size: int, stored: int, group: int) -> bool:
+def fits(block_size: int, stored: int, group: int, device: torch.device) -> bool:
     """Whether the tensor-core form takes this shape: 32-token blocks of 2-bit codes, P a multiple of
-    16 (whole steps of the product), at most 8 query heads per KV head (the rows a lane group holds)."""
-    return channels.BITS == 2 and block_size == 32 and stored % 16 == 0 and group <= 8
+    16 (whole steps of the product), at most 8 query heads per KV head (the rows a lane group holds),
+    on a GPU that converts 8-bit floats in hardware."""
+    return (channels.BITS == 2 and block_size == 32 and stored % 16 == 0 and group <= 8
+            and native_fp8(device))  # fmt: skip
+
+
+@triton.jit
+def _asm(instruction: tl.constexpr, constraints: tl.constexpr, args):
+    """One PTX instruction on 32-bit registers, lane by lane: int32 result."""
+    return tl.inline_asm_elementwise(instruction, constraints, args, dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -46,84 +61,70 @@ def _half2(high, low):
 
 
 @triton.jit
-def _codes_half2(halves, shift, magic):
-    """int32 words whose low 16 bits hold two adjacent channels' code bytes -> the codes at bit `shift`
-    of each byte as an exact fp16 pair (the first channel low): each byte moved to its half, its code
-    put under 1024's exponent (1024 + code), then 1024 taken off both halves at once."""
-    spread = (halves & 0xFF) | ((halves & 0xFF00) << 8)  # byte 1 to bits 16..23
-    biased = ((spread >> shift) & 0x00030003) | magic
-    return tl.inline_asm_elementwise(
-        "sub.f16x2 $0, $1, $2;", "=r,r,r", [biased, magic], dtype=tl.int32, is_pure=True, pack=1
-    )
+def _fp8_pair(words, first: tl.constexpr):
+    """Bytes `first` and `first` + 2 of each int32 word, read as float8_e4m3fn, as an fp16 pair (byte
+    `first` low)."""
+    pair = ((words >> (8 * first)) & 0xFF) | ((words >> (8 * first)) & 0xFF0000) >> 8
+    return _asm("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [pair])
 
 
 @triton.jit
-def _mma(a0, a2, b0, b1, c0, c1):
-    """One `mma.m16n8k16` (fp16 in, fp32 accumulate) whose A rows 8..15 are zero: the lane's D entries
-    of rows g (the two it keeps) from its A, B and C registers."""
+def _codes_pair(words, shift, code_mask, magic):
+    """The codes at bit `shift` of bytes 0 and 2 of each int32 word as an exact fp16 pair (byte 0 low):
+    placed under 1024's exponent (1024 + code), then 1024 taken off both halves at once. `code_mask`
+    (0x00030003) comes in a register, so that the mask and the exponent join in one instruction."""
+    return _asm("sub.f16x2 $0, $1, $2;", "=r,r,r", [((words >> shift) & code_mask) | magic, magic])
+
+
+@triton.jit
+def _mma(a0, a2, b0, b1, c0, c1, c2, c3):
+    """One `mma.m16n8k16` (fp16 in, fp32 accumulate) whose A rows 8..15 are zero: the lane's four D
+    entries from its A, B and C registers (those of rows 8..15, c2 and c3, stay what they were: zero;
+    carried rather than dropped, so the accumulator keeps its registers from one product to the next)."""
     zero_a = tl.zeros_like(a0)
-    zero_c = tl.zeros_like(c0)
-    d0, d1, _, _ = tl.inline_asm_elementwise(
+    return tl.inline_asm_elementwise(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
         "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, zero_a, a2, zero_a, b0, b1, c0, c1, zero_c, zero_c],
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, zero_a, a2, zero_a, b0, b1, c0, c1, c2, c3],
         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
-    return d0, d1
-
-
-@triton.jit
-def _group_sum(x):
-    """(32,) -> the sum over each lane's group of 4 lanes (lanes 4g .. 4g + 3), on every lane of it."""
-    total = tl.sum(tl.reshape(x, (8, 4)), axis=1)
-    return tl.reshape(tl.broadcast_to(total[:, None], (8, 4)), (32,))
 
 
 @triton.jit
 def _group_max(x):
-    """(32,) -> the maximum over each lane's group of 4 lanes, on every lane of it."""
+    """(32,) -> the maximum over each lane's group of 4 lanes (lanes 4g .. 4g + 3), on every lane of it."""
     best = tl.max(tl.reshape(x, (8, 4)), axis=1)
     return tl.reshape(tl.broadcast_to(best[:, None], (8, 4)), (32,))
 
 
 @triton.jit
-def _channel_pair(header, i, query_rows, head_live, P: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                  NATIVE_FP8: tl.constexpr):  # fmt: skip
-    """Stored channels i and i + 1 (i (32,) even) of a block whose header starts at `header` (a pointer
-    to 16-bit halves): the lane's head's |q| summed over both, q . minimum summed over both, and the two
-    weights (q x step) as one fp16 pair (channel i low). Each header field of the two is one 16-bit load."""
-    pairs = tl.load(header + (i % (P // 2)) // 2).to(tl.int32)
-    lows = tl.load(header + (P // 2 + i) // 2).to(tl.int32)
-    steps = tl.load(header + (P // 2 + P + i) // 2).to(tl.int32)
-    half = (i // (P // 2)) * (D // 2)  # (i and i + 1 sit in the same half: P / 2 is even)
-    q0 = tl.load(query_rows + (half + (pairs & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
-    q1 = tl.load(query_rows + (half + ((pairs >> 8) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
-    low0, low1 = _fp8_value(lows & 0xFF, NATIVE_FP8), _fp8_value((lows >> 8) & 0xFF, NATIVE_FP8)
-    step0, step1 = _fp8_value(steps & 0xFF, NATIVE_FP8), _fp8_value((steps >> 8) & 0xFF, NATIVE_FP8)
-    return tl.abs(q0) + tl.abs(q1), q0 * low0 + q1 * low1, _half2(q1 * step1, q0 * step0)
+def _group_sum(x):
+    """(32,) -> the sum over each lane's group of 4 lanes, on every lane of it."""
+    total = tl.sum(tl.reshape(x, (8, 4)), axis=1)
+    return tl.reshape(tl.broadcast_to(total[:, None], (8, 4)), (32,))
 
 
 @triton.jit
 def _block_lse_mma_kernel(
     query_ptr,  # (B, Hkv, D, BLOCK_G) fp32 queries times the softmax scale, heads last (zero past G)
     abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
-    halves_ptr,  # the metadata pool as int16 (C, M, D / 2): two bytes a load
+    words_ptr,  # the metadata pool as int32 (C, M, D / 4)
     ids_ptr,  # (B, Hkv, N) int64, unit stride on N
     out_ptr,  # (B, Hq, N) fp32
     stride_ib,
     stride_ih,
     stride_ob,
     stride_oh,
-    stride_mc,
+    stride_mw,  # words per block
+    code_mask,  # 0x00030003, as an argument: held in a register it lets the compiler join a code's "and" and "or"
     num_blocks,
     num_kv_heads,
     D: tl.constexpr,
     G: tl.constexpr,
     P: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    HEADER: tl.constexpr,  # the header's first byte
+    HEADER: tl.constexpr,  # the header's first byte (a multiple of D)
     BLOCKS: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
 ):
     """Grid (B * Hkv, cdiv(N, BLOCKS)), one warp: blocks n-tile * BLOCKS ... in turn; writes
     out[b, h*G:(h+1)*G, n]."""
@@ -132,47 +133,72 @@ def _block_lse_mma_kernel(
     h = row_head % num_kv_heads
     lane = tl.arange(0, 32)
     g = lane // 4  # A's and D's row (query head g), B's column (token g of a tile)
-    t = lane % 4  # A's and B's channels 2t, 2t + 1 (+ 8), D's tokens 2t, 2t + 1
+    t = lane % 4  # the lane's stored channels 4t .. 4t + 3 of each step; D's tokens 2t, 2t + 1 of each tile
     head_live = g < G
     query_rows = query_ptr + row_head * D * BLOCK_G + g
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=head_live, other=1.0), 1e-30)
     magic = tl.full([32], 0x64006400, tl.int32)  # 1024 in both fp16 halves
-    code_row = g // 4  # token g of a tile sits in the tile's first or second code row,
-    shift = 2 * (g % 4)  # at these bits of its channel's byte
+    ones = tl.full([32], 0x3C003C00, tl.int32)  # 1.0 in both fp16 halves
+    code_word = ((g // 4) * P) // 4 + t  # token g of a tile: its code row (first or second) and the lane's word
+    shift = 2 * (g % 4)  # the token's bits in each channel's byte
     for index in range(BLOCKS):
         n = tl.program_id(1) * BLOCKS + index
         in_table = n < num_blocks
         block = tl.load(ids_ptr + b * stride_ib + h * stride_ih + n, mask=in_table, other=-1).to(tl.int64)
         valid = block >= 0
-        codes = halves_ptr + tl.maximum(block, 0) * (stride_mc // 2)  # a missing block reads block 0, unused
-        header = codes + HEADER // 2
-        kept = tl.zeros([32], tl.float32)
-        offset = tl.zeros([32], tl.float32)
-        tile0_lo, tile0_hi = tl.zeros([32], tl.float32), tl.zeros([32], tl.float32)
-        tile1_lo, tile1_hi = tl.zeros([32], tl.float32), tl.zeros([32], tl.float32)
-        tile2_lo, tile2_hi = tl.zeros([32], tl.float32), tl.zeros([32], tl.float32)
-        tile3_lo, tile3_hi = tl.zeros([32], tl.float32), tl.zeros([32], tl.float32)
+        words = words_ptr + tl.maximum(block, 0) * stride_mw  # a missing block reads block 0, unused
+        header = words + HEADER // 4
+        zero = tl.zeros([32], tl.float32)
+        tile0_lo, tile0_hi, tile0_c2, tile0_c3 = zero, zero, zero, zero  # D of tokens 0..7: row g's two, rows 8+'s two
+        tile1_lo, tile1_hi, tile1_c2, tile1_c3 = zero, zero, zero, zero
+        tile2_lo, tile2_hi, tile2_c2, tile2_c3 = zero, zero, zero, zero
+        tile3_lo, tile3_hi, tile3_c2, tile3_c3 = zero, zero, zero, zero
+        offset, offset_hi, offset_c2, offset_c3 = zero, zero, zero, zero
+        kept, kept_hi, kept_c2, kept_c3 = zero, zero, zero, zero
         for step_index in tl.static_range(P // 16):
-            first = step_index * 16 + 2 * t  # (32,) the lane's channels first, first + 1, first + 8, first + 9
-            kept_a, offset_a, a0 = _channel_pair(header, first, query_rows, head_live, P, D, BLOCK_G, NATIVE_FP8)
-            kept_b, offset_b, a2 = _channel_pair(header, first + 8, query_rows, head_live, P, D, BLOCK_G, NATIVE_FP8)
-            kept += kept_a + kept_b
-            offset += offset_a + offset_b
-            pair_codes = codes + first // 2  # the pair's bytes in code row 0
+            first = step_index * 16 + 4 * t  # (32,) the lane's first channel of the step
+            pairs = tl.load(header + (first % (P // 2)) // 4)  # byte k: channel first + k's pair index
+            lows = tl.load(header + (P // 2 + first) // 4)
+            steps = tl.load(header + (P // 2 + P + first) // 4)
+            half = (first // (P // 2)) * (D // 2)  # the four sit in one half: P / 2 is a multiple of 4
+            q0 = tl.load(query_rows + (half + (pairs & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
+            q1 = tl.load(query_rows + (half + ((pairs >> 8) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
+            q2 = tl.load(query_rows + (half + ((pairs >> 16) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
+            q3 = tl.load(query_rows + (half + ((pairs >> 24) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
+            q02, q13 = _half2(q2, q0), _half2(q3, q1)  # k positions (2t, 2t + 1) and (2t + 8, 2t + 9)
+            a0 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q02, _fp8_pair(steps, 0)])
+            a2 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q13, _fp8_pair(steps, 1)])
+            low0 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q02, _fp8_pair(lows, 0)])
+            low2 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q13, _fp8_pair(lows, 1)])
+            offset, offset_hi, offset_c2, offset_c3 = _mma(
+                low0, low2, ones, ones, offset, offset_hi, offset_c2, offset_c3
+            )
+            kept, kept_hi, kept_c2, kept_c3 = _mma(
+                q02 & 0x7FFF7FFF, q13 & 0x7FFF7FFF, ones, ones, kept, kept_hi, kept_c2, kept_c3
+            )
+            step_codes = words + code_word + 4 * step_index  # the token's word of the step in code row 0 or 1
             for tile in tl.static_range(4):
-                row = (2 * tile + code_row) * P // 2  # halves to the token's code row
-                b0 = _codes_half2(tl.load(pair_codes + row).to(tl.int32), shift, magic)
-                b1 = _codes_half2(tl.load(pair_codes + row + 4).to(tl.int32), shift, magic)
+                packed = tl.load(step_codes + tile * (2 * P // 4))  # two code rows down per tile
+                b0 = _codes_pair(packed, shift, code_mask, magic)  # channels 4t and 4t + 2
+                b1 = _codes_pair(packed, shift + 8, code_mask, magic)  # channels 4t + 1 and 4t + 3
                 if tile == 0:
-                    tile0_lo, tile0_hi = _mma(a0, a2, b0, b1, tile0_lo, tile0_hi)
+                    tile0_lo, tile0_hi, tile0_c2, tile0_c3 = _mma(
+                        a0, a2, b0, b1, tile0_lo, tile0_hi, tile0_c2, tile0_c3
+                    )
                 elif tile == 1:
-                    tile1_lo, tile1_hi = _mma(a0, a2, b0, b1, tile1_lo, tile1_hi)
+                    tile1_lo, tile1_hi, tile1_c2, tile1_c3 = _mma(
+                        a0, a2, b0, b1, tile1_lo, tile1_hi, tile1_c2, tile1_c3
+                    )
                 elif tile == 2:
-                    tile2_lo, tile2_hi = _mma(a0, a2, b0, b1, tile2_lo, tile2_hi)
+                    tile2_lo, tile2_hi, tile2_c2, tile2_c3 = _mma(
+                        a0, a2, b0, b1, tile2_lo, tile2_hi, tile2_c2, tile2_c3
+                    )
                 else:
-                    tile3_lo, tile3_hi = _mma(a0, a2, b0, b1, tile3_lo, tile3_hi)
-        correction = 1.0 / tl.sqrt(tl.maximum(_group_sum(kept) / total_abs, 1e-6))
-        offset = _group_sum(offset)
+                    tile3_lo, tile3_hi, tile3_c2, tile3_c3 = _mma(
+                        a0, a2, b0, b1, tile3_lo, tile3_hi, tile3_c2, tile3_c3
+                    )
+        # base-2 logits: SparQ's correction and log2(e) in one factor, so each exponential is one exp2
+        correction = LOG2E / tl.sqrt(tl.maximum(kept / total_abs, 1e-6))
         l0, l1 = (tile0_lo + offset) * correction, (tile0_hi + offset) * correction
         l2, l3 = (tile1_lo + offset) * correction, (tile1_hi + offset) * correction
         l4, l5 = (tile2_lo + offset) * correction, (tile2_hi + offset) * correction
@@ -181,9 +207,9 @@ def _block_lse_mma_kernel(
             tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), tl.maximum(tl.maximum(l4, l5), tl.maximum(l6, l7))
         )
         best = _group_max(mine)
-        total = tl.exp(l0 - best) + tl.exp(l1 - best) + tl.exp(l2 - best) + tl.exp(l3 - best)
-        total += tl.exp(l4 - best) + tl.exp(l5 - best) + tl.exp(l6 - best) + tl.exp(l7 - best)
-        lse = tl.where(valid, best + tl.log(_group_sum(total)), float("-inf"))
+        total = tl.math.exp2(l0 - best) + tl.math.exp2(l1 - best) + tl.math.exp2(l2 - best) + tl.math.exp2(l3 - best)
+        total += tl.math.exp2(l4 - best) + tl.math.exp2(l5 - best) + tl.math.exp2(l6 - best) + tl.math.exp2(l7 - best)
+        lse = tl.where(valid, (best + tl.math.log2(_group_sum(total))) * LN2, float("-inf"))
         out = out_ptr + b * stride_ob + (h * G + g) * stride_oh + n
         tl.store(out, lse, mask=head_live & (t == 0) & in_table)
 
@@ -201,7 +227,8 @@ def block_logsumexp(
     batch, num_kv_heads, num_blocks = block_ids.shape
     num_q_heads, dim = query.shape[1], query.shape[2]
     group = num_q_heads // num_kv_heads
-    assert fits(block_size, stored, group) and metadata.element_size() == 1 and metadata.is_contiguous()
+    assert fits(block_size, stored, group, query.device) and metadata.element_size() == 1
+    assert metadata.is_contiguous() and metadata.stride(0) % 4 == 0
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
@@ -210,10 +237,9 @@ def block_logsumexp(
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCKS))
     _block_lse_mma_kernel[grid](
-        by_channel, abs_sum, metadata.view(torch.int16), block_ids, out,
-        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), metadata.stride(0), num_blocks,
-        num_kv_heads, D=dim, G=group, P=stored, BLOCK_G=block_g,
-        HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS,
-        NATIVE_FP8=native_fp8(query.device), num_warps=1,
+        by_channel, abs_sum, metadata.view(torch.int32), block_ids, out, block_ids.stride(0), block_ids.stride(1),
+        out.stride(0), out.stride(1), metadata.stride(0) // 4, 0x00030003, num_blocks, num_kv_heads, D=dim, G=group,
+        P=stored,
+        BLOCK_G=block_g, HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS, num_warps=1,
     )  # fmt: skip
     return out
