@@ -164,4 +164,4 @@ def test_tensor_core_form_matches_reference(poisoned, monkeypatch, kv_heads, gro
     )
     assert torch.equal(torch.isneginf(got).cpu(), table.repeat_interleave(group, 1) < 0)
     finite = ~torch.isneginf(expected)
-    torch.testing.assert_close(got.cpu()[finite], expected[finite], atol=2e-2, rtol=2e-3)
+    torch.testing.assert_close(got.cpu()[finite], expected[finite], atol=5e-2, rtol=5e-3)  # a wrong lane: O(1)
