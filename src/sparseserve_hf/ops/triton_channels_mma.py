@@ -18,7 +18,8 @@ of theirs is one 32-bit load.
   `sub.f16x2` makes them exact;
 - D (16 x 8, fp32): row g, tokens 2t and 2t + 1 of the tile; four tiles cover a 32-token block.
 The query times the minima and the query's magnitude on the stored channels (SparQ's correction) are
-products too, against a B of ones: the lane reads its head's sums over every channel in its own D.
+one more product per step, against a B of ones, in A's rows g and g + 8 (rows no head uses): the lane
+reads its head's sums over every channel in its own D.
 Weights in fp16 (the FMA kernel and the spec multiply in fp32): the estimates differ from the spec's
 by about 1e-3 of a logit's size. Shapes it takes (`fits`): 2-bit codes of 32-token blocks, P a
 multiple of 16, G <= 8, on a GPU that converts 8-bit floats (compute capability 8.9 or newer).
@@ -77,15 +78,14 @@ def _codes_pair(words, shift, code_mask, magic):
 
 
 @triton.jit
-def _mma(a0, a2, b0, b1, c0, c1, c2, c3):
-    """One `mma.m16n8k16` (fp16 in, fp32 accumulate) whose A rows 8..15 are zero: the lane's four D
-    entries from its A, B and C registers (those of rows 8..15, c2 and c3, stay what they were: zero;
-    carried rather than dropped, so the accumulator keeps its registers from one product to the next)."""
-    zero_a = tl.zeros_like(a0)
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """One `mma.m16n8k16` (fp16 in, fp32 accumulate): the lane's four D entries (rows g and g + 8, its two
+    columns) from its A, B and C registers. Accumulators are carried whole, rows 8..15 too, so that they
+    keep their registers from one product to the next."""
     return tl.inline_asm_elementwise(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
         "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, zero_a, a2, zero_a, b0, b1, c0, c1, c2, c3],
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
 
@@ -139,6 +139,7 @@ def _block_lse_mma_kernel(
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=head_live, other=1.0), 1e-30)
     magic = tl.full([32], 0x64006400, tl.int32)  # 1024 in both fp16 halves
     ones = tl.full([32], 0x3C003C00, tl.int32)  # 1.0 in both fp16 halves
+    no_rows = tl.zeros([32], tl.int32)  # A's rows 8..15 in the tiles' products: no head there
     code_word = ((g // 4) * P) // 4 + t  # token g of a tile: its code row (first or second) and the lane's word
     shift = 2 * (g % 4)  # the token's bits in each channel's byte
     for index in range(BLOCKS):
@@ -153,8 +154,7 @@ def _block_lse_mma_kernel(
         tile1_lo, tile1_hi, tile1_c2, tile1_c3 = zero, zero, zero, zero
         tile2_lo, tile2_hi, tile2_c2, tile2_c3 = zero, zero, zero, zero
         tile3_lo, tile3_hi, tile3_c2, tile3_c3 = zero, zero, zero, zero
-        offset, offset_hi, offset_c2, offset_c3 = zero, zero, zero, zero
-        kept, kept_hi, kept_c2, kept_c3 = zero, zero, zero, zero
+        offset, offset_hi, kept, kept_hi = zero, zero, zero, zero  # q . minima (row g), |q| (row g + 8)
         for step_index in tl.static_range(P // 16):
             first = step_index * 16 + 4 * t  # (32,) the lane's first channel of the step
             pairs = tl.load(header + (first % (P // 2)) // 4)  # byte k: channel first + k's pair index
@@ -170,11 +170,8 @@ def _block_lse_mma_kernel(
             a2 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q13, _fp8_pair(steps, 1)])
             low0 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q02, _fp8_pair(lows, 0)])
             low2 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q13, _fp8_pair(lows, 1)])
-            offset, offset_hi, offset_c2, offset_c3 = _mma(
-                low0, low2, ones, ones, offset, offset_hi, offset_c2, offset_c3
-            )
-            kept, kept_hi, kept_c2, kept_c3 = _mma(
-                q02 & 0x7FFF7FFF, q13 & 0x7FFF7FFF, ones, ones, kept, kept_hi, kept_c2, kept_c3
+            offset, offset_hi, kept, kept_hi = _mma(  # against ones: every column holds the sums over k
+                low0, q02 & 0x7FFF7FFF, low2, q13 & 0x7FFF7FFF, ones, ones, offset, offset_hi, kept, kept_hi
             )
             step_codes = words + code_word + 4 * step_index  # the token's word of the step in code row 0 or 1
             for tile in tl.static_range(4):
@@ -183,19 +180,19 @@ def _block_lse_mma_kernel(
                 b1 = _codes_pair(packed, shift + 8, code_mask, magic)  # channels 4t + 1 and 4t + 3
                 if tile == 0:
                     tile0_lo, tile0_hi, tile0_c2, tile0_c3 = _mma(
-                        a0, a2, b0, b1, tile0_lo, tile0_hi, tile0_c2, tile0_c3
+                        a0, no_rows, a2, no_rows, b0, b1, tile0_lo, tile0_hi, tile0_c2, tile0_c3
                     )
                 elif tile == 1:
                     tile1_lo, tile1_hi, tile1_c2, tile1_c3 = _mma(
-                        a0, a2, b0, b1, tile1_lo, tile1_hi, tile1_c2, tile1_c3
+                        a0, no_rows, a2, no_rows, b0, b1, tile1_lo, tile1_hi, tile1_c2, tile1_c3
                     )
                 elif tile == 2:
                     tile2_lo, tile2_hi, tile2_c2, tile2_c3 = _mma(
-                        a0, a2, b0, b1, tile2_lo, tile2_hi, tile2_c2, tile2_c3
+                        a0, no_rows, a2, no_rows, b0, b1, tile2_lo, tile2_hi, tile2_c2, tile2_c3
                     )
                 else:
                     tile3_lo, tile3_hi, tile3_c2, tile3_c3 = _mma(
-                        a0, a2, b0, b1, tile3_lo, tile3_hi, tile3_c2, tile3_c3
+                        a0, no_rows, a2, no_rows, b0, b1, tile3_lo, tile3_hi, tile3_c2, tile3_c3
                     )
         # base-2 logits: SparQ's correction and log2(e) in one factor, so each exponential is one exp2
         correction = LOG2E / tl.sqrt(tl.maximum(kept / total_abs, 1e-6))
