@@ -54,6 +54,7 @@ class Kernel:
     num_warps: int
     num_stages: int | None = None
     aligned_ints: tuple[str, ...] = ()
+    max_registers: int | None = None  # the launch's `maxnreg`, where it passes one
 
 
 def channels_kernel() -> Kernel:
@@ -101,7 +102,8 @@ def channels_mma_kernel() -> Kernel:
     constants = dict(D=dim, G=group, P=stored, BLOCK_G=group, HEADER=channels.header_start(size, stored, dim),
                      BLOCKS=triton_channels_mma.BLOCKS)  # fmt: skip
     aligned = ("stride_ib", "stride_ih", "stride_ob", "stride_oh", "stride_mw")
-    return Kernel(triton_channels_mma._block_lse_mma_kernel, signature, constants, 1, aligned_ints=aligned)
+    return Kernel(triton_channels_mma._block_lse_mma_kernel, signature, constants, 1, aligned_ints=aligned,
+                  max_registers=triton_channels_mma.MAX_REGISTERS)  # fmt: skip
 
 
 def combine_kernel() -> Kernel:
@@ -208,6 +210,8 @@ def build(kernel: Kernel, arch: int = ARCH) -> tuple[bytes, int]:
     source = ASTSource(fn=fn, signature=typed, constexprs=fixed, attrs=attrs)
     stages = {} if kernel.num_stages is None else {"num_stages": kernel.num_stages}
     options = {"num_warps": kernel.num_warps} | stages
+    if kernel.max_registers is not None:
+        options["maxnreg"] = kernel.max_registers
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled.asm["cubin"], int(compiled.metadata.shared)
 

@@ -35,6 +35,7 @@ from . import channels
 from .triton_channels import _query_by_channel, native_fp8
 
 BLOCKS = 16  # blocks one program (one warp) scores in turn (a launch knob)
+MAX_REGISTERS = 64  # per thread (the launch's maxnreg): at 64 an SM holds 32 programs, at 65 only 28 (a launch knob)
 LOG2E = tl.constexpr(1.4426950408889634)  # kernels read module constants only as constexprs
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -64,9 +65,12 @@ def _half2(high, low):
 @triton.jit
 def _fp8_pair(words, first: tl.constexpr):
     """Bytes `first` and `first` + 2 of each int32 word, read as float8_e4m3fn, as an fp16 pair (byte
-    `first` low)."""
-    pair = ((words >> (8 * first)) & 0xFF) | ((words >> (8 * first)) & 0xFF0000) >> 8
-    return _asm("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [pair])
+    `first` low): one byte permute, one conversion."""
+    if first == 0:
+        return _asm("{ .reg .b32 p; .reg .b16 t; prmt.b32 p, $1, 0, 0x4420; cvt.u16.u32 t, p; "
+                    "cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [words])  # fmt: skip
+    return _asm("{ .reg .b32 p; .reg .b16 t; prmt.b32 p, $1, 0, 0x4431; cvt.u16.u32 t, p; "
+                "cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [words])  # fmt: skip
 
 
 @triton.jit
@@ -238,5 +242,6 @@ def block_logsumexp(
         out.stride(0), out.stride(1), metadata.stride(0) // 4, 0x00030003, num_blocks, num_kv_heads, D=dim, G=group,
         P=stored,
         BLOCK_G=block_g, HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS, num_warps=1,
+        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     return out
