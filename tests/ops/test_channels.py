@@ -165,3 +165,65 @@ def test_tensor_core_form_matches_reference(poisoned, monkeypatch, kv_heads, gro
     assert torch.equal(torch.isneginf(got).cpu(), table.repeat_interleave(group, 1) < 0)
     finite = ~torch.isneginf(expected)
     torch.testing.assert_close(got.cpu()[finite], expected[finite], atol=5e-2, rtol=5e-3)  # a wrong lane: O(1)
+
+
+def _tensor_core_lanes(block: torch.Tensor, scaled: torch.Tensor, stored: int) -> torch.Tensor:
+    """The tensor-core kernel's lane arithmetic for one block, on the CPU in fp32: the words each lane
+    of `triton_channels_mma` loads, where each value lands in the MMA's fragments (lane 4g + t holds
+    A's row g and B's column g at k positions 2t, 2t + 1, 2t + 8, 2t + 9, for its channels 4t, 4t + 2,
+    4t + 1, 4t + 3 of a 16-channel step), and the products PTX defines on them. block (M, D) metadata,
+    scaled (G, D) queries times the softmax scale -> (G,) the block's log-sum-exps."""
+    group, dim = scaled.shape
+    words = block.view(torch.uint8).flatten().view(torch.int32).tolist()
+    header = channels.header_start(32, stored, dim) // 4
+
+    def byte(word: int, k: int) -> int:
+        return ((word & 0xFFFFFFFF) >> (8 * k)) & 0xFF
+
+    def fp8(value: int) -> float:
+        return torch.tensor([value], dtype=torch.uint8).view(FP8).float().item()
+
+    logits, offset, kept = torch.zeros(group, 32), torch.zeros(group), torch.zeros(group)
+    for step in range(stored // 16):
+        weights, sums = (
+            torch.zeros(16, 16),
+            torch.zeros(16, 16),
+        )  # A of the codes' product; of the sums' (rows g, g + 8)
+        codes = torch.zeros(4, 16, 8)  # B of each 8-token tile
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            first = step * 16 + 4 * t
+            pairs = words[header + (first % (stored // 2)) // 4]
+            lows, steps = (
+                words[header + (stored // 2 + first) // 4],
+                words[header + (stored // 2 + stored + first) // 4],
+            )
+            half = (first // (stored // 2)) * (dim // 2)
+            for k, position in enumerate((2 * t, 2 * t + 8, 2 * t + 1, 2 * t + 9)):  # channel first + k
+                q = scaled[g, half + byte(pairs, k)].item() if g < group else 0.0
+                weights[g, position] = q * fp8(byte(steps, k))
+                sums[g, position], sums[g + 8, position] = q * fp8(byte(lows, k)), abs(q)
+                for tile in range(4):  # token 8 * tile + g: code row 2 * tile + g // 4, bits 2 * (g % 4)
+                    word = words[((2 * tile + g // 4) * stored) // 4 + 4 * step + t]
+                    codes[tile, position, g] = (byte(word, k) >> (2 * (g % 4))) & 3
+        totals = sums @ torch.ones(16, 8)
+        offset += totals[:group, 0]
+        kept += totals[8 : 8 + group, 0]
+        for tile in range(4):
+            logits[:, 8 * tile : 8 * tile + 8] += (weights @ codes[tile])[:group]
+    correction = 1 / (kept / scaled.abs().sum(-1)).clamp(min=1e-6).sqrt()
+    return torch.logsumexp((logits + offset[:, None]) * correction[:, None], dim=-1)
+
+
+@pytest.mark.parametrize("group,dim,share", [(4, 128, 0.375), (3, 64, 1.0)], ids=str)
+def test_tensor_core_lanes_compute_the_spec(group, dim, share):
+    """The index arithmetic of `triton_channels_mma` (which word each lane reads, which k position each
+    byte takes in A and B, which code row and bits a token has) gives the spec's estimate, in fp32 on
+    the CPU (the kernel itself runs PTX: its test is GPU-only)."""
+    torch.manual_seed(group + dim)
+    stored = channels.stored_channels(share, dim)
+    metadata = channel_pool(8, 32, dim, share)
+    query = torch.randn(1, group, dim)
+    expected = channels.block_logsumexp(query, metadata, torch.tensor([[[5]]]), 32, stored, dim**-0.5)[0, :, 0]
+    got = _tensor_core_lanes(metadata[5], query[0] * dim**-0.5, stored)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
