@@ -256,11 +256,6 @@ def block_logsumexp(
     batch, num_kv_heads, num_blocks = block_ids.shape
     num_q_heads, dim = query.shape[1], query.shape[2]
     group = num_q_heads // num_kv_heads
-    if MMA and query.is_cuda and metadata.is_contiguous():
-        from . import triton_channels_mma  # it imports this module's helpers: only here
-
-        if triton_channels_mma.fits(block_size, stored, group, query.device):
-            return triton_channels_mma.block_logsumexp(query, metadata, block_ids, block_size, stored, scaling)
     assert metadata.element_size() == 1 and metadata.stride(2) == 1 and metadata.stride(1) == dim
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
@@ -268,6 +263,12 @@ def block_logsumexp(
     block_g = triton.next_power_of_2(group)
     by_channel, abs_sum = _query_by_channel(query, num_kv_heads, block_g, scaling)
     block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    if MMA and query.is_cuda and metadata.is_contiguous():
+        from . import triton_channels_mma  # it imports this module's helpers: only here
+
+        if triton_channels_mma.fits(block_size, stored, group, query.device):
+            triton_channels_mma.launch(by_channel, abs_sum, metadata, block_ids, out, block_size, stored)
+            return out
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
     words = WORDS and stored % 8 == 0 and dim % 4 == 0  # then code rows and header runs start 4-aligned
     _block_lse_kernel[grid](

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import channels
-from .triton_channels import _query_by_channel, native_fp8
+from .triton_channels import native_fp8
 
 BLOCKS = 16  # blocks one program (one warp) scores in turn (a launch knob)
 MAX_REGISTERS = 64  # per thread (the launch's maxnreg): at 64 an SM holds 32 programs, at 65 only 28 (a launch knob)
@@ -215,33 +215,26 @@ def _block_lse_mma_kernel(
         tl.store(out, lse, mask=head_live & (t == 0) & in_table)
 
 
-def block_logsumexp(
-    query: torch.Tensor,
+def launch(
+    by_channel: torch.Tensor,
+    abs_sum: torch.Tensor,
     metadata: torch.Tensor,
     block_ids: torch.Tensor,
+    out: torch.Tensor,
     block_size: int,
     stored: int,
-    scaling: float,
-) -> torch.Tensor:
-    """`triton_channels.block_logsumexp` on tensor cores, for the shapes `fits` takes (CUDA only: the
-    interpreter runs no PTX). Same arguments and result: (B, Hq, N) fp32, -inf where the id is -1."""
+) -> None:
+    """Write `triton_channels.block_logsumexp`'s estimates into `out` (B, Hq, N) on tensor cores, from
+    the query that `triton_channels._query_by_channel` prepared (by_channel (B, Hkv, D, BLOCK_G), abs_sum
+    (B, Hkv, G)), for the shapes `fits` takes (CUDA only: the interpreter runs no PTX). metadata (C, M, D)
+    contiguous, block_ids (B, Hkv, N) with unit stride on N."""
     batch, num_kv_heads, num_blocks = block_ids.shape
-    num_q_heads, dim = query.shape[1], query.shape[2]
-    group = num_q_heads // num_kv_heads
-    assert fits(block_size, stored, group, query.device) and metadata.element_size() == 1
-    assert metadata.is_contiguous() and metadata.stride(0) % 4 == 0
-    out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
-    if out.numel() == 0:
-        return out
-    block_g = triton.next_power_of_2(group)
-    by_channel, abs_sum = _query_by_channel(query, num_kv_heads, block_g, scaling)
-    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    dim, group = metadata.shape[-1], abs_sum.shape[-1]
+    assert fits(block_size, stored, group, out.device) and metadata.is_contiguous() and metadata.stride(0) % 4 == 0
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCKS))
     _block_lse_mma_kernel[grid](
         by_channel, abs_sum, metadata.view(torch.int32), block_ids, out, block_ids.stride(0), block_ids.stride(1),
         out.stride(0), out.stride(1), metadata.stride(0) // 4, 0x00030003, num_blocks, num_kv_heads, D=dim, G=group,
-        P=stored,
-        BLOCK_G=block_g, HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS, num_warps=1,
-        maxnreg=MAX_REGISTERS,
+        P=stored, BLOCK_G=by_channel.shape[-1], HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS,
+        num_warps=1, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    return out
