@@ -23,7 +23,15 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.common import add_config_overrides, bench_setup, config_overrides, run_record, sync
+from eval.bench.common import (
+    add_config_overrides,
+    add_knob_option,
+    apply_knobs,
+    bench_setup,
+    config_overrides,
+    run_record,
+    sync,
+)
 from eval.bench.decode_step_setup import build_model, replayed_cut
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
@@ -43,10 +51,12 @@ def main(argv: list[str] | None = None) -> str:
         "--no-fused-norms", dest="fused_norms", action="store_false", help="SparseServeConfig(fused_norms=False)"
     )
     add_config_overrides(parser, "kv_dtype=float8_e4m3fn")
+    add_knob_option(parser, "triton_channels.MMA=True")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     fields = {"fused_norms": args.fused_norms} | config_overrides(args.overrides)
     device, shape, dtype = bench_setup(args.dry_run)
+    knobs = apply_knobs(args.knob)  # after bench_setup: the interpreter switch comes before the kernel modules
     if args.dry_run:
         args.batch, args.context, args.steps = 2, 200, 2
     model = build_model(shape, "sparseserve", device, dtype, args.context + 1024, num_layers=args.layers)
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> str:
     header = f"# One sparse decode layer, kernel by kernel\n\n{run_record(device)}\n\n"
     mode = "CUDA-graph replays" if args.graph else "eager steps"
     text_out = header + f"B={args.batch}, context {args.context}, {args.layers} layers, {args.steps} {mode}"
-    text_out += ", " + ", ".join(f"{name}={value}" for name, value in fields.items()) + "\n\n"
+    text_out += ", " + ", ".join(f"{name}={value}" for name, value in (fields | knobs).items()) + "\n\n"
     text_out += miss_line(cache.store.read_stats(), args.steps * args.layers) + report
     if device.type == "cuda":
         text_out += "\n" + layer_timeline(prof)

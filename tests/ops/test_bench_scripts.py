@@ -267,16 +267,18 @@ def test_longdoc_dry_run_reports_the_prefix_targets_with_equal_tokens(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mode", [["--no-fused-norms"], ["--graph", "--set", "kv_dtype=float8_e4m3fn"]], ids=["eager", "graph_fp8_kv"]
+    "mode",
+    [["--no-fused-norms"], ["--graph", "--set", "kv_dtype=float8_e4m3fn", "--knob", "triton_channels.BLOCK_N=8"]],
+    ids=["eager", "graph_fp8_kv"],
 )
 def test_profile_step_dry_run_tables_the_kernels_per_layer(tmp_path, mode):
     """The kernel profile of eager steps, or of `StaticDecoder`'s static step (its CPU form),
-    under config overrides."""
+    under config overrides and launch knobs."""
     out = tmp_path / "profile.md"
     run_module("eval.bench.profile_step", "--dry-run", *mode, "--out", str(out))
     text = out.read_text()
     if "--graph" in mode:
-        steps = "CUDA-graph replays, fused_norms=True, kv_dtype=float8_e4m3fn"
+        steps = "CUDA-graph replays, fused_norms=True, kv_dtype=float8_e4m3fn, triton_channels.BLOCK_N=8"
     else:
         steps = "eager steps, fused_norms=False"
     assert steps in text and "| us/layer | calls/layer | kernel |" in text and "misses per layer" in text
