@@ -95,6 +95,12 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @triton.jit
+def _log2(x):
+    """log2 of positive fp32 values, the hardware's approximation (a sum of exponentials is at least 1 here)."""
+    return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _group_max(x):
     """(32,) -> the maximum over each lane's group of 4 lanes (lanes 4g .. 4g + 3), on every lane of it."""
     best = tl.max(tl.reshape(x, (8, 4)), axis=1)
@@ -140,7 +146,7 @@ def _block_lse_mma_kernel(
     t = lane % 4  # the lane's stored channels 4t .. 4t + 3 of each step; D's tokens 2t, 2t + 1 of each tile
     head_live = g < G
     query_rows = query_ptr + row_head * D * BLOCK_G + g
-    total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=head_live, other=1.0), 1e-30)
+    inverse_abs = 1.0 / tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=head_live, other=1.0), 1e-30)
     magic = tl.full([32], 0x64006400, tl.int32)  # 1024 in both fp16 halves
     ones = tl.full([32], 0x3C003C00, tl.int32)  # 1.0 in both fp16 halves
     no_rows = tl.zeros([32], tl.int32)  # A's rows 8..15 in the tiles' products: no head there
@@ -198,19 +204,22 @@ def _block_lse_mma_kernel(
                     tile3_lo, tile3_hi, tile3_c2, tile3_c3 = _mma(
                         a0, no_rows, a2, no_rows, b0, b1, tile3_lo, tile3_hi, tile3_c2, tile3_c3
                     )
-        # base-2 logits: SparQ's correction and log2(e) in one factor, so each exponential is one exp2
-        correction = LOG2E / tl.sqrt(tl.maximum(kept / total_abs, 1e-6))
-        l0, l1 = (tile0_lo + offset) * correction, (tile0_hi + offset) * correction
-        l2, l3 = (tile1_lo + offset) * correction, (tile1_hi + offset) * correction
-        l4, l5 = (tile2_lo + offset) * correction, (tile2_hi + offset) * correction
-        l6, l7 = (tile3_lo + offset) * correction, (tile3_hi + offset) * correction
+        # base-2 logits: SparQ's correction and log2(e) in one factor, positive and the same on all of the
+        # lane's entries (they are its head's), so the maximum is taken over the raw products and each
+        # exponential is one multiply-add and one exp2
+        correction = LOG2E * tl.math.rsqrt(tl.maximum(kept * inverse_abs, 1e-6))
         mine = tl.maximum(
-            tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), tl.maximum(tl.maximum(l4, l5), tl.maximum(l6, l7))
+            tl.maximum(tl.maximum(tile0_lo, tile0_hi), tl.maximum(tile1_lo, tile1_hi)),
+            tl.maximum(tl.maximum(tile2_lo, tile2_hi), tl.maximum(tile3_lo, tile3_hi)),
         )
         best = _group_max(mine)
-        total = tl.math.exp2(l0 - best) + tl.math.exp2(l1 - best) + tl.math.exp2(l2 - best) + tl.math.exp2(l3 - best)
-        total += tl.math.exp2(l4 - best) + tl.math.exp2(l5 - best) + tl.math.exp2(l6 - best) + tl.math.exp2(l7 - best)
-        lse = tl.where(valid, (best + tl.math.log2(_group_sum(total))) * LN2, float("-inf"))
+        shift_by = -best * correction
+        total = (tl.math.exp2(tile0_lo * correction + shift_by) + tl.math.exp2(tile0_hi * correction + shift_by)
+                 + tl.math.exp2(tile1_lo * correction + shift_by) + tl.math.exp2(tile1_hi * correction + shift_by)
+                 + tl.math.exp2(tile2_lo * correction + shift_by) + tl.math.exp2(tile2_hi * correction + shift_by)
+                 + tl.math.exp2(tile3_lo * correction + shift_by) + tl.math.exp2(tile3_hi * correction + shift_by))  # fmt: skip
+        lse2 = (best + offset) * correction + _log2(_group_sum(total))
+        lse = tl.where(valid, lse2 * LN2, float("-inf"))
         out = out_ptr + b * stride_ob + (h * G + g) * stride_oh + n
         tl.store(out, lse, mask=head_live & (t == 0) & in_table)
 
