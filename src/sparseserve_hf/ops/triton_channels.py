@@ -220,12 +220,13 @@ def _block_lse_kernel(
             codes = ((shifted & code_mask) | one_bits).to(tl.float32, bitcast=True)
             acc += codes[None, :, :, :] * weighted[:, None, None, :]
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
-    correction = 1.0 / tl.sqrt(tl.maximum(kept / total_abs[:, None], 1e-6))  # (BLOCK_G, BLOCK_N)
+    # base-2 logits (log2(e) joins the correction), so each exponential is one exp2
+    correction = 1.4426950408889634 / tl.sqrt(tl.maximum(kept / total_abs[:, None], 1e-6))  # (BLOCK_G, BLOCK_N)
     dots = (acc - weight_sum[:, None, None, :]) * (1 << BITS)  # sum over channels of q * step * code
     logits = (dots + offset[:, None, None, :]) * correction[:, None, None, :]
     best = tl.max(tl.max(logits, axis=2), axis=1)  # (BLOCK_G, BLOCK_N)
-    total = tl.sum(tl.sum(tl.exp(logits - best[:, None, None, :]), axis=2), axis=1)
-    lse = tl.where(valid[None, :], best + tl.log(total), float("-inf"))
+    total = tl.sum(tl.sum(tl.math.exp2(logits - best[:, None, None, :]), axis=2), axis=1)
+    lse = tl.where(valid[None, :], (best + tl.math.log2(total)) * 0.6931471805599453, float("-inf"))
     out = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + n[None, :]
     tl.store(out, lse, mask=has_g[:, None] & in_table[None, :])
 
