@@ -99,7 +99,7 @@ def channels_mma_kernel() -> Kernel:
                  "stride_mw": "i32", "code_mask": "i32", "num_blocks": "i32", "num_kv_heads": "i32"}  # fmt: skip
     size, dim, group = 32, 128, 4
     stored = channels.stored_channels(0.375, dim)
-    constants = dict(D=dim, G=group, P=stored, BLOCK_G=group, HEADER=channels.header_start(size, stored, dim),
+    constants = dict(D=dim, G=group, P=stored, HEADER=channels.header_start(size, stored, dim),
                      BLOCKS=triton_channels_mma.BLOCKS)  # fmt: skip
     aligned = ("stride_ib", "stride_ih", "stride_ob", "stride_oh", "stride_mw")
     return Kernel(triton_channels_mma._block_lse_mma_kernel, signature, constants, 1, aligned_ints=aligned,

@@ -261,15 +261,16 @@ def block_logsumexp(
     out = torch.empty((batch, num_q_heads, num_blocks), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
+    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
+    if _tensor_cores_take(query, metadata, block_size, stored, group):
+        from . import triton_channels_mma
+
+        # the tensor-core form reads eight heads' rows, zeros past G (a lane per head of the fragment)
+        by_channel, abs_sum = _query_by_channel(query, num_kv_heads, 8, scaling)
+        triton_channels_mma.launch(by_channel, abs_sum, metadata, block_ids, out, block_size, stored)
+        return out
     block_g = triton.next_power_of_2(group)
     by_channel, abs_sum = _query_by_channel(query, num_kv_heads, block_g, scaling)
-    block_ids = block_ids if block_ids.stride(-1) == 1 else block_ids.contiguous()
-    if MMA and query.is_cuda and metadata.is_contiguous():
-        from . import triton_channels_mma  # it imports this module's helpers: only here
-
-        if triton_channels_mma.fits(block_size, stored, group, query.device):
-            triton_channels_mma.launch(by_channel, abs_sum, metadata, block_ids, out, block_size, stored)
-            return out
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCK_N))
     words = WORDS and stored % 8 == 0 and dim % 4 == 0  # then code rows and header runs start 4-aligned
     _block_lse_kernel[grid](
@@ -286,6 +287,15 @@ def block_logsumexp(
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
+
+
+def _tensor_cores_take(query: torch.Tensor, metadata: torch.Tensor, block_size: int, stored: int, group: int) -> bool:
+    """Whether `block_logsumexp` runs the tensor-core form (`MMA`, on CUDA, a shape it fits)."""
+    if not (MMA and query.is_cuda and metadata.is_contiguous()):
+        return False
+    from . import triton_channels_mma  # it imports this module's helpers: only here
+
+    return triton_channels_mma.fits(block_size, stored, group, query.device)
 
 
 @triton.jit

@@ -74,6 +74,23 @@ def _fp8_pair(words, first: tl.constexpr):
 
 
 @triton.jit
+def _channel_row(pairs, k: tl.constexpr, rows):
+    """The address of the query entry of the channel in byte k of `pairs`: `rows` + 32 bytes (a channel's
+    eight heads) per channel, as one byte permute and one wide multiply-add (the compiler's own form
+    spends a shift and a mask where the permute suffices)."""
+    if k == 0:
+        instruction: tl.constexpr = "{ .reg .b32 c; prmt.b32 c, $1, 0, 0x4440; mad.wide.u32 $0, c, 32, $2; }"
+    elif k == 1:
+        instruction: tl.constexpr = "{ .reg .b32 c; prmt.b32 c, $1, 0, 0x4441; mad.wide.u32 $0, c, 32, $2; }"
+    elif k == 2:
+        instruction: tl.constexpr = "{ .reg .b32 c; prmt.b32 c, $1, 0, 0x4442; mad.wide.u32 $0, c, 32, $2; }"
+    else:
+        instruction: tl.constexpr = "{ .reg .b32 c; prmt.b32 c, $1, 0, 0x4443; mad.wide.u32 $0, c, 32, $2; }"
+    address = tl.inline_asm_elementwise(instruction, "=l,r,l", [pairs, rows], dtype=tl.int64, is_pure=True, pack=1)
+    return address.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _codes_pair(words, shift, code_mask, magic):
     """The codes at bit `shift` of bytes 0 and 2 of each int32 word as an exact fp16 pair (byte 0 low):
     placed under 1024's exponent (1024 + code), then 1024 taken off both halves at once. `code_mask`
@@ -116,7 +133,7 @@ def _group_sum(x):
 
 @triton.jit
 def _block_lse_mma_kernel(
-    query_ptr,  # (B, Hkv, D, BLOCK_G) fp32 queries times the softmax scale, heads last (zero past G)
+    query_ptr,  # (B, Hkv, D, 8) fp32 queries times the softmax scale, heads last (zero past G)
     abs_sum_ptr,  # (B, Hkv, G) fp32 each head's sum of |scaled q| over all D channels
     words_ptr,  # the metadata pool as int32 (C, M, D / 4)
     ids_ptr,  # (B, Hkv, N) int64, unit stride on N
@@ -132,7 +149,6 @@ def _block_lse_mma_kernel(
     D: tl.constexpr,
     G: tl.constexpr,
     P: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     HEADER: tl.constexpr,  # the header's first byte (a multiple of D)
     BLOCKS: tl.constexpr,
 ):
@@ -145,7 +161,7 @@ def _block_lse_mma_kernel(
     g = lane // 4  # A's and D's row (query head g), B's column (token g of a tile)
     t = lane % 4  # the lane's stored channels 4t .. 4t + 3 of each step; D's tokens 2t, 2t + 1 of each tile
     head_live = g < G
-    query_rows = query_ptr + row_head * D * BLOCK_G + g
+    query_rows = query_ptr + row_head * D * 8 + g  # every lane's head has a row: no mask
     inverse_abs = 1.0 / tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=head_live, other=1.0), 1e-30)
     magic = tl.full([32], 0x64006400, tl.int32)  # 1024 in both fp16 halves
     ones = tl.full([32], 0x3C003C00, tl.int32)  # 1.0 in both fp16 halves
@@ -171,10 +187,11 @@ def _block_lse_mma_kernel(
             lows = tl.load(header + (P // 2 + first) // 4)
             steps = tl.load(header + (P // 2 + P + first) // 4)
             half = (first // (P // 2)) * (D // 2)  # the four sit in one half: P / 2 is a multiple of 4
-            q0 = tl.load(query_rows + (half + (pairs & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
-            q1 = tl.load(query_rows + (half + ((pairs >> 8) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
-            q2 = tl.load(query_rows + (half + ((pairs >> 16) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
-            q3 = tl.load(query_rows + (half + ((pairs >> 24) & 0xFF)) * BLOCK_G, mask=head_live, other=0.0)
+            rows = (query_rows + half * 8).to(tl.int64)  # the lane's query entry of channel 0 of the half
+            q0 = tl.load(_channel_row(pairs, 0, rows))
+            q1 = tl.load(_channel_row(pairs, 1, rows))
+            q2 = tl.load(_channel_row(pairs, 2, rows))
+            q3 = tl.load(_channel_row(pairs, 3, rows))
             q02, q13 = _half2(q2, q0), _half2(q3, q1)  # k positions (2t, 2t + 1) and (2t + 8, 2t + 9)
             a0 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q02, _fp8_pair(steps, 0)])
             a2 = _asm("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [q13, _fp8_pair(steps, 1)])
@@ -234,16 +251,17 @@ def launch(
     stored: int,
 ) -> None:
     """Write `triton_channels.block_logsumexp`'s estimates into `out` (B, Hq, N) on tensor cores, from
-    the query that `triton_channels._query_by_channel` prepared (by_channel (B, Hkv, D, BLOCK_G), abs_sum
+    the query that `triton_channels._query_by_channel` prepared for eight heads (by_channel (B, Hkv, D, 8), abs_sum
     (B, Hkv, G)), for the shapes `fits` takes (CUDA only: the interpreter runs no PTX). metadata (C, M, D)
     contiguous, block_ids (B, Hkv, N) with unit stride on N."""
     batch, num_kv_heads, num_blocks = block_ids.shape
     dim, group = metadata.shape[-1], abs_sum.shape[-1]
-    assert fits(block_size, stored, group, out.device) and metadata.is_contiguous() and metadata.stride(0) % 4 == 0
+    assert fits(block_size, stored, group, out.device) and by_channel.shape[-1] == 8
+    assert metadata.is_contiguous() and metadata.stride(0) % 4 == 0
     grid = (batch * num_kv_heads, triton.cdiv(num_blocks, BLOCKS))
     _block_lse_mma_kernel[grid](
         by_channel, abs_sum, metadata.view(torch.int32), block_ids, out, block_ids.stride(0), block_ids.stride(1),
         out.stride(0), out.stride(1), metadata.stride(0) // 4, 0x00030003, num_blocks, num_kv_heads, D=dim, G=group,
-        P=stored, BLOCK_G=by_channel.shape[-1], HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS,
+        P=stored, HEADER=channels.header_start(block_size, stored, dim), BLOCKS=BLOCKS,
         num_warps=1, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
