@@ -71,6 +71,16 @@ def _fused_step(r: dict[str, Any]) -> dict[str, Any]:
             "before": min(before), "after": min(after), "runs": len(after)}  # fmt: skip
 
 
+def _tensor_core_step(r: dict[str, Any]) -> dict[str, Any]:
+    """The step with the tensor-core channel scorer beside the FMA kernel's, one call on one machine,
+    and the kernels alone as graph replays."""
+    ours, fma = r["default"]["real_locality"], r["default_fma"]["real_locality"]
+    kernel = {run["MMA"]: run["kernel_us"] for run in r["channel_kernel"]["new"]["rows"]}
+    return {"ms": ours["graph_ms"], "floor": ours["graph_step_over_floor"], "book": ours["bookkeeping_us_per_layer"],
+            "fma_ms": fma["graph_ms"], "fma_floor": fma["graph_step_over_floor"],
+            "fma_book": fma["bookkeeping_us_per_layer"], "mma_us": kernel[True], "fma_us": kernel[False]}  # fmt: skip
+
+
 def _generator(point: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def figures(r: dict[str, Any]) -> dict[str, Any]:
         ours, stock = r["points"][point]["real_locality"], r["points"][point]["stock"]
@@ -287,6 +297,15 @@ ROWS = [
         _fused_step,
         "**{ms:.2f} ms** ({floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
         "the captured step per layer (8-layer cut), fastest of {runs} runs each: {before:.0f} us before, {after:.0f} us after",
+        "",
+        device="H100",
+    ),
+    Row(
+        "the same step with the channel scores on tensor cores (the default where they fit)",
+        "decode_step_runs/tensor_cores_1f96824_h100.json",
+        _tensor_core_step,
+        "**{ms:.2f} ms** ({floor:.2f}x its floor); selection + lookup {book:.0f} us per layer; the scorer alone {mma_us:.1f} us",
+        "the FMA kernel in the same call: {fma_ms:.2f} ms ({fma_floor:.2f}x), {fma_book:.0f} us; the scorer alone {fma_us:.1f} us",
         "",
         device="H100",
     ),

@@ -13,7 +13,10 @@ sum of q * step over the channels is taken off at the end. A step reads each blo
 Everything computes in fp32, like the spec; only the order of the sums over channels differs. The
 8-bit minima and steps are converted in hardware where the GPU can (compute capability 8.9 or newer)
 and from their bits elsewhere (`NATIVE_FP8`), so the kernel builds for an A100 too.
-The query enters scaled and regrouped by channel (`_query_by_channel`, one small launch).
+The query enters scaled and regrouped by channel (`_query_by_channel`, one small launch). Where the
+shape fits (`triton_channels_mma.fits`: 32-token blocks of 2-bit codes, a GPU that converts 8-bit
+floats) the products run on tensor cores instead, with fp16 weights (`MMA`); this kernel is the
+form for every other shape and device, and the one exact to fp32's rounding.
 `feedback_mass` then turns the estimates into what the scorer ranks (`channels.feedback_mass`) in one
 launch, one program per (row, query head): the last step's exact numbers raised into its row in place
 (only with feedback), then the head's softmax over its row's blocks.
@@ -36,7 +39,7 @@ WORDS = True  # the codes of 4 channels per 32-bit load where P allows (a launch
 PREFETCH = True  # with WORDS: load the next chunk's code and header words a pass ahead (a launch knob)
 HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels before its first one (a launch knob)
 Q_AHEAD = False  # with PREFETCH, HOIST_Q: those gathers a pass ahead, from pair words two ahead (a launch knob)
-MMA = False  # the products on tensor cores where the shape fits (`triton_channels_mma`; a launch knob)
+MMA = True  # the products on tensor cores where the shape fits (`triton_channels_mma`; a launch knob)
 NATIVE_FP8: bool | None = None  # convert 8-bit floats in hardware; None: where the device can (a launch knob)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
