@@ -90,9 +90,10 @@
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
 #               Firecracker runtime, where ncu reads the counters; clocks left alone)
-#   mma         the channel scores on tensor cores (`triton_channels.MMA`): the probe's and the kernel's GPU tests,
-#               the kernel beside the FMA kernel as graph replays (channel_kernel settings 0 and 21), then the
-#               captured step per layer (8-layer cut) with and without it, alternating, twice each
+#   mma         the channel scores on tensor cores (the default where they fit) against the FMA kernel
+#               (`--knob triton_channels.MMA=False`): the probe's and the channel tests on the GPU, both kernels
+#               as graph replays (channel_kernel settings 0 and 21), then the captured step per layer (8-layer
+#               cut) with each, alternating, twice each
 # Each part writes its log and JSON under OUT_DIR; commit the JSON as eval/results/<name>.json.
 # The GPU machine's .git is not this checkout's: write the local HEAD to .gpu_commit before the call
 # (`git rev-parse HEAD > .gpu_commit`, git-ignored: carry it), so the JSON records the right commit.
@@ -312,12 +313,12 @@ case $part in
         --out "$out/generator_phases_${part}_$run.json" 2>&1 | tail -3
     done ;;
   mma)
-    python -m pytest -q -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_bench_scripts.py -k "tensor_core or mma" \
+    python -m pytest -q -p no:cacheprovider tests/ops/test_channels.py tests/ops/test_bench_scripts.py -k "channels or mma" \
       2>&1 | tee "$out/gpu_pytest_mma.log" | tail -3
     python -m eval.bench.channel_kernel --setting 0 --setting 21 --out "$out/channel_kernel_mma.json" 2>&1 \
       | tee "$out/channel_kernel_mma.log" | tail -4
     for run in 1 2; do
-      for knob in "" "--knob triton_channels.MMA=True"; do
+      for knob in "" "--knob triton_channels.MMA=False"; do
         python -m eval.bench.step_knobs $knob --out "$out/step_knobs_mma.jsonl" 2>&1 | tail -1
       done
     done ;;
