@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("rouge")
 pytest.importorskip("jieba")
@@ -21,6 +20,7 @@ from eval.common import methods_for
 from eval.longbench_metrics import DATASET_TO_METRIC
 
 from eval import longbench
+from tiny_models import tiny_model
 
 TOY_CHAT_TEMPLATE = (
     "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
@@ -39,29 +39,6 @@ def byte_tokenizer(chat_template: str | None = None):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     tokenizer.chat_template = chat_template
     return tokenizer
-
-
-def tiny_llama():
-    """Random-weight 2-layer Llama, vocab 256 (matches `byte_tokenizer`), fp32, sparseserve attention."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import sparseserve_hf  # noqa: F401  (registers "sparseserve")
-
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sparseserve").eval()
 
 
 def write_fixture(folder: Path, words_per_passage: int = 150) -> Path:
@@ -207,7 +184,7 @@ def test_end_to_end_tiny_model(tmp_path):
     from eval.common import write_results
 
     data = write_fixture(tmp_path / "data")
-    model, tokenizer = tiny_llama(), byte_tokenizer()
+    model, tokenizer = tiny_model(), byte_tokenizer()
     methods = methods_for([512])
     rows = longbench.run(
         model, tokenizer, ["multi_news", "passage_retrieval_en"], methods, data, max_length=1024, max_new_tokens=8
@@ -226,7 +203,7 @@ def test_end_to_end_tiny_model(tmp_path):
 def test_batched_run_equals_one_by_one(tmp_path):
     """--batch-size only changes how samples are grouped: the same predictions in the same row order."""
     data = write_fixture(tmp_path / "data")
-    model, tokenizer = tiny_llama(), byte_tokenizer()
+    model, tokenizer = tiny_model(), byte_tokenizer()
     methods = methods_for([256])
     common = dict(max_length=600, max_new_tokens=6)
     alone = longbench.run(model, tokenizer, ["multi_news"], methods, data, **common)

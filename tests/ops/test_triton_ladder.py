@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import DynamicCache
 
+import tiny_models
 from kernel_support import DEVICE
 from sparseserve_hf import SparseServeCache, SparseServeConfig
+from tiny_models import greedy, tiny_model
 
 
 def tiny_llama(attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A 2-layer llama with head_dim 16 and GQA 3 (6 query / 2 KV heads), fixed seed."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0,
-        eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval().to(DEVICE, dtype)
+    """A 2-layer llama with head_dim 16 and GQA 3 (6 query / 2 KV heads), fixed seed, on the kernels' device."""
+    return tiny_model("llama", attn, num_heads=6, num_kv_heads=2).to(DEVICE, dtype)
 
 
-def greedy(model, ids, cache=None, new_tokens=12):
-    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    if cache is not None:
-        kwargs["past_key_values"] = cache
-    with torch.no_grad():
-        return model.generate(ids, **kwargs)[:, ids.shape[1] :]
+def random_ids(batch: int, length: int) -> torch.Tensor:
+    return tiny_models.random_ids(batch, length).to(DEVICE)
 
 
 def triton_cache(model, **overrides) -> SparseServeCache:
@@ -38,16 +30,12 @@ def triton_cache(model, **overrides) -> SparseServeCache:
     return cache
 
 
-def random_ids(batch: int, length: int) -> torch.Tensor:
-    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else []), ids=str)
 def test_budget_covering_the_sequence_equals_sdpa(dtype):
     model, sdpa = tiny_llama("sparseserve", dtype), tiny_llama("sdpa", dtype)
     ids = random_ids(2, 45)  # not a block multiple
     cache = triton_cache(model, token_budget=1024)
-    assert torch.equal(greedy(model, ids, cache, 8), greedy(sdpa, ids, new_tokens=8))
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=8), greedy(sdpa, ids, max_new_tokens=8))
     assert cache.store.ops.name == "triton" and cache.stats()["misses"] > 0
 
 
@@ -55,7 +43,10 @@ def test_unlimited_hbm_cache_equals_dynamic_cache():
     model, sdpa = tiny_llama("sparseserve"), tiny_llama("sdpa")
     ids = random_ids(1, 60)
     cache = triton_cache(model, token_budget=4096, hbm_cache_bytes=None)
-    assert torch.equal(greedy(model, ids, cache, 10), greedy(sdpa, ids, DynamicCache(config=sdpa.config), 10))
+    assert torch.equal(
+        greedy(model, ids, cache, max_new_tokens=10),
+        greedy(sdpa, ids, DynamicCache(config=sdpa.config), max_new_tokens=10),
+    )
 
 
 def test_small_budget_triton_equals_torch_backend():
@@ -68,7 +59,7 @@ def test_small_budget_triton_equals_torch_backend():
         )
         for backend in ("torch", "triton")
     }
-    tokens = {backend: greedy(model, ids, cache, 6) for backend, cache in caches.items()}
+    tokens = {backend: greedy(model, ids, cache, max_new_tokens=6) for backend, cache in caches.items()}
     assert torch.equal(tokens["triton"], tokens["torch"])
     for torch_layer, triton_layer in zip(caches["torch"].layers, caches["triton"].layers):
         assert torch.equal(torch_layer.last_selection, triton_layer.last_selection)
@@ -109,7 +100,7 @@ def test_channel_scores_budget_covering_the_sequence_equals_sdpa(dtype):
     model, sdpa = tiny_llama("sparseserve", dtype), tiny_llama("sdpa", dtype)
     ids = random_ids(2, 45)
     cache = triton_cache(model, token_budget=1024, **CHANNELS)
-    assert torch.equal(greedy(model, ids, cache, 8), greedy(sdpa, ids, new_tokens=8))
+    assert torch.equal(greedy(model, ids, cache, max_new_tokens=8), greedy(sdpa, ids, max_new_tokens=8))
 
 
 @pytest.mark.parametrize("feedback", [False, True], ids=["estimates", "fed_back"])
@@ -119,8 +110,8 @@ def test_channel_scores_pick_what_the_torch_path_picks(feedback):
     model = tiny_llama("sparseserve")
     ids = random_ids(1, 200)
     fields = dict(CHANNELS, channel_feedback=feedback)
-    triton_tokens = greedy(model, ids, triton_cache(model, token_budget=48, **fields), 10)
+    triton_tokens = greedy(model, ids, triton_cache(model, token_budget=48, **fields), max_new_tokens=10)
     torch_cache = SparseServeCache(
         model.config, SparseServeConfig(block_size=16, backend="torch", token_budget=48, **fields)
     )
-    assert torch.equal(triton_tokens, greedy(model, ids, torch_cache, 10))
+    assert torch.equal(triton_tokens, greedy(model, ids, torch_cache, max_new_tokens=10))
