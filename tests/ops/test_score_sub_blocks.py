@@ -40,9 +40,10 @@ def test_score_table_rejects_an_odd_quest_vector_count():
 def test_small_budget_triton_equals_torch_backend_with_hybrid_sub_blocks():
     """Below the length, hybrid metadata (Quest per block + means per 4-token sub-block: both kernel
     paths, SUB = 1 and 4): the Triton path selects as the reference path. Kept short: interpreted."""
-    from test_triton_ladder import greedy, random_ids, tiny_llama
+    from test_triton_ladder import random_ids, tiny_llama
 
     from sparseserve_hf import SparseServeCache, SparseServeConfig
+    from tiny_models import greedy
 
     model = tiny_llama("sparseserve")
     ids = random_ids(1, 100)
@@ -55,7 +56,7 @@ def test_small_budget_triton_equals_torch_backend_with_hybrid_sub_blocks():
         )
         for backend in ("torch", "triton")
     }
-    tokens = {backend: greedy(model, ids, cache, 3) for backend, cache in caches.items()}
+    tokens = {backend: greedy(model, ids, cache, max_new_tokens=3) for backend, cache in caches.items()}
     assert torch.equal(tokens["triton"], tokens["torch"])
     for torch_layer, triton_layer in zip(caches["torch"].layers, caches["triton"].layers):
         assert torch.equal(torch_layer.last_selection, triton_layer.last_selection)

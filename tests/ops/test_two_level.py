@@ -112,9 +112,10 @@ def test_the_score_op_takes_the_two_level_interleave_from_its_minimum_width(monk
 def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
     """End to end through `generate` with the Triton op set (hybrid metadata, the group union): the
     two-level kernels on a table of several chunks pick what the one-level kernels pick."""
-    from test_triton_ladder import greedy, random_ids, tiny_llama
+    from test_triton_ladder import random_ids, tiny_llama
 
     from sparseserve_hf import SparseServeCache, SparseServeConfig
+    from tiny_models import greedy
 
     model = tiny_llama("sparseserve")
     ids = random_ids(2, 400)  # 25 blocks of 16: two chunks of 16
@@ -133,7 +134,7 @@ def test_a_drop_in_decode_selects_the_same_blocks_in_two_levels(monkeypatch):
             selection="group_union", group_aggregation="max",
         )  # fmt: skip
         cache = SparseServeCache(model.config, config)
-        runs.append((greedy(model, ids, cache, 4), [layer.last_selection for layer in cache.layers]))
+        runs.append((greedy(model, ids, cache, max_new_tokens=4), [layer.last_selection for layer in cache.layers]))
     assert torch.equal(runs[0][0], runs[1][0]) and set(launched) == {
         "combine_top_ranks_chunked",
         "select_group_union_chunked",
