@@ -41,6 +41,8 @@ HOIST_Q = True  # with WORDS: gather the group's query on a chunk's 4 channels b
 Q_AHEAD = False  # with PREFETCH, HOIST_Q: those gathers a pass ahead, from pair words two ahead (a launch knob)
 MMA = True  # the products on tensor cores where the shape fits (`triton_channels_mma`; a launch knob)
 NATIVE_FP8: bool | None = None  # convert 8-bit floats in hardware; None: where the device can (a launch knob)
+LOG2E = tl.constexpr(1.4426950408889634)  # kernels read module constants only as constexprs
+LN2 = tl.constexpr(0.6931471805599453)
 STAGES = 0  # Triton's software pipelining of the loop over channels, 0 = its default (a launch knob)
 
 
@@ -224,12 +226,12 @@ def _block_lse_kernel(
             acc += codes[None, :, :, :] * weighted[:, None, None, :]
     total_abs = tl.maximum(tl.load(abs_sum_ptr + row_head * G + g, mask=has_g, other=1.0), 1e-30)
     # base-2 logits (log2(e) joins the correction), so each exponential is one exp2
-    correction = 1.4426950408889634 / tl.sqrt(tl.maximum(kept / total_abs[:, None], 1e-6))  # (BLOCK_G, BLOCK_N)
+    correction = LOG2E / tl.sqrt(tl.maximum(kept / total_abs[:, None], 1e-6))  # (BLOCK_G, BLOCK_N)
     dots = (acc - weight_sum[:, None, None, :]) * (1 << BITS)  # sum over channels of q * step * code
     logits = (dots + offset[:, None, None, :]) * correction[:, None, None, :]
     best = tl.max(tl.max(logits, axis=2), axis=1)  # (BLOCK_G, BLOCK_N)
     total = tl.sum(tl.sum(tl.math.exp2(logits - best[:, None, None, :]), axis=2), axis=1)
-    lse = tl.where(valid[None, :], (best + tl.math.log2(total)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(valid[None, :], (best + tl.math.log2(total)) * LN2, float("-inf"))
     out = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + n[None, :]
     tl.store(out, lse, mask=has_g[:, None] & in_table[None, :])
 

@@ -32,12 +32,10 @@ import triton
 import triton.language as tl
 
 from . import channels
-from .triton_channels import native_fp8
+from .triton_channels import LN2, LOG2E, native_fp8
 
 BLOCKS = 16  # blocks one program (one warp) scores in turn (a launch knob)
 MAX_REGISTERS = 64  # per thread (the launch's maxnreg): at 64 an SM holds 32 programs, at 65 only 28 (a launch knob)
-LOG2E = tl.constexpr(1.4426950408889634)  # kernels read module constants only as constexprs
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 def fits(block_size: int, stored: int, group: int, device: torch.device) -> bool:
