@@ -67,14 +67,14 @@ class FakeGraph:
         moved = [name for name, t in self.graphs._tensors().items() if t.data_ptr() != self.held[name]]
         assert not moved, f"replayed a graph whose tensors moved: {moved}"
         layers = self.graphs.decoder.layers
-        counters = [(layer.num_positions, layer._tail_len_mirror, layer.last_pick) for layer in layers]
+        counters = [(layer.num_positions, layer._known_counts, layer.last_pick) for layer in layers]
         self.out.copy_(self.fn())
         for layer, static in zip(layers, self.picks):  # kernels write the captured outputs in place
             for fresh, held in zip(layer.last_pick, static):
                 if isinstance(held, torch.Tensor):
                     held.copy_(fresh)
-        for layer, (positions, mirror, pick) in zip(layers, counters):  # no Python ran
-            layer.num_positions, layer._tail_len_mirror, layer.last_pick = positions, mirror, pick
+        for layer, (positions, known, pick) in zip(layers, counters):  # no Python ran
+            layer.num_positions, layer._known_counts, layer.last_pick = positions, known, pick
         self.replays += 1
 
 

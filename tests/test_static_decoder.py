@@ -189,7 +189,7 @@ def test_graph_bookkeeping_recaptures_on_moves_and_hands_back_to_the_eager_path(
     assert captures == [1] + [2] * 11 + [3] * 8
     layers = decoder.cache.layers
     assert [layer.num_positions for layer in layers] == [layer.num_positions for layer in reference.cache.layers]
-    assert layers[0].tail_len.tolist() == decoder._tail_len and all(layer._tail_len_mirror is None for layer in layers)
+    assert layers[0].tail_len.tolist() == decoder._tail_len and all(layer._known_counts is None for layer in layers)
     tokens, positions = decoder._ids.clone(), reference.positions.clone()
     for step in range(BLOCK + 2):  # the ordinary eager path takes over: every row fills once more
         logits = eager_step(llama, decoder.cache, tokens, positions + step)

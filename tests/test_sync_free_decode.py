@@ -62,8 +62,7 @@ def test_steady_decode_step_runs_no_data_dependent_op_on_cpu(monkeypatch):
         "sparseserve_hf.attention.used_columns", lambda slots, head_mask, scales: (slots, head_mask, scales)
     )
     with torch.no_grad():
-        tokens = decode_step(stack, cache, tokens, PROMPT)  # the first step after prefill reads tail lengths
-        for step in range(1, 4):
+        for step in range(4):  # the prompt's commit left the block and tail counts known on the host
             with forbid_host_syncs() as seen:
                 tokens = decode_step(stack, cache, tokens, PROMPT + step)
             assert seen == [], f"step {step}: {sorted(set(seen))}"
@@ -92,7 +91,7 @@ def test_steady_decode_step_does_not_sync_on_cuda(layer_graphs):
 
 
 def test_decode_under_inference_mode_equals_stock():
-    """Inference-mode tensors keep no version counter: the host copy of tail lengths is then re-read."""
+    """Inference-mode tensors keep no version counter: the host copy of block and tail counts is then re-read."""
     model, sdpa = tiny_model("llama"), tiny_model("llama", "sdpa")
     ids = random_ids(2, 70)
     cache = SparseServeCache(model.config, SparseServeConfig(block_size=BLOCK, token_budget=4096))

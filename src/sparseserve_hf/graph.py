@@ -288,7 +288,7 @@ class StaticDecoder:
         self._tail_len = [length + held for length, held in zip(self._tail_len, self._holds)]
         self._last_position += 1
         for layer in self.layers:
-            layer.forget_host_tail_len()
+            layer.forget_host_counts()
 
     # ---- graphs -----------------------------------------------------------------------------------
 

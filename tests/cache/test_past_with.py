@@ -74,10 +74,10 @@ def test_a_second_turn_over_the_stored_past_gives_the_one_prompt_logits(llama, f
 
 
 def counting_reads(monkeypatch) -> list[int]:
-    """The rows whose block and tail counts layers read back (a host sync on CUDA), as they happen."""
+    """The layers that read their block and tail counts back (a host sync on CUDA), as they do."""
     reads = []
-    real = SparseServeLayer._row_counts
-    monkeypatch.setattr(SparseServeLayer, "_row_counts", lambda layer, row: reads.append(row) or real(layer, row))
+    real = SparseServeLayer._read_counts
+    monkeypatch.setattr(SparseServeLayer, "_read_counts", lambda layer: reads.append(layer.layer_idx) or real(layer))
     return reads
 
 
@@ -95,24 +95,31 @@ def test_a_prompt_after_a_prompt_reads_no_counts_back(llama, monkeypatch):
 
 
 @pytest.mark.core
-def test_counts_a_kernel_changed_are_read_again(llama, monkeypatch):
+@pytest.mark.parametrize("forget", [False, True], ids=["kept", "forgotten"])
+def test_counts_after_kernel_appends(llama, monkeypatch, forget):
     """Decode appends through a kernel, which changes `tail_len` without a version bump (simulated
-    here by writing through `.data`): the next prompt reads the counts back, once per layer, and
-    its logits are the one-pass logits."""
+    here by writing through `.data`), across a block boundary: the layer records what the kernel
+    did, so neither the decode steps nor the next prompt read counts back. Once forgotten (as after
+    a graph replay), the next prompt reads them back once per layer. The logits are the one-pass
+    logits either way."""
     reads = counting_reads(monkeypatch)
     cache = SparseServeCache(llama.config, SparseServeConfig(block_size=SIZE))
     ids = random_ids(1, 66, seed=5)
+    first, last = 2 * SIZE - 2, 2 * SIZE + 3  # decode fills the second block and starts the third
     with torch.no_grad():
         whole = llama(ids).logits
-        llama(ids[:, :50], past_key_values=cache)
+        llama(ids[:, :first], past_key_values=cache)
         store = cache.layers[0].store
         store.ops = dataclasses.replace(store.ops, append_token=append_unversioned)
-        for position in range(50, 53):
+        for position in range(first, last):
             llama(ids[:, position : position + 1], past_key_values=cache)
-        reads.clear()
-        last = llama(ids[:, 53:], past_key_values=cache).logits
-    assert reads == [0] * llama.config.num_hidden_layers
-    torch.testing.assert_close(last, whole[:, 53:], atol=1e-5, rtol=1e-5)
+        assert reads == []
+        if forget:
+            for layer in cache.layers:
+                layer.forget_host_counts()
+        tail = llama(ids[:, last:], past_key_values=cache).logits
+    assert reads == (list(range(llama.config.num_hidden_layers)) if forget else [])
+    torch.testing.assert_close(tail, whole[:, last:], atol=1e-5, rtol=1e-5)
 
 
 def append_unversioned(tail, tail_len, keys, values) -> None:

@@ -171,11 +171,7 @@ class SparseServeCache(Cache):
         a later layer (keys of another shape) after undoing the layers this forward updated.
         """
         if layer_idx == 0:  # nothing to undo yet: the log still holds the last forward until `begin`
-            self._adopt_rank_heads(key_states)
-            self._check_layer_keys(key_states, value_states, layer_idx)
-            self._check_new_tokens(key_states)
-            self._reserve_blocks(key_states)
-            self._log.begin(self.get_seq_length(), key_states.shape[-2])
+            self._begin_forward(key_states, value_states)
         try:
             if layer_idx != 0:
                 self._check_layer_keys(key_states, value_states, layer_idx)
@@ -188,13 +184,25 @@ class SparseServeCache(Cache):
         hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
         return keys, values
 
+    def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Layer 0's part: the checks of the forward as a whole, before any layer changes. Before the
+        first keys the cache sizes itself to them (`_adopt_rank_heads`); a prompt reserves DRAM."""
+        past = self.get_seq_length()
+        if past == 0:
+            self._adopt_rank_heads(key_states)
+        self._check_layer_keys(key_states, value_states, 0)
+        self._check_new_tokens(key_states, past)
+        if key_states.shape[-2] > 1:
+            self._reserve_blocks(key_states)
+        self._log.begin(past, key_states.shape[-2])
+
     def _adopt_rank_heads(self, key_states: torch.Tensor) -> None:
         """Under tensor parallelism (transformers' `tp_plan`) a rank's attention sees only its share
         of the model's KV heads. Nothing is sized before the first keys arrive, so a cache whose
         first keys carry one rank's share sizes itself to it: the heads it checks and stores, one
         HBM partition per (sparse layer, local KV head), each layer's first partition. Selection
         is per local KV head, so ranks never exchange anything about blocks."""
-        if self.store is not None or self.get_seq_length() != 0 or not isinstance(key_states, torch.Tensor):
+        if self.store is not None or not isinstance(key_states, torch.Tensor):
             return
         given = key_states.shape[1] if key_states.dim() == 4 else self.kv_heads
         if given == self.kv_heads or not _is_rank_share(self.shape.num_kv_heads, given):
@@ -210,9 +218,9 @@ class SparseServeCache(Cache):
         """Before a prompt's first layer: room in a growable DRAM pool for every block the prompt
         fills in every sparse layer (an upper bound) and an eighth more for the decode after it, so
         the pool grows (and is pinned) once per prompt instead of doubling layer after layer.
-        Decode steps (one token) reserve nothing."""
+        Only a prompt (several new tokens) reserves: a decode step's block is the eighth's."""
         batch, _, num_new, _ = key_states.shape
-        if num_new <= 1 or self.config.dram_bytes is not None:
+        if self.config.dram_bytes is not None:
             return
         sparse = sum(isinstance(layer, SparseServeLayer) for layer in self.layers)
         if sparse:
@@ -220,7 +228,7 @@ class SparseServeCache(Cache):
             blocks = batch * blocks_per_row * self.kv_heads * sparse
             self._slot.get(key_states).reserve(blocks + blocks // 8)  # and room for decode to go on
 
-    def _check_new_tokens(self, key_states: torch.Tensor) -> None:
+    def _check_new_tokens(self, key_states: torch.Tensor, past: int) -> None:
         """Reject bad input at the first layer, before any layer has changed.
 
         The position limit is applied at layer 0's attention instead (`ForwardLog.check_forward`),
@@ -232,7 +240,7 @@ class SparseServeCache(Cache):
                 f"this SparseServeCache holds {self.store.dtype} on {self.store.device}, got keys in "
                 f"{key_states.dtype} on {key_states.device}; use one cache per model dtype/device"
             )
-        if self.get_seq_length() == 0:
+        if past == 0:
             self._check_hbm_cache(batch=key_states.shape[0], itemsize=key_states.dtype.itemsize)
 
     def _check_layer_keys(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:

@@ -172,9 +172,6 @@ class ForwardLog:
                     + ", the cache's first): build one per model, SparseServeCache(model.config, ...)"
                 )
             self._matched = model_config
-        self._check_positions()
-
-    def _check_positions(self) -> None:
         positions, last = self.shape.positions, self._past + self._num_new - 1
         if positions.has(last):
             return

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-import operator
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -80,8 +80,7 @@ class SparseServeLayer(CacheLayerMixin):
         # Set by the cache's `static_step` only: full tails were rolled before the step and the
         # caller tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
         self.in_static_step = False
-        self._tail_len_mirror: tuple[torch.Tensor, int | None, list[int]] | None = None  # see _host_tail_len
-        self._known_counts: tuple[tuple, tuple, tuple[int, int]] | None = None  # see _first_row_counts
+        self._known_counts: tuple[tuple, tuple[list[int], list[int]]] | None = None  # see _host_counts
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
         self.last_pick: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
@@ -247,7 +246,7 @@ class SparseServeLayer(CacheLayerMixin):
         self.num_blocks.fill_(count)
         self.store.retain(ids)
         self.num_positions = count * self.config.block_size
-        self._remember_first_row_counts(count, 0)
+        self._known_counts = (self._counts_stamp(), ([count], [0]))
 
     # ---- moving rows between caches over one store (the batching Generator) ---------------
 
@@ -542,11 +541,13 @@ class SparseServeLayer(CacheLayerMixin):
             self._append_token(keys, values)
             return None
         before = self.row_lengths()  # (B,) on the device: read back only to roll a failure back
-        for row in range(keys.shape[0]):
+        batch = keys.shape[0]
+        blocks, tails = ([0] * batch, [0] * batch) if empty else map(list, self._host_counts())
+        for row in range(batch):
             take = slice(None) if valid is None else valid[row]
             new = torch.stack((keys[row][:, take], values[row][:, take]), dim=1)  # (Hkv, 2, t, D)
             try:
-                self._append_row(row, new, empty)
+                self._append_row(row, new, blocks, tails)
             except BaseException:
                 lengths = before.tolist()
                 self._truncate_rows([(done, lengths[done]) for done in range(row + 1)])  # `row` may be half done
@@ -574,10 +575,10 @@ class SparseServeLayer(CacheLayerMixin):
 
         The full blocks go from DRAM straight to their token positions (`TieredBlockStore.read_tokens`),
         then the tail and the new tokens: no stacked copy of the past to concatenate, and no
-        read-back where the row's block and tail counts are known on the host (`_first_row_counts`)."""
+        read-back where the row's block and tail counts are known on the host (`_host_counts`)."""
         if self.tail.shape[0] != 1:
             raise ValueError(f"past_with reads one row, the layer holds {self.tail.shape[0]}")
-        count, held = self._first_row_counts()
+        (count,), (held,) = self._host_counts()
         _, num_kv_heads, _, size, head_dim = self.tail.shape
         start, total = count * size + held, count * size + held + keys.shape[2]
         buffer = torch.empty(
@@ -589,39 +590,29 @@ class SparseServeLayer(CacheLayerMixin):
         buffer[1, :, start:total] = values[0]
         return buffer[0, None, :, :total], buffer[1, None, :, :total]
 
-    def _first_row_counts(self) -> tuple[int, int]:
-        """Row 0's (full blocks, tail tokens): known on the host where the last change to them was
-        made from the host (`adopt_blocks`, a prompt's `_append_row`, or a read), else read back.
+    def _host_counts(self) -> tuple[list[int], list[int]]:
+        """Every row's full blocks and tail tokens on the host: the copy kept where this layer made
+        or read the last change to them (a commit, `adopt_blocks`, a read-back), else read back now.
 
-        Known counts are trusted while `num_blocks` and `tail_len` are the same tensors at the same
-        in-place versions. Kernels and graph replays change them without a version bump, so the
-        paths that run those (`_append_token`, a caller that owns the tails) forget them first."""
-        versions, tensors = self._counts_stamp()
-        known = self._known_counts
-        if (
-            known is not None
-            and known[0] == versions
-            and None not in versions
-            and all(map(operator.is_, known[1], tensors))
-        ):
-            return known[2]
-        counts = self._row_counts(0)
-        self._remember_first_row_counts(*counts)
-        return counts
+        Known counts hold while `num_blocks` and `tail_len` are the same tensors at the same in-place
+        versions. A kernel or a graph replay changes them without a version bump: `_append_token`
+        records what its kernel did, and a caller that replays graphs forgets them (`forget_host_counts`)."""
+        stamp, known = self._counts_stamp(), self._known_counts
+        held = known is not None and known[0][0] is stamp[0] and known[0][1] is stamp[1]  # tensors: `==` is by value
+        if held and None not in stamp[2:] and known[0][2:] == stamp[2:]:
+            return known[1]
+        blocks, tails = self._read_counts()
+        self._known_counts = (stamp, (blocks, tails))
+        return blocks, tails
 
-    def _remember_first_row_counts(self, count: int, held: int) -> None:
-        """Row 0 holds `count` full blocks and `held` tail tokens as of now (see `_first_row_counts`)."""
-        self._known_counts = (*self._counts_stamp(), (count, held))
+    def _counts_stamp(self) -> tuple[torch.Tensor, torch.Tensor, int | None, int | None]:
+        """What known counts hold for: the tensors `num_blocks` and `tail_len` and their in-place versions."""
+        return self.num_blocks, self.tail_len, _version(self.num_blocks), _version(self.tail_len)
 
-    def _counts_stamp(self) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
-        """What known counts hold for: the in-place versions of `num_blocks` and `tail_len`, and the tensors."""
-        tensors = (self.num_blocks, self.tail_len)
-        return tuple(map(_version, tensors)), tensors
-
-    def _row_counts(self, row: int) -> tuple[int, int]:
-        """A row's (full blocks, tail tokens), in one read-back."""
-        count, held = torch.stack((self.num_blocks[row], self.tail_len[row])).tolist()
-        return count, held
+    def _read_counts(self) -> tuple[list[int], list[int]]:
+        """Every row's (full blocks, tail tokens), in one read-back (a host sync on CUDA)."""
+        blocks, tails = torch.stack((self.num_blocks, self.tail_len)).tolist()
+        return blocks, tails
 
     def _row_tokens(self, row: int) -> torch.Tensor:
         """(Hkv, 2, n, D) every stored token of one row, oldest first."""
@@ -633,14 +624,16 @@ class SparseServeLayer(CacheLayerMixin):
         return torch.cat((full, self.tail[row, :, :, : int(self.tail_len[row])]), dim=2)
 
     def _append_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode fast path: full tails go to DRAM first (`roll_full_tails`), then one token per row joins its tail."""
-        lengths = self._host_tail_len()
-        self._known_counts = None  # `append_token` may change tail_len without a version bump
-        full = [row for row, length in enumerate(lengths) if length == self.config.block_size]
+        """Decode fast path: full tails go to DRAM first (`roll_full_tails`), then one token per row
+        joins its tail. The counts stay known on the host (`_host_counts`): no read-back in steady decode."""
+        blocks, tails = self._host_counts()
+        full = {row for row, length in enumerate(tails) if length == self.config.block_size}
         if full:  # host work (DRAM allocation), once per block_size tokens of a row
-            self.roll_full_tails(full)
-        self.store.ops.append_token(self.tail, self.tail_len, keys, values)
-        self._remember_tail_len([0 if row in full else length for row, length in enumerate(lengths)])
+            self.roll_full_tails(sorted(full), table_width=max(blocks) + 1)
+            blocks = [count + (row in full) for row, count in enumerate(blocks)]
+        self.store.ops.append_token(self.tail, self.tail_len, keys, values)  # a kernel: no version bump
+        tails = [1 if row in full else length + 1 for row, length in enumerate(tails)]
+        self._known_counts = (self._counts_stamp(), (blocks, tails))
 
     @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:
@@ -703,13 +696,12 @@ class SparseServeLayer(CacheLayerMixin):
             tensors |= {"feedback_picked": self.feedback_picked, "feedback_lse": self.feedback_lse}
         return tensors
 
-    def forget_host_tail_len(self) -> None:
-        """Drop the host copy of the tail lengths, so the next eager decode step reads them back.
+    def forget_host_counts(self) -> None:
+        """Drop the host copy of the block and tail counts, so the next eager step reads them back.
 
         A CUDA-graph replay advances `tail_len` without bumping its version, so after one the
-        copy would still look current while holding old lengths (and so would row 0's known counts).
+        copy would still look current while holding old counts.
         """
-        self._tail_len_mirror = None
         self._known_counts = None
 
     @plain_tensors
@@ -724,34 +716,15 @@ class SparseServeLayer(CacheLayerMixin):
         elif width > have:
             self.block_ids = grown(self.block_ids, width, fill=-1, dim=2)
 
-    def _host_tail_len(self) -> list[int]:
-        """Each row's tail length, known on the host without a device sync in steady decode.
-
-        The decode fast path keeps a host copy; it is trusted only while `tail_len` is the same
-        tensor at the same in-place version as when the copy was made, so any other change
-        (prefill, row moves, crop) makes the next decode step read the lengths back once.
-        """
-        mirror = self._tail_len_mirror
-        version = _version(self.tail_len)
-        if mirror is not None and mirror[0] is self.tail_len and version is not None and mirror[1] == version:
-            return mirror[2]
-        return self.tail_len.tolist()
-
-    def _remember_tail_len(self, before: list[int]) -> None:
-        """Record the lengths after a decode append (`before` + 1) at the tensor's current version."""
-        self._tail_len_mirror = (self.tail_len, _version(self.tail_len), [length + 1 for length in before])
-
-    def _append_row(self, row: int, new: torch.Tensor, empty: bool = False) -> None:
+    def _append_row(self, row: int, new: torch.Tensor, block_counts: list[int], tail_counts: list[int]) -> None:
         """Append (Hkv, 2, t, D) tokens to one row: complete blocks go to DRAM, the rest to the tail.
 
-        `empty`: the row is known to hold no token (its lengths are not read back). The table grows
-        before the save and the save is all or nothing, so a failure leaves the row as it was.
+        `block_counts`, `tail_counts`: every row's counts before this row's append (`_host_counts`), updated here
+        and remembered as known. The table grows before the save and the save is all or nothing, so a
+        failure leaves the row as it was.
         """
         size = self.config.block_size
-        if empty:
-            start, held = 0, 0
-        else:  # row 0's counts are usually known on the host (`_first_row_counts`): no read-back then
-            start, held = self._first_row_counts() if row == 0 else self._row_counts(row)
+        start, held = block_counts[row], tail_counts[row]
         joined = torch.cat((self.tail[row, :, :, :held], new), dim=2) if held else new  # a prompt's KV: no copy
         num_full = max(joined.shape[2] - 1, 0) // size  # the tail keeps 1..S tokens (see _append_token)
         if num_full:
@@ -767,8 +740,8 @@ class SparseServeLayer(CacheLayerMixin):
         rest = joined[:, :, num_full * size :]
         self.tail[row, :, :, : rest.shape[2]] = rest
         self.tail_len[row].fill_(rest.shape[2])  # the scalar as a kernel argument, not a host-to-device copy
-        if row == 0:
-            self._remember_first_row_counts(start + num_full, rest.shape[2])
+        block_counts[row], tail_counts[row] = start + num_full, rest.shape[2]
+        self._known_counts = (self._counts_stamp(), (block_counts, tail_counts))
 
     def _truncate_rows(self, targets: list[tuple[int, int]]) -> None:
         """Cut each (row, length) of `targets` to `length` stored tokens (at most its current length).
@@ -807,6 +780,7 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Undo:
     """What `SparseServeLayer.undo_update` needs to take one update back.
 
@@ -815,18 +789,11 @@ class _Undo:
     (None: all `num_new` in every row); profile: the rows' query profiles before the commit.
     """
 
-    __slots__ = ("added", "committed", "initialized", "num_new", "profile")
-
-    def __init__(
-        self,
-        num_new: int,
-        initialized: bool,
-        committed: bool = False,
-        added: torch.Tensor | None = None,
-        profile: torch.Tensor | None = None,
-    ) -> None:
-        self.num_new, self.initialized, self.committed, self.added = num_new, initialized, committed, added
-        self.profile = profile
+    num_new: int
+    initialized: bool
+    committed: bool = False
+    added: torch.Tensor | None = None
+    profile: torch.Tensor | None = None
 
 
 def _no_feedback(like: SparseServeLayer, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
