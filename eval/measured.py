@@ -53,24 +53,6 @@ def _dropin(context: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     }  # fmt: skip
 
 
-def _channel_step(r: dict[str, Any]) -> dict[str, Any]:
-    """The channel default's step beside the hybrid group union's, one call on one machine."""
-    ours, hybrid = r["default"]["real_locality"], r["hybrid"]["real_locality"]
-    return {"ms": ours["graph_ms"], "book": ours["bookkeeping_us_per_layer"], "default": hybrid["graph_ms"],
-            "default_book": hybrid["bookkeeping_us_per_layer"], "over": ours["graph_ms"] / hybrid["graph_ms"],
-            "floor": ours["graph_step_over_floor"], "hybrid_floor": hybrid["graph_step_over_floor"]}  # fmt: skip
-
-
-def _fused_step(r: dict[str, Any]) -> dict[str, Any]:
-    """The default's step after a change, beside the captured step per layer before and after it (same call)."""
-    step = r["default"]["real_locality"]
-    per_layer = {commit: [run["us_per_layer"] for run in r["step_knobs"] if not run["knobs"] and
-                          run["git_commit"] == commit] for commit in (r["base_commit"], r["commit"])}  # fmt: skip
-    before, after = per_layer[r["base_commit"]], per_layer[r["commit"]]
-    return {"ms": step["graph_ms"], "floor": step["graph_step_over_floor"], "book": step["bookkeeping_us_per_layer"],
-            "before": min(before), "after": min(after), "runs": len(after)}  # fmt: skip
-
-
 def _tensor_core_step(r: dict[str, Any]) -> dict[str, Any]:
     """The step with the tensor-core channel scorer beside the FMA kernel's, one call on one machine,
     and the kernels alone as graph replays."""
@@ -103,13 +85,6 @@ def _two_level_wide(r: dict[str, Any]) -> dict[str, Any]:
     return {"real": best["select_and_attend_speedup_default"], "random": best["select_and_attend_speedup_default_random"],
             "chunk": best["knobs"]["triton_two_level.CHUNK"], "runs": len(same),
             "one_low": min(one_level), "one_high": max(one_level)}  # fmt: skip
-
-
-def _closed_loop_load_budget(r: dict[str, Any]) -> dict[str, Any]:
-    point = r["runs"]["closed_loop_hbm25"]["points"]["closed_loop"]
-    default, capped = point["real_locality"], point["real_locality@load2x"]
-    return {"capped": capped["tokens_per_s"], "default": default["tokens_per_s"],
-            "ratio": capped["tokens_per_s"] / default["tokens_per_s"], "rows": capped["mean_decode_batch"]}  # fmt: skip
 
 
 def _working_set(r: dict[str, Any]) -> dict[str, Any]:
@@ -170,16 +145,6 @@ ROWS = [
         "**{ours:.1f} tok/s**",
         "stock {stock:.1f} (**{ratio:.2f}x**)",
         ">= 2x",
-        note=HYBRID,
-    ),
-    Row(
-        "the same with `load_budget=4096`",
-        "generator_runs/load_budget_h100.json",
-        _closed_loop_load_budget,
-        "{capped:.0f} tok/s, {rows:.0f} rows decoding",
-        "the group union without the cap, {default:.0f} ({ratio:.2f}x)",
-        "",
-        device="H100",
         note=HYBRID,
     ),
     Row(
@@ -253,26 +218,6 @@ ROWS = [
         link="eval/results/accuracy.md",
     ),
     Row(
-        "the same without channel feedback (`channel_feedback=False`)",
-        "accuracy.json",
-        lambda r: r["t7_by_family"]["channels"],
-        "**{ratio_at_1_16:.3f}** at 1/16 loaded, **{ratio_at_1_32:.3f}** at 1/32",
-        "dense",
-        "as above",
-        device="H100",
-        link="eval/results/accuracy.md",
-    ),
-    Row(
-        "the same, the hybrid group union (the default before 17d265a)",
-        "accuracy.json",
-        lambda r: r["t7_by_family"]["hybrid"],
-        "**{ratio_at_1_16:.2f}** at {loaded_fraction_1_16:.3f} of the context loaded (none loads 1/32)",
-        "dense",
-        "as above",
-        device="H200",
-        link="eval/results/accuracy.md",
-    ),
-    Row(
         "accuracy, RULER-style at 16K on Gemma-3-270M, default selector",
         "accuracy.json",
         lambda r: r["t7_gemma3_16k"],
@@ -281,24 +226,6 @@ ROWS = [
         ">= 0.99 at 1/16, >= 0.97 at 1/32",
         device="H100",
         link="eval/results/accuracy.md",
-    ),
-    Row(
-        "one decode step of the channel default, B=16 x 32K, real locality, CUDA graph",
-        "decode_step_runs/channel_default_d454fd4_h100.json",
-        _channel_step,
-        "**{ms:.2f} ms** ({over:.2f}x the hybrid's step, {floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
-        "the hybrid group union in the same call: {default:.2f} ms ({hybrid_floor:.2f}x its floor), {default_book:.0f} us",
-        "",
-        device="H100",
-    ),
-    Row(
-        "the same step with the query's preparation and the fed-back softmax one launch each (9a64873)",
-        "decode_step_runs/fused_prep_9a64873_h100.json",
-        _fused_step,
-        "**{ms:.2f} ms** ({floor:.2f}x its floor); selection + lookup {book:.0f} us per layer",
-        "the captured step per layer (8-layer cut), fastest of {runs} runs each: {before:.0f} us before, {after:.0f} us after",
-        "",
-        device="H100",
     ),
     Row(
         "the same step with the channel scores on tensor cores (the default where they fit)",
@@ -317,17 +244,6 @@ ROWS = [
         "",
         ">= 0.95",
         device="CPU",
-    ),
-    Row(
-        "serving, first sweep",
-        "serving.json",
-        lambda r: {"tps": r["throughput_ratio_vs_best_stock"], "ttft": r["ttft_ratio_vs_best_stock"]},
-        "{tps:.2f}x best stock's tokens/s, {ttft:.2f}x its mean TTFT",
-        "best stock under a 40 GiB cap",
-        ">= 3x",
-        device="H200",
-        link="eval/results/serving.md",
-        note=HYBRID,
     ),
     Row(
         "serving, second edition, `decode_heavy` saturated (all 40 requests at t=0, 40 GiB cap)",
