@@ -46,7 +46,7 @@ def sparseserve_attention_forward(
     try:
         if got.layer_idx == 0:  # once per forward: the model is the cache's, the positions fit
             got.log.check_forward(getattr(module, "config", None))
-        out = _attend(got.layer, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        out = _attend(got.layer, got.static, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     except BaseException:
         got.log.undo()  # no layer keeps this forward's tokens: the cache is as before it
         raise
@@ -56,6 +56,7 @@ def sparseserve_attention_forward(
 
 def _attend(
     layer: SparseServeLayer | None,
+    static: bool,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -65,7 +66,8 @@ def _attend(
     dropout: float,
     **kwargs,
 ) -> torch.Tensor:
-    """(B, T, Hq, D) attention of one layer of a SparseServeCache, committing its staged keys."""
+    """(B, T, Hq, D) attention of one layer of a SparseServeCache, committing its staged keys.
+    `static`: the cache's static step (`SparseServeCache.static_step`)."""
     if layer is None:  # a dense or sliding-window layer: HF's own SDPA over what its layer returned
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -74,8 +76,8 @@ def _attend(
     num_new = query.shape[2]
     real = new_token_mask(attention_mask, num_new, query.shape[0])
     if num_new == 1 and layer.num_positions > num_new:
-        layer.commit(real)
-        return sparse_decode_attention(layer, query, scaling)
+        layer.commit(real, static=static)
+        return sparse_decode_attention(layer, query, scaling, static)
     out = dense_attention_with_past(module, layer, query, key, value, attention_mask, scaling, dropout, **kwargs)
     layer.commit(real, prompt_queries=query)
     return out
@@ -159,17 +161,19 @@ def flash_takes_groups(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return can_use_flash_attention(params)
 
 
-def sparse_decode_attention(layer: SparseServeLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def sparse_decode_attention(
+    layer: SparseServeLayer, query: torch.Tensor, scaling: float, static: bool = False
+) -> torch.Tensor:
     """One decode token per row over the selected blocks + tail. query (B, Hq, 1, D) -> (B, 1, Hq, D).
 
-    An eager caller on CUDA replays the layer's captured piece (`LayerGraphs`); a caller that runs
-    the whole step itself (`graph.StaticDecoder`, eager or capturing) runs it inline."""
+    An eager caller on CUDA replays the layer's captured piece (`LayerGraphs`); the static step
+    (`static`: its caller, `graph.StaticDecoder`, runs the whole step, eager or capturing) runs it inline."""
     q = query[:, :, 0]  # (B, Hq, D)
     graphs = layer.store.layer_graphs
-    if graphs is not None and not layer.in_static_step and not _capturing(q):
+    if graphs is not None and not static and not _capturing(q):
         out = graphs.attend(layer, q, functools.partial(select_and_attend, layer, scaling=scaling))
     else:
-        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not layer.in_static_step)
+        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not static)
     return out.unsqueeze(1)
 
 

@@ -90,6 +90,7 @@ class SparseServeCache(Cache):
         self._owns_store = store is None  # a shared store's counters belong to its owner
         self._log = ForwardLog(self.shape, _model_shape, self.model_config)
         self._vacant: set[int] = set()  # rows that hold nothing between rows that do (`take_rows`)
+        self._static = False  # inside `static_step`: the hand-offs tell the attention function so
         if store is not None or not _may_be_sharded(self.shape.num_kv_heads):  # else the first keys tell
             self._check_hbm_cache(batch=1, itemsize=_dtype_itemsize(getattr(self.model_config, "dtype", None)))
         self.generate_graphs = None  # the route of `model.generate`'s decode steps (`generate_graphs`)
@@ -181,7 +182,7 @@ class SparseServeCache(Cache):
             self._log.undo()
             raise
         layer = self.layers[layer_idx]
-        hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log)
+        hand_over(layer_idx, keys, layer if isinstance(layer, SparseServeLayer) else None, self._log, self._static)
         return keys, values
 
     def _begin_forward(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -477,15 +478,13 @@ class SparseServeCache(Cache):
     def static_step(self) -> Iterator[None]:
         """Inside, a decode forward is the static step (`graph.StaticDecoder`): the caller rolled
         every full tail first (`roll_full_tails`) and feeds one real token per row, so each layer's
-        commit only appends it, at fixed shapes and with no host decision (a CUDA graph may capture it)."""
-        layers = self._sparse_layers()
-        for layer in layers:
-            layer.in_static_step = True
+        commit only appends it, at fixed shapes and with no host decision (a CUDA graph may capture it).
+        Each layer's hand-off says so to the attention function (`forward_log.Handoff.static`)."""
+        self._static = True
         try:
             yield
         finally:
-            for layer in layers:
-                layer.in_static_step = False
+            self._static = False
 
     @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:

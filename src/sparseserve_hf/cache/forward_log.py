@@ -187,21 +187,24 @@ class ForwardLog:
 
 @dataclass(frozen=True)
 class Handoff:
-    """The layer whose `update` returned `key` (None: a dense layer of a SparseServeCache), and
-    the cache's `ForwardLog` (the attention function checks the forward and undoes it on failure)."""
+    """The layer whose `update` returned `key` (None: a dense layer of a SparseServeCache), the
+    cache's `ForwardLog` (the attention function checks the forward and undoes it on failure), and
+    whether the forward is the cache's static step (`SparseServeCache.static_step`: its decode commits
+    only append, and its sparse attention runs inline, as its caller captures or replays it whole)."""
 
     layer_idx: int
     key: torch.Tensor
     layer: Any
     log: ForwardLog
+    static: bool = False
 
 
 _CURRENT: ContextVar[Handoff | None] = ContextVar("sparseserve_handoff", default=None)
 
 
-def hand_over(layer_idx: int, key: torch.Tensor, layer: Any, log: ForwardLog) -> None:
+def hand_over(layer_idx: int, key: torch.Tensor, layer: Any, log: ForwardLog, static: bool = False) -> None:
     """Called by `SparseServeCache.update` right before the model calls attention."""
-    _CURRENT.set(Handoff(layer_idx, key, layer, log))
+    _CURRENT.set(Handoff(layer_idx, key, layer, log, static))
 
 
 def take(layer_idx: int, key: torch.Tensor) -> Handoff | None:

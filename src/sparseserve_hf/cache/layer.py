@@ -77,9 +77,6 @@ class SparseServeLayer(CacheLayerMixin):
         # What `undo_update` takes back: the last update's new positions, the tokens it stored per
         # row once committed, and whether it initialized the layer. None: nothing to undo.
         self._undo: _Undo | None = None
-        # Set by the cache's `static_step` only: full tails were rolled before the step and the
-        # caller tracks tail lengths on the host, so a decode commit only appends (`ops.append_token`).
-        self.in_static_step = False
         self._known_counts: tuple[tuple, tuple[list[int], list[int]]] | None = None  # see _host_counts
         # The last decode step's pick: per-KV-head block indices (B, Hkv, U), their validity, which
         # of them each query head attends to ((B, Hq, U), None = all) and the GQA group size.
@@ -497,10 +494,14 @@ class SparseServeLayer(CacheLayerMixin):
         return self.num_blocks * self.config.block_size + self.tail_len
 
     @plain_tensors
-    def commit(self, valid: torch.Tensor | None, prompt_queries: torch.Tensor | None = None) -> None:
+    def commit(
+        self, valid: torch.Tensor | None, prompt_queries: torch.Tensor | None = None, static: bool = False
+    ) -> None:
         """Store the staged tokens; `valid` (B, T) marks real tokens (None: all are real).
         `prompt_queries`: a prompt's (B, Hq, T, D) queries, which set each row's query profile
-        (`_observe_prompt`) before its blocks are saved.
+        (`_observe_prompt`) before its blocks are saved. `static`: the cache's static step
+        (`SparseServeCache.static_step`): its caller rolled every full tail before the step and feeds
+        one real token per row, so the commit only appends.
 
         All or nothing: when it fails, the rows, positions and profiles are as before the `update`.
         """
@@ -513,7 +514,7 @@ class SparseServeLayer(CacheLayerMixin):
         try:
             if prompt_queries is not None:
                 self._observe_prompt(prompt_queries, valid)
-            added = self._store(keys, values, valid, empty=undo is not None and undo.initialized)
+            added = self._store(keys, values, valid, empty=undo is not None and undo.initialized, static=static)
         except BaseException:
             self.query_profile = profile
             self.num_positions -= keys.shape[-2]
@@ -524,13 +525,19 @@ class SparseServeLayer(CacheLayerMixin):
             self._undo = _Undo(undo.num_new, undo.initialized, committed=True, added=added, profile=profile)
 
     def _store(
-        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, empty: bool = False
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor | None,
+        empty: bool = False,
+        static: bool = False,
     ) -> torch.Tensor | None:
         """Append the new tokens; returns (B,) tokens appended per row, None when every row took all T.
 
         `empty`: every row is known to hold nothing yet (the update made the layer), so no row's
-        lengths are read back from the device: a prompt's commit then waits for no kernel."""
-        if self.in_static_step:
+        lengths are read back from the device: a prompt's commit then waits for no kernel.
+        `static`: as in `commit`."""
+        if static:
             # Graph mode: the decoder feeds one real token per row and never reads `valid`
             # (a mask HF builds while a CUDA graph captures holds no values yet, and reading it syncs).
             self._known_counts = None  # the kernel below changes tail_len without a version bump
