@@ -1,7 +1,7 @@
 """What the accuracy runners share: methods to compare, greedy answers, and result files.
 
 A method is dense attention, `SparseServeCache` at one token budget, or the block oracle
-(`eval.oracle_attention`) at one budget: the ceiling of a selector. Every runner writes, under
+(`eval.accuracy.oracle_attention`) at one budget: the ceiling of a selector. Every runner writes, under
 its output folder: `samples.jsonl` (one JSON line per sample and method), `summary.json`
 (score per task and method, and sparse/dense ratios), `results.md` (the same as a table) and
 `score_vs_budget.png`.
@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from eval.oracle_attention import oracle_run
+from eval.accuracy.oracle_attention import oracle_run
 from eval.results_io import save_plot
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.generation.sizing import EngineSizes
 
 DENSE = "dense"
-ORACLE = "oracle"  # the block oracle's method family (`eval.oracle_attention`)
+ORACLE = "oracle"  # the block oracle's method family (`eval.accuracy.oracle_attention`)
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def answer_batch(
             cache = SparseServeCache(model.config, config)
         kwargs[cache_kwarg(model)] = cache
     input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
-    # An oracle method attends through `eval.oracle_attention` over a dense cache meanwhile.
+    # An oracle method attends through `eval.accuracy.oracle_attention` over a dense cache meanwhile.
     routing = oracle_run(model, method.config) if method.oracle else contextlib.nullcontext()
     with torch.inference_mode(), routing as oracle:
         out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)

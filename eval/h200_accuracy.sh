@@ -5,9 +5,9 @@
 #
 # SAMPLES_DIR holds the fixed, seeded sample files built on the CPU machine (the GPU machine has no
 # data packages and no `datasets`):
-#   python -m eval.ruler --tasks all --lengths 8192 --samples 50 --dump-only --dump-samples ruler_8192.jsonl
-#   python -m eval.ruler --tasks all --lengths 4096 --samples 50 --dump-only --dump-samples ruler_4096.jsonl
-#   python -m eval.ruler --model gemma3-270m --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue \
+#   python -m eval.accuracy.ruler --tasks all --lengths 8192 --samples 50 --dump-only --dump-samples ruler_8192.jsonl
+#   python -m eval.accuracy.ruler --tasks all --lengths 4096 --samples 50 --dump-only --dump-samples ruler_4096.jsonl
+#   python -m eval.accuracy.ruler --model gemma3-270m --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue \
 #     --lengths 16384 --samples 50 --dump-only --dump-samples ruler_16384_gemma3.jsonl.gz
 #   cp LONGBENCH_DIR/multi_news.jsonl .   # the LongBench v1 JSONL of the task
 # Parts (each writes OUT_DIR/<name>/ with samples.jsonl, summary.json, results.md):
@@ -47,7 +47,7 @@
 #   multi_news_default  LongBench multi_news, 50 records: dense vs the default (hybrid) at 512 and 2048
 # The LongBench parts score rouge-L with package `rouge` (+ `six`), which the GPU machine lacks: carry
 # them from the dev venv's site-packages and put that folder on PYTHONPATH.
-# Then, on any machine: python -m eval.accuracy_report --ruler DIRS --longbench DIR --out eval/results
+# Then, on any machine: python -m eval.accuracy.accuracy_report --ruler DIRS --longbench DIR --out eval/results
 set -euo pipefail
 part=${1:?part}
 out=${2:?out dir}
@@ -59,58 +59,58 @@ hybrid_union="hybrid:metadata=hybrid:selection=group_union:group_aggregation=max
 common=(--batch-size 50 --max-new-tokens 64)
 case $part in
   8k_budgets)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,512 \
       --metadata quest,cuboid "${common[@]}" --out "$out/ruler_8k_budgets" ;;
   8k_hybrid)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,256,512,1024,2048 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 128,256,512,1024,2048 \
       --metadata none --variant "$hybrid" "${common[@]}" --out "$out/ruler_8k_hybrid" ;;
   4k)
-    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256,512,1024 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256,512,1024 \
       "${common[@]}" --out "$out/ruler_4k"
-    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks "$tasks4" --budgets 128,256 \
       --metadata none --variant "$hybrid" "${common[@]}" --out "$out/ruler_4k_hybrid" ;;
   8k_metadata_dtype)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --variant kv_metadata:metadata_dtype=kv "${common[@]}" --out "$out/ruler_8k_metadata_dtype" ;;
   8k_fp8_kv)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --variant fp8_kv:kv_dtype=float8_e4m3fn "${common[@]}" --out "$out/ruler_8k_fp8_kv" ;;
   8k_oracle)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --metadata none --oracle "${common[@]}" --out "$out/ruler_8k_oracle" ;;
   8k_channels)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
       --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum \
       --variant channels_half:metadata=channels:selection=kv_head:group_aggregation=sum:channel_share=0.5 \
       "${common[@]}" --out "$out/ruler_8k_channels" ;;
   8k_feedback)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 --metadata none \
       --variant channels:metadata=channels:selection=kv_head:group_aggregation=sum \
       --variant channels_feedback:metadata=channels:selection=kv_head:group_aggregation=sum:channel_feedback=true \
       "${common[@]}" --out "$out/ruler_8k_feedback" ;;
   8k_loaded)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 320,512 \
       --variant kv_head:selection=kv_head "${common[@]}" --out "$out/ruler_8k_loaded" ;;
   16k_gemma3)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
-    python -m eval.ruler "${gemma[@]}" --batch-size "${GEMMA_BATCH:-6}" --budgets 512,1024 --oracle ${RULER_ARGS:-} \
+    python -m eval.accuracy.ruler "${gemma[@]}" --batch-size "${GEMMA_BATCH:-6}" --budgets 512,1024 --oracle ${RULER_ARGS:-} \
       --out "$out/ruler_16k_gemma3" | tail -30 ;;
   16k_gemma3_hybrid)
     gemma=(--model gemma3-270m --from-samples "$samples/ruler_16384_gemma3.jsonl.gz" --tasks "$tasks8" --max-new-tokens 64)
-    python -m eval.ruler "${gemma[@]}" --batch-size 25 --budgets 256,384,512,1024 --metadata none \
+    python -m eval.accuracy.ruler "${gemma[@]}" --batch-size 25 --budgets 256,384,512,1024 --metadata none \
       --variant "$hybrid_union" --out "$out/ruler_16k_gemma3_hybrid" | tail -30 ;;
   multi_news)
-    python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
+    python -m eval.accuracy.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 25 --out "$out/longbench_multi_news" ;;
   4k_rest)
-    python -m eval.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks niah_single_1,niah_single_2,niah_single_3,niah_multivalue \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_4096.jsonl" --tasks niah_single_1,niah_single_2,niah_single_3,niah_multivalue \
       --budgets 128,256,512 "${common[@]}" --out "$out/ruler_4k_rest" ;;
   8k_finer)
-    python -m eval.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
+    python -m eval.accuracy.ruler --from-samples "$samples/ruler_8192.jsonl" --tasks "$tasks8" --budgets 256,512 \
       --metadata none --variant "block16:block_size=16" --variant "hybrid_s4:metadata=hybrid:metadata_sub_blocks=8" \
       "${common[@]}" --out "$out/ruler_8k_finer" ;;
   multi_news_default)
-    python -m eval.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
+    python -m eval.accuracy.longbench --tasks multi_news --data-dir "$samples" --budgets 512,2048 --max-samples 50 \
       --batch-size 50 --out "$out/longbench_multi_news_default" ;;
   *) echo "unknown part '$part' (8k_budgets, 8k_feedback, 8k_hybrid, 4k, multi_news, 4k_rest, 8k_finer, multi_news_default, 8k_metadata_dtype, 8k_loaded, 8k_fp8_kv, 8k_oracle, 8k_channels, 16k_gemma3, 16k_gemma3_hybrid)" >&2; exit 2 ;;
 esac

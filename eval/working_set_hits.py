@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from eval.ruler import generate_sample
+    from eval.accuracy.ruler import generate_sample
     from sparseserve_hf import SparseServeConfig
     from sparseserve_hf.data.models import load_model
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Usage: examples/longbench_eval.sh --data-dir DIR [MORE eval.longbench ARGS...]
+# Usage: examples/longbench_eval.sh --data-dir DIR [MORE eval.accuracy.longbench ARGS...]
 #
 # LongBench v1 on the default model (SmolLM2-135M-Instruct): dense attention vs SparseServeCache at
-# token budget 2048, through the project's runner (`python -m eval.longbench --help` lists every flag).
+# token budget 2048, through the project's runner (`python -m eval.accuracy.longbench --help` lists every flag).
 # DIR holds <task>.jsonl files in the LongBench format (THUDM/LongBench's data/ folder); without
 # --data-dir the runner reads the Hub dataset, which needs network access. Run from anywhere.
 #
@@ -34,7 +34,7 @@ export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
 samples=()
 [[ -n ${SAMPLES-2} ]] && samples=(--max-samples "${SAMPLES-2}")
 
-"${PYTHON:-python}" -m eval.longbench \
+"${PYTHON:-python}" -m eval.accuracy.longbench \
   --tasks "${TASKS:-passage_retrieval_en}" \
   --budgets "${BUDGET:-2048}" \
   --data-dir "$data_dir" \

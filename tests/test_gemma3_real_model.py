@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval.accuracy import ruler
 
-from eval import ruler
 from sparseserve_hf import SparseServeCache, SparseServeConfig
 from sparseserve_hf.cache.layer import SparseServeLayer
 from sparseserve_hf.compat import cache_kwarg

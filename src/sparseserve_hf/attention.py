@@ -266,7 +266,7 @@ def pick_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The blocks each KV head loads and which of them each query head attends, from (B, Hq, N) scores.
 
-    Shared by the decode path and `eval.selection_diagnostics` (which must measure exactly this).
+    Shared by the decode path and `eval.accuracy.selection_diagnostics` (which must measure exactly this).
 
     Args:
         ops: the backend op set (`ops.reference` or a `BlockOps`).

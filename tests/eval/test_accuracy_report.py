@@ -1,13 +1,12 @@
-"""eval.accuracy_report: ratios over the tasks dense solves, loaded-fraction verdicts, merged partial runs, files."""
+"""eval.accuracy.accuracy_report: ratios over the tasks dense solves, loaded-fraction verdicts, merged partial runs, files."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from eval.t7 import paired_ratio
-
-from eval import accuracy_report
+from eval.accuracy import accuracy_report
+from eval.accuracy.t7 import paired_ratio
 
 
 def _write(folder, rows, name="samples.jsonl"):
@@ -122,7 +121,7 @@ def test_budget_curves_leave_out_a_family_missing_tasks():
 
 
 def _loaded(rows, method, loaded_fraction, metadata_fraction=0.047):
-    """`rows` of `method` with the load keys every sparse `eval.ruler` row carries."""
+    """`rows` of `method` with the load keys every sparse `eval.accuracy.ruler` row carries."""
     return [dict(r, loaded_fraction=loaded_fraction, metadata_fraction=metadata_fraction)
             if r["method"] == method else r for r in rows]  # fmt: skip
 

@@ -8,7 +8,7 @@ pytest.importorskip("rouge")
 pytest.importorskip("jieba")
 pytest.importorskip("fuzzywuzzy")
 
-from eval.longbench_metrics import (
+from eval.accuracy.longbench_metrics import (
     DATASET_TO_METRIC,
     base_task,
     classification_score,

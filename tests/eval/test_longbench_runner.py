@@ -16,10 +16,10 @@ pytest.importorskip("rouge")
 pytest.importorskip("jieba")
 pytest.importorskip("fuzzywuzzy")
 
+from eval.accuracy import longbench
+from eval.accuracy.longbench_metrics import DATASET_TO_METRIC
 from eval.common import methods_for
-from eval.longbench_metrics import DATASET_TO_METRIC
 
-from eval import longbench
 from tiny_models import tiny_model
 
 TOY_CHAT_TEMPLATE = (
@@ -215,7 +215,7 @@ def test_batched_run_equals_one_by_one(tmp_path):
 
 @pytest.mark.slow
 def test_cli_on_default_real_model(tmp_path):
-    """`python -m eval.longbench` on SmolLM2-135M: chat template, middle truncation, 2 samples, dense vs 512."""
+    """`python -m eval.accuracy.longbench` on SmolLM2-135M: chat template, middle truncation, 2 samples, dense vs 512."""
     from sparseserve_hf.data.models import ModelNotAvailableError
 
     # 2 x 600 essay words ~ 1.6K tokens: cut in the middle to 1500, so truncation runs on the real tokenizer.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from eval.oracle_attention import OracleRun, oracle_run, oracle_tokens
+from eval.accuracy.oracle_attention import OracleRun, oracle_run, oracle_tokens
 
 from sparseserve_hf import SparseServeConfig
 from tiny_models import greedy, left_pad, random_ids, tiny_model

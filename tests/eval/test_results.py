@@ -8,10 +8,9 @@ import lzma
 from pathlib import Path
 
 import pytest
+from eval.accuracy import accuracy_report
 from eval.results_io import glob_stored, read_json, read_jsonl, read_text, save_plot, stored
 from eval.serving.report import load_runs
-
-from eval import accuracy_report
 
 RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
 MAX_RESULTS_BYTES = 1_500_000

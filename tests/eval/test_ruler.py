@@ -9,9 +9,9 @@ import json
 import re
 
 import pytest
+from eval.accuracy import ruler
 from transformers import AutoTokenizer
 
-from eval import ruler
 from sparseserve_hf.data.models import default_model_dir
 from toy_tokenizer import word_tokenizer
 

@@ -6,9 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from eval.common import parse_variant, sparse_methods
-from eval.ruler import parse_args
-from eval.selection_diagnostics import (
+from eval.accuracy.ruler import parse_args
+from eval.accuracy.selection_diagnostics import (
     BASE,
     REUSED,
     Recording,
@@ -36,6 +35,7 @@ from eval.selection_diagnostics import (
     two_stage_channel_blocks,
     variant_configs,
 )
+from eval.common import parse_variant, sparse_methods
 
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.ops import reference
@@ -281,7 +281,7 @@ def test_variant_configs():
 def test_diagnostics_cli_end_to_end_on_the_default_model(tmp_path):
     """One niah_single_1 prompt at ~1K tokens, 2 decode steps, two variants, and the real-path answer check."""
     pytest.importorskip("long_context_eval")
-    from eval.selection_diagnostics import main
+    from eval.accuracy.selection_diagnostics import main
 
     argv = ["--tasks", "niah_single_1", "--length", "1024", "--samples", "1", "--steps", "2", "--budgets", "128"]
     argv += ["--variants", "default,hybrid_s8,oracle", "--answers", "1", "--max-new-tokens", "8"]
@@ -302,8 +302,8 @@ def test_diagnostics_cli_end_to_end_on_the_default_model(tmp_path):
 
 
 def test_longbench_takes_the_same_method_families():
+    from eval.accuracy.longbench import parse_args as longbench_args
     from eval.common import metadata_kinds
-    from eval.longbench import parse_args as longbench_args
 
     args = longbench_args(
         ["--tasks", "multi_news", "--budgets", "512", "--metadata", "channels,quest", "--variant", "b16:block_size=16"]

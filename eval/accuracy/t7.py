@@ -1,7 +1,7 @@
 """Accuracy judged at what a budget loads: the ratio to dense at <= 1/16 and <= 1/32 of the context *loaded*.
 
 A budget's cost is the tokens a KV head loads per decode step (its loaded
-blocks + the tail), not the nominal `token_budget`. Every sparse row of `eval.ruler` carries the
+blocks + the tail), not the nominal `token_budget`. Every sparse row of `eval.accuracy.ruler` carries the
 batch's `loaded_fraction` and `metadata_fraction` (`eval.common.answer_batch`). For one method family
 at one length this picks, per target fraction, the family's method with the largest mean loaded
 fraction at or below it, and reports its ratio of mean scores to dense over the tasks dense solves,

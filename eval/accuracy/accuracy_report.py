@@ -3,7 +3,7 @@
 Reads the runners' output folders (`samples.jsonl`, or `partial.jsonl` of a run cut short; a sweep
 run in parts passes several folders) and writes `accuracy.md`, `accuracy.json` and `accuracy.png`:
 
-    python -m eval.accuracy_report --ruler eval/results/ruler_4k eval/results/ruler_8k \\
+    python -m eval.accuracy.accuracy_report --ruler eval/results/ruler_4k eval/results/ruler_8k \\
         --longbench eval/results/longbench_multi_news --out eval/results
 
 `accuracy.json["ratio_to_dense_8k"]` maps each budget of the default configuration ("512") to the
@@ -21,9 +21,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from eval.accuracy.t7 import families_with_loads, paired_ratio, t7_at_loaded
 from eval.common import DENSE, split_method, summarize
 from eval.results_io import read_jsonl, save_plot, stored
-from eval.t7 import families_with_loads, paired_ratio, t7_at_loaded
 
 MIN_DENSE_SCORE = 20.0
 GEMMA3_LENGTH = 16384  # the second model's judged length (its context is 32K)
@@ -204,7 +204,7 @@ def build(
 
 
 def loaded_blocks(rows: list[dict], length: int) -> dict[str, dict]:
-    """Every method family's accuracy block at `length` tokens, judged at what it loads (`eval.t7`; families without
+    """Every method family's accuracy block at `length` tokens, judged at what it loads (`eval.accuracy.t7`; families without
     loads or verdicts left out)."""
     blocks = {f: t7_at_loaded(rows, length, f, MIN_DENSE_SCORE) for f in families_with_loads(rows)}
     return {family: block for family, block in blocks.items() if block is not None}
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="*",
         type=Path,
         default=[],
-        help="RULER runs of Gemma-3-270M at 16K (eval.ruler --model gemma3-270m)",
+        help="RULER runs of Gemma-3-270M at 16K (eval.accuracy.ruler --model gemma3-270m)",
     )
     parser.add_argument("--longbench", nargs="*", type=Path, default=[], help="LongBench runner output folders")
     parser.add_argument("--out", type=Path, default=Path("eval/results"))
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     renames = parse_renames(args.rename)
     current_renames = parse_renames(args.rename_current)
     report = build(args.ruler, args.longbench, renames, args.fp8, args.ruler_current, args.gemma3, current_renames)
-    command = "python -m eval.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m eval.accuracy.accuracy_report " + " ".join(argv if argv is not None else sys.argv[1:])
     report["command"] = command
     report["notes"] = args.note
     args.out.mkdir(parents=True, exist_ok=True)

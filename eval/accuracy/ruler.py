@@ -13,7 +13,7 @@ most `length - tokens_to_generate` tokens (RULER's convention: the length covers
 
 Run the suite (see `main`):
 
-    python -m eval.ruler --tasks niah_single_1,vt,qa_1 --lengths 4096,8192 --samples 50 \
+    python -m eval.accuracy.ruler --tasks niah_single_1,vt,qa_1 --lengths 4096,8192 --samples 50 \
         --budgets 128,256,512,1024,2048 --out eval/results/ruler
 """
 
@@ -723,7 +723,7 @@ def _parse_list(text: str, flag: str, kind: type = str) -> list:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options of `python -m eval.ruler`."""
+    """Command-line options of `python -m eval.accuracy.ruler`."""
     from sparseserve_hf import SparseServeConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -774,7 +774,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--oracle",
         action="store_true",
         help="also the block oracle at every budget (methods oracle_<budget>: true attention picks each KV "
-        "head's blocks, eval.oracle_attention): the ceiling of any selector loading as much",
+        "head's blocks, eval.accuracy.oracle_attention): the ceiling of any selector loading as much",
     )
     return parser.parse_args(argv)
 
@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     """Generate (or read) the samples, answer them densely and at every budget, and write the results."""
     import torch
 
-    from eval.accuracy_report import read_rows
+    from eval.accuracy.accuracy_report import read_rows
     from eval.common import metadata_kinds, parse_budgets, sparse_methods, write_results
     from sparseserve_hf.data.models import REAL_MODELS, load_model
 
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     rows = evaluate(model, tokenizer, samples, methods, args.max_new_tokens, checkpoint, args.batch_size)
     meta = dict(
         suite="ruler",
-        command="python -m eval.ruler " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python -m eval.accuracy.ruler " + " ".join(argv if argv is not None else sys.argv[1:]),
         model=REAL_MODELS[args.model].folder,
         device=str(device),
         dtype=str(dtype),

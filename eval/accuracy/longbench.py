@@ -4,12 +4,12 @@ Follows LongBench's `pred.py` / `eval.py` protocol: the per-task prompt template
 generation lengths of `config/dataset2prompt.json` / `dataset2maxlen.json`, truncation of the
 prompt's tokens in the middle to `--max-length` (first half + last half: instructions sit at both
 ends), the model's chat template except on the few-shot and code tasks, greedy decoding, and the
-metrics of `eval/longbench_metrics.py` (scores 0-100).
+metrics of `eval/accuracy/longbench_metrics.py` (scores 0-100).
 
 Data: `--data-dir DIR` reads `DIR/<task>.jsonl` (LongBench's own JSONL; no `datasets` needed), else
 `datasets.load_dataset("THUDM/LongBench", task, split="test")` (needs the Hub).
 
-    python -m eval.longbench --tasks multi_news,multifieldqa_zh --data-dir DIR \\
+    python -m eval.accuracy.longbench --tasks multi_news,multifieldqa_zh --data-dir DIR \\
         --budgets 512,1024,2048 --max-samples 50 --max-length 7500 --out eval/results/longbench_smollm2
 
 Outputs (see eval/common.py): samples.jsonl, summary.json, results.md, score_vs_budget.png.
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eval.accuracy.longbench_metrics import DATASET_TO_METRIC, base_task, length_bucket, score_sample
 from eval.common import (
     Method,
     answer_batch,
@@ -39,7 +40,6 @@ from eval.common import (
     sparse_methods,
     write_results,
 )
-from eval.longbench_metrics import DATASET_TO_METRIC, base_task, length_bucket, score_sample
 from sparseserve_hf import SparseServeConfig
 
 HUB_DATASET = "THUDM/LongBench"
@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )  # fmt: skip
     meta = {
         "benchmark": "LongBench v1",
-        "command": " ".join(["python -m eval.longbench", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m eval.accuracy.longbench", *(argv if argv is not None else sys.argv[1:])]),
         "model": DEFAULT_MODEL_NAME,
         "device": str(args.device),
         "dtype": str(dtype),

@@ -4,7 +4,7 @@ Runs needle-in-a-haystack prompts built from real essays (sparseserve_hf.data.ha
 lengths and depths, answers each with dense attention and with every (selection, metadata,
 budget) variant, and writes a JSON with every answer plus a markdown table of needles found.
 
-    python -m eval.needle_selection --out eval/results/needle_selection   # GPU: ~minutes; CPU: slow
+    python -m eval.accuracy.needle_selection --out eval/results/needle_selection   # GPU: ~minutes; CPU: slow
 """
 
 from __future__ import annotations

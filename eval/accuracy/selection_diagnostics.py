@@ -18,7 +18,7 @@ Reported, per selector variant (SparseServeConfig overrides) and budget:
 Every variant is scored on the same recorded queries/keys, so one dense forward per prompt serves
 all of them. Seeded (the RULER sample seed); the command line is recorded in the JSON.
 
-    python -m eval.selection_diagnostics --tasks niah_single_2,niah_single_1 --length 4096 \
+    python -m eval.accuracy.selection_diagnostics --tasks niah_single_2,niah_single_1 --length 4096 \
         --samples 3 --budgets 256 --out eval/results/selection_diagnostics
 """
 
@@ -39,8 +39,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from eval.accuracy.oracle_attention import top_blocks
 from eval.common import HYBRID_UNION
-from eval.oracle_attention import top_blocks
 from eval.results_io import save_plot
 from sparseserve_hf import SparseServeConfig
 from sparseserve_hf.attention import pick_blocks
@@ -1061,8 +1061,8 @@ def real_answers(
     `configs` maps a method name ("<variant>_<budget>") to its config; samples of one task are
     answered in one left-padded batch per method (`eval.common.answer_batch`).
     """
+    from eval.accuracy.ruler import score
     from eval.common import DENSE, Method, answer_batch
-    from eval.ruler import score
 
     methods = [Method(DENSE)] + [Method(name, config) for name, config in configs.items()]
     by_task: dict[str, list] = defaultdict(list)
@@ -1166,9 +1166,9 @@ def main(argv: list[str] | None = None) -> dict:
         "other prompts' (a profile of the model, not of the request)",
     )
     args = parser.parse_args(argv)
-    command = "python -m eval.selection_diagnostics " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m eval.accuracy.selection_diagnostics " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    from eval.ruler import generate_sample
+    from eval.accuracy.ruler import generate_sample
     from sparseserve_hf.data.models import load_default
 
     torch.manual_seed(args.seed)
