@@ -44,6 +44,18 @@ def test_unlimited_hbm_cache_equals_dynamic_cache(llama):
 
 
 @pytest.mark.core
+def test_decode_that_grows_the_block_table_equals_dynamic_cache(llama):
+    """Rows of different lengths fill their tails at different steps, and their tables outgrow the
+    first width while decoding: each roll sizes the table from the host's copy of the counts."""
+    ids, mask = left_pad([random_ids(1, 38, seed=3)[0], random_ids(1, 29, seed=4)[0]])
+    sdpa = tiny_model("llama", "sdpa")
+    expected = greedy(sdpa, ids, DynamicCache(config=sdpa.config), attention_mask=mask, max_new_tokens=40)
+    cache = SparseServeCache(llama.config, SparseServeConfig(block_size=4, token_budget=4096))
+    assert torch.equal(greedy(llama, ids, cache, attention_mask=mask, max_new_tokens=40), expected)
+    assert all(layer.block_ids.shape[2] > 16 for layer in cache.layers)  # grew past the first width
+
+
+@pytest.mark.core
 def test_small_hbm_cache_changes_transfers_not_tokens(llama):
     """LRU eviction under a tight cache must not change the output, only the traffic."""
     ids = random_ids(1, 300)

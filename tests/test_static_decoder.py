@@ -441,3 +441,37 @@ def test_a_fused_op_that_differs_or_fails_is_left_out_with_a_warning(llama, capl
     assert "fused rope is not used (its result differs" in caplog.text
     assert "fused rms_norm is not used (RuntimeError: no kernel for this device)" in caplog.text
     assert torch.equal(decoder.step(), EagerReference(llama, static_config()).step())
+
+
+@pytest.mark.core
+def test_a_failed_static_step_is_undone_and_leaves_a_vacant_row_empty(llama, monkeypatch):
+    """A static step whose block fetch fails at a later layer is taken back in every layer: the rows
+    hold what a batch that never failed holds after its step, and the vacant row, which took no
+    token, stays empty (its length is never cut below nothing)."""
+    config = static_config()
+    caches = [batch_cache(llama, config) for _ in range(2)]
+    decoders = []
+    for cache, tokens in caches:
+        cache.take_rows([1]).reset()
+        decoders.append(StaticDecoder(llama, cache, capture=False, table_step=4))
+        decoders[-1].start(tokens)
+    failing, clean = decoders
+    for decoder in decoders:
+        decoder.step()
+    store = failing.cache.store
+    calls = iter(range(1_000))
+    real_fetch = store.fetch
+
+    def fetch_failing_at_the_second_layer(*args, **kwargs):
+        if next(calls) == 1:
+            raise RuntimeError("injected fetch failure")
+        return real_fetch(*args, **kwargs)
+
+    monkeypatch.setattr(store, "fetch", fetch_failing_at_the_second_layer)
+    with pytest.raises(RuntimeError, match="injected"):
+        failing.step()
+    monkeypatch.undo()
+    for layer in failing.cache.layers:
+        assert int(layer.tail_len.min()) >= 0 and int(layer.row_lengths()[1]) == 0
+    for mine, theirs in zip(failing.cache.layers, clean.cache.layers):
+        assert mine.row_lengths().tolist() == theirs.row_lengths().tolist()

@@ -480,11 +480,11 @@ class SparseServeCache(Cache):
         every full tail first (`roll_full_tails`) and feeds one real token per row, so each layer's
         commit only appends it, at fixed shapes and with no host decision (a CUDA graph may capture it).
         Each layer's hand-off says so to the attention function (`forward_log.Handoff.static`)."""
-        self._static = True
+        outer, self._static = self._static, True
         try:
             yield
         finally:
-            self._static = False
+            self._static = outer
 
     @plain_tensors
     def roll_full_tails(self, rows: list[int], table_width: int | None = None) -> None:

@@ -151,7 +151,9 @@ class SparseServeLayer(CacheLayerMixin):
             return
         added = [undo.num_new] * self.tail.shape[0] if undo.added is None else undo.added.tolist()
         lengths = self.row_lengths().tolist()
-        self._truncate_rows([(row, lengths[row] - added[row]) for row in range(len(lengths))])
+        # A vacant row (it holds nothing: `SparseServeCache.take_rows`) took no token from a static
+        # commit, which counts every row as taking one: it stays empty, never cut below nothing.
+        self._truncate_rows([(row, max(lengths[row] - added[row], 0)) for row in range(len(lengths))])
         self.num_positions -= undo.num_new
         self.query_profile = undo.profile
         self.last_pick = None
@@ -599,7 +601,8 @@ class SparseServeLayer(CacheLayerMixin):
 
     def _host_counts(self) -> tuple[list[int], list[int]]:
         """Every row's full blocks and tail tokens on the host: the copy kept where this layer made
-        or read the last change to them (a commit, `adopt_blocks`, a read-back), else read back now.
+        or read the last change to them (an eager commit, `adopt_blocks`, a read-back), else read back
+        now. The lists are the copy itself: a caller copies them before changing them.
 
         Known counts hold while `num_blocks` and `tail_len` are the same tensors at the same in-place
         versions. A kernel or a graph replay changes them without a version bump: `_append_token`
@@ -638,7 +641,8 @@ class SparseServeLayer(CacheLayerMixin):
         if full:  # host work (DRAM allocation), once per block_size tokens of a row
             self.roll_full_tails(sorted(full), table_width=max(blocks) + 1)
             blocks = [count + (row in full) for row, count in enumerate(blocks)]
-        self.store.ops.append_token(self.tail, self.tail_len, keys, values)  # a kernel: no version bump
+        self._known_counts = None  # until the kernel below is launched: it bumps no version
+        self.store.ops.append_token(self.tail, self.tail_len, keys, values)
         tails = [1 if row in full else length + 1 for row, length in enumerate(tails)]
         self._known_counts = (self._counts_stamp(), (blocks, tails))
 
@@ -648,7 +652,8 @@ class SparseServeLayer(CacheLayerMixin):
 
         Saving a full tail only when the next token arrives keeps the current token in the tail,
         which sparse decode always attends. `table_width`: the table width the rows need
-        afterwards, known on the host (graph mode); None reads it from the device (one sync).
+        afterwards, known on the host (the static step's caller, or the decode's host copy of the
+        counts); None reads it from the device (one sync).
         """
         if not rows:
             return
@@ -787,7 +792,7 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _Undo:
     """What `SparseServeLayer.undo_update` needs to take one update back.
 
