@@ -356,15 +356,7 @@ class StaticDecoder:
             captured.positions.copy_(self._positions)
             self._ids, self._positions = captured.ids, captured.positions
         for layer, rows in zip(self.layers, captured.rows):
-            for name, held in rows.items():
-                current = getattr(layer, name)
-                if current is held:
-                    continue
-                if current is None:  # the rows have none of these (no numbers fed back yet)
-                    held.fill_(layer.GRAPH_EMPTY[name])
-                else:
-                    held.copy_(current)
-                setattr(layer, name, held)
+            layer.move_into(rows)
 
     def _set_picks(self, picks: list[Any]) -> None:
         """Each layer's `last_pick` (what the working-set tracker reads after a step)."""

@@ -708,6 +708,21 @@ class SparseServeLayer(CacheLayerMixin):
             tensors |= {"feedback_picked": self.feedback_picked, "feedback_lse": self.feedback_lse}
         return tensors
 
+    @plain_tensors
+    def move_into(self, held: dict[str, torch.Tensor]) -> None:
+        """Make the tensors `held` (what an earlier `graph_tensors` returned, as a captured step holds
+        them) this layer's own again, with its rows' current values: copied in where they are other
+        tensors, the `GRAPH_EMPTY` values where the rows have none of them (no numbers fed back yet)."""
+        for name, tensor in held.items():
+            current = getattr(self, name)
+            if current is tensor:
+                continue
+            if current is None:
+                tensor.fill_(self.GRAPH_EMPTY[name])
+            else:
+                tensor.copy_(current)
+            setattr(self, name, tensor)
+
     def forget_host_counts(self) -> None:
         """Drop the host copy of the block and tail counts, so the next eager step reads them back.
 
