@@ -90,6 +90,9 @@
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
 #               Firecracker runtime, where ncu reads the counters; clocks left alone)
+#   split       where the sparse attention kernel's time goes: one layer kernel by kernel (captured, 8-layer cut)
+#               with the lookup beside attention (the default) and without it (the attention then runs alone
+#               after the misses' copy), then the captured step per layer both ways, twice each
 #   mma         the channel scores on tensor cores (the default where they fit) against the FMA kernel
 #               (`--knob triton_channels.MMA=False`): the probe's and the channel tests on the GPU, both kernels
 #               as graph replays (channel_kernel settings 0 and 21), then the captured step per layer (8-layer
@@ -320,6 +323,16 @@ case $part in
     for run in 1 2; do
       for knob in "" "--knob triton_channels.MMA=False"; do
         python -m eval.bench.step_knobs $knob --out "$out/step_knobs_mma.jsonl" 2>&1 | tail -1
+      done
+    done ;;
+  split)
+    for beside in True False; do
+      python -m eval.bench.profile_step --graph --layers 8 --steps 3 --set lookup_beside_attention=$beside \
+        --out "$out/profile_beside_$beside.md" 2>&1 | tail -40
+    done
+    for run in 1 2; do
+      for beside in "" "--set lookup_beside_attention=False"; do
+        python -m eval.bench.step_knobs $beside --out "$out/step_knobs_split.jsonl" 2>&1 | tail -1
       done
     done ;;
   ncu)
