@@ -107,6 +107,9 @@ set -euo pipefail
 
 # `--knob` arguments from a benchmark JSON's list of MODULE.NAME=VALUE strings under KEY
 knob_args() { python -c "import json, sys; print(' '.join('--knob ' + k for k in json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
+# The captured step per layer under each setting in turn ("" = the defaults), twice round: step_knobs lines in FILE
+alternating() { local file=$1; shift; for run in 1 2; do for setting in "$@"; do
+  python -m eval.bench.step_knobs $setting --out "$file" 2>&1 | tail -1; done; done; }
 part=${1:?part}
 out=${2:?out dir}
 mkdir -p "$out"
@@ -323,29 +326,17 @@ case $part in
       2>&1 | tee "$out/gpu_pytest_mma.log" | tail -3
     python -m eval.bench.channel_kernel --setting 0 --setting 21 --out "$out/channel_kernel_mma.json" 2>&1 \
       | tee "$out/channel_kernel_mma.log" | tail -4
-    for run in 1 2; do
-      for knob in "" "--knob triton_channels.MMA=False"; do
-        python -m eval.bench.step_knobs $knob --out "$out/step_knobs_mma.jsonl" 2>&1 | tail -1
-      done
-    done ;;
+    alternating "$out/step_knobs_mma.jsonl" "" "--knob triton_channels.MMA=False" ;;
   split)
     for beside in True False; do
       python -m eval.bench.profile_step --graph --layers 8 --steps 3 --set lookup_beside_attention=$beside \
         --out "$out/profile_beside_$beside.md" 2>&1 | tail -40
     done
-    for run in 1 2; do
-      for beside in "" "--set lookup_beside_attention=False"; do
-        python -m eval.bench.step_knobs $beside --out "$out/step_knobs_split.jsonl" 2>&1 | tail -1
-      done
-    done ;;
+    alternating "$out/step_knobs_split.jsonl" "" "--set lookup_beside_attention=False" ;;
   settle)
     python -m pytest -q -rf -p no:cacheprovider tests/test_decode_graph.py -k graph_tokens_equal 2>&1 \
       | tee "$out/gpu_pytest_settle.log" | tail -4
-    for run in 1 2; do
-      for knob in "" "--knob cache.block_cache.SETTLE_EACH_LAYER=False"; do
-        python -m eval.bench.step_knobs $knob --out "$out/step_knobs_settle.jsonl" 2>&1 | tail -1
-      done
-    done
+    alternating "$out/step_knobs_settle.jsonl" "" "--knob cache.block_cache.SETTLE_EACH_LAYER=False"
     python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
       --knob cache.block_cache.SETTLE_EACH_LAYER=False --out "$out/decode_step_settle.json" 2>&1 | tail -5 ;;
   ncu)
