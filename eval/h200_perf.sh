@@ -93,9 +93,6 @@
 #   split       where the sparse attention kernel's time goes: one layer kernel by kernel (captured, 8-layer cut)
 #               with the lookup beside attention (the default) and without it (the attention then runs alone
 #               after the misses' copy), then the captured step per layer both ways, twice each
-#   settle      the lookups' trailing upkeep joined once per step (block_cache.SETTLE_EACH_LAYER=False) against
-#               after each layer's attention (the default): its graph test, the captured step per layer both
-#               ways, alternating, twice each, then T8's step with it
 #   mma         the channel scores on tensor cores (the default where they fit) against the FMA kernel
 #               (`--knob triton_channels.MMA=False`): the probe's and the channel tests on the GPU, both kernels
 #               as graph replays (channel_kernel settings 0 and 21), then the captured step per layer (8-layer
@@ -333,12 +330,6 @@ case $part in
         --out "$out/profile_beside_$beside.md" 2>&1 | tail -40
     done
     alternating "$out/step_knobs_split.jsonl" "" "--set lookup_beside_attention=False" ;;
-  settle)
-    python -m pytest -q -rf -p no:cacheprovider tests/test_decode_graph.py -k graph_tokens_equal 2>&1 \
-      | tee "$out/gpu_pytest_settle.log" | tail -4
-    alternating "$out/step_knobs_settle.jsonl" "" "--knob cache.block_cache.SETTLE_EACH_LAYER=False"
-    python -m eval.bench.decode_step --graph --locality real --skip-static --skip-dense \
-      --knob cache.block_cache.SETTLE_EACH_LAYER=False --out "$out/decode_step_settle.json" 2>&1 | tail -5 ;;
   ncu)
     ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     "$ncu_bin" --clock-control none --set full --kernel-name regex:_block_lse --launch-count 2 \

@@ -33,22 +33,12 @@ def decoder_for(model, capture: bool, **kwargs) -> StaticDecoder:
     return decoder
 
 
-UPKEEP = {  # (REORDER_BESIDE, SETTLE_EACH_LAYER)
-    "install_reorders": (False, True),
-    "reorder_beside": (True, True),
-    "joined_at_step_end": (True, False),
-}
-
-
-@pytest.mark.parametrize("upkeep", list(UPKEEP))
+@pytest.mark.parametrize("reorder_beside", [False, True], ids=["install_reorders", "reorder_beside"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype, upkeep, monkeypatch):
+def test_graph_tokens_equal_the_eager_step_and_the_eager_path(dtype, reorder_beside, monkeypatch):
     """Plan test (a); afterwards the ordinary eager path takes the rows over. With the lookup's
-    eviction order on a stream of its own too (captured, that stream joins the step again), joined
-    after each layer's attention or once at the step's end."""
-    reorder_beside, settle_each_layer = UPKEEP[upkeep]
+    eviction order on a stream of its own too (captured, that stream joins the step again)."""
     monkeypatch.setattr(block_cache, "REORDER_BESIDE", reorder_beside)
-    monkeypatch.setattr(block_cache, "SETTLE_EACH_LAYER", settle_each_layer)
     model = model_on_cuda(dtype)
     graph, eager = decoder_for(model, capture=True), decoder_for(model, capture=False)
     reference = EagerReference(model, static_config(backend="triton"))

@@ -475,18 +475,3 @@ def test_a_failed_static_step_is_undone_and_leaves_a_vacant_row_empty(llama, mon
         assert int(layer.tail_len.min()) >= 0 and int(layer.row_lengths()[1]) == 0
     for mine, theirs in zip(failing.cache.layers, clean.cache.layers):
         assert mine.row_lengths().tolist() == theirs.row_lengths().tolist()
-
-
-@pytest.mark.core
-def test_the_upkeep_joined_at_the_steps_end_keeps_the_eager_tokens(llama, monkeypatch):
-    """With the lookups' upkeep joined once per step (`block_cache.SETTLE_EACH_LAYER = False`) the
-    static step gives the eager path's tokens (on CPU nothing runs beside: this runs its Python)."""
-    monkeypatch.setattr(block_cache, "SETTLE_EACH_LAYER", False)
-    settled = []
-    config = static_config()
-    reference, decoder = EagerReference(llama, config), started_decoder(llama, config)
-    real_settle = type(decoder.cache.store).settle
-    monkeypatch.setattr(type(decoder.cache.store), "settle", lambda store: settled.append(1) or real_settle(store))
-    for step in range(8):
-        assert torch.equal(decoder.step(), reference.step()), f"step {step}"
-    assert len(settled) == 8  # once per step, by the decoder, not once per layer

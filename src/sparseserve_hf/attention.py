@@ -18,7 +18,7 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .cache import block_cache, forward_log
+from .cache import forward_log
 from .cache.layer import SparseServeLayer
 from .config import SparseServeConfig
 from .scoring import SCORERS, SELECTIONS
@@ -173,17 +173,13 @@ def sparse_decode_attention(
     if graphs is not None and not static and not _capturing(q):
         out = graphs.attend(layer, q, functools.partial(select_and_attend, layer, scaling=scaling))
     else:
-        settle = not static or block_cache.SETTLE_EACH_LAYER  # else the static step's end joins it
-        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not static, settle=settle)
+        out = select_and_attend(layer, q, scaling, trim=q.device.type == "cpu" and not static)
     return out.unsqueeze(1)
 
 
-def select_and_attend(
-    layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False, settle: bool = True
-) -> torch.Tensor:
+def select_and_attend(layer: SparseServeLayer, q: torch.Tensor, scaling: float, trim: bool = False) -> torch.Tensor:
     """The sparse decode of one layer: pick and fetch blocks, attend over them and the tails.
     q (B, Hq, D) -> (B, Hq, D). `trim`: drop union columns no row uses first (`used_columns`).
-    `settle`: join the lookup's trailing upkeep here (False: the caller joins it later, `store.settle`).
 
     Where the store looks up beside attention (`TieredBlockStore.lookup_beside`), the blocks already
     in the HBM cache and the tails are attended while the lookup and the copy of the misses run,
@@ -207,8 +203,7 @@ def select_and_attend(
         scales=store.scales_of(block_ids), block_lse=block_lse,
     )  # fmt: skip
     out = store.ops.finish_decode(pending, block_ids, join())
-    if settle:
-        store.settle()
+    store.settle()
     return out
 
 

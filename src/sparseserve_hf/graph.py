@@ -277,7 +277,6 @@ class StaticDecoder:
         try:
             with self.cache.static_step():  # the pre-step rolled full tails: commits only append
                 logits = self.model(input_ids=self._ids, position_ids=self._positions, **self._kwargs).logits[:, -1]
-            self.cache.store.settle()  # the lookups' upkeep joins before the step ends (a capture needs it)
         finally:
             if self._fused is not None:
                 self._fused.exit()

@@ -21,10 +21,6 @@ SPLIT_LOOKUP = True  # split the lookup where the op set can (an ablation knob)
 # A split lookup keeps its eviction order (install's phases 5-6) in a launch of its own that runs
 # beside the copy of the late misses, where the op set has one; `settle` joins it (an ablation knob).
 REORDER_BESIDE = True
-# Where the static step's layers join that upkeep: after each layer's attention (True), or once at the
-# step's end (False: the main stream goes on to the next layer while it runs; each later lookup waits
-# for it before its claims). An experiment knob.
-SETTLE_EACH_LAYER = True
 
 
 def rows_that_fit(num_slots: int, partitions: int, entries_per_row: int) -> int:
