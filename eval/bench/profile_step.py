@@ -11,9 +11,11 @@ CPU its static step, eagerly), fused ops included; without it, eager steps of `m
 The decode_step benchmark's setup (Llama-3-8B shape, random bf16 weights, B=16 x 32K, the
 default config with an HBM cache of 25% of the dense KV), cut to a few layers: every layer runs
 the same kernels, so per-layer times need no 32-layer fill. Loads follow the recorded selection
-trace (real locality). The table lists each kernel's device time per layer and its calls per
-layer, largest first; the totals split the layer's time into attention's own part
-(`select_and_fetch` and the sparse kernel) and the rest of the layer.
+trace (real locality). The first table lists each kernel's device time per layer and its calls per
+layer, largest first. Where streams overlap, those times add up to more than the step takes: on
+CUDA a second table (`eval.bench.exposure`) gives each kernel's exposed time (it ran alone, so the
+step waits for it) and its share of overlaps, with the GPU's idle time, and a third shows one layer
+in time order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from eval.bench.common import (
     sync,
 )
 from eval.bench.decode_step_setup import build_model, replayed_cut
+from eval.bench.exposure import exposure_table
 from eval.bench.selection_trace import RECORDED_TRACE
 from sparseserve_hf.compat import cache_kwarg
 from sparseserve_hf.graph import StaticDecoder
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> str:
     text_out += ", " + ", ".join(f"{name}={value}" for name, value in (fields | knobs).items()) + "\n\n"
     text_out += miss_line(cache.store.read_stats(), args.steps * args.layers) + report
     if device.type == "cuda":
+        text_out += "\n" + exposure_table(kernel_intervals(prof), args.steps * args.layers)
         text_out += "\n" + layer_timeline(prof)
     print(text_out)
     if args.out:
@@ -128,15 +132,28 @@ def kernel_table(prof, per: int, device: torch.device, top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
-def layer_timeline(prof, marker: str = "_score_kernel") -> str:
-    """Markdown: one layer of the last profiled step in time order (from one `marker` kernel to the
-    next: the layer's wall time, overlap included), each kernel's start, length and stream, so that
-    what runs beside what, and what waits, can be read off."""
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
-    marks = [i for i, e in enumerate(kernels) if marker in e.name]
+def device_events(prof) -> list:
+    """The profile's device (CUDA) events in start order."""
+    events = (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """Every device event of the profile as (start us, end us, name)."""
+    return [(e.time_range.start, e.time_range.end, e.name[:90]) for e in device_events(prof)]
+
+
+LAYER_MARKERS = ("_rope_kernel", "_block_lse", "_score_kernel")  # kernels each sparse layer launches once
+
+
+def layer_timeline(prof) -> str:
+    """Markdown: one layer of the last profiled step in time order (from one layer's marker kernel,
+    the first of `LAYER_MARKERS` the profile has, to the next: the layer's wall time, overlap
+    included), each kernel's start, length and stream, so that what runs beside what, and what
+    waits, can be read off."""
+    kernels = device_events(prof)
+    marker = next((m for m in LAYER_MARKERS if any(m in e.name for e in kernels)), None)
+    marks = [i for i, e in enumerate(kernels) if marker is not None and marker in e.name]
     if len(marks) < 3:
         return ""
     first, last = marks[-3], marks[-2]  # a layer inside the last step, not its first
