@@ -345,3 +345,13 @@ def test_mma_probe_hands_lane_registers_to_a_tensor_core_instruction():
 
     result = mma_probe.probe()
     assert result["matches"], result
+
+
+def test_projections_dry_run_times_each_projection_and_the_merged_and_beside_groups(tmp_path):
+    out = tmp_path / "projections.json"
+    run_module("eval.bench.projections", "--dry-run", "--rows", "1,16", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    names = {row["name"] for row in rows if row["rows"] == 16}
+    assert {"q", "gate", "down", "qkv_merged", "gate_up_beside", "gate_up_serial"} <= names
+    assert all(row["us"] > 0 and row["gb_per_s"] > 0 for row in rows)
+    assert all(isinstance(row["merged_bits_equal"], bool) for row in rows if "_" in row["name"])
