@@ -82,10 +82,10 @@
 #               level (triton_two_level.MIN_TABLE=None), alternating, then 1,024- and 256-block pieces
 #   twolevelstep the captured step per layer (8-layer cut, B=16 x 32K: 1,023-block tables, one level by default) with
 #               two-level selection there too (triton_two_level.MIN_TABLE=1024) in 512- and 256-block pieces
-#   default     T8 for the default config (channel scores since 17d265a): the real-locality step with stock where
-#               it fits (a card of more than 100 GB; --skip-dense on an 80 GB one), then the hybrid group union
-#               (the default before) in the same call, without stock; then score + top-k + attention at B=32 x
-#               128K for both (decode_attention --default-only: T3's select_and_attend_speedup_default)
+#   default     the default config's decode step (channel scores): the real-locality step with stock where it
+#               fits (a card of more than 100 GB; --skip-dense on an 80 GB one), then the hybrid group union in
+#               the same call, without stock; then score + top-k + attention at B=32 x 128K for both
+#               (decode_attention --default-only: select_and_attend_speedup_default)
 #   ncu         Nsight Compute's full sections (throughput, warp stalls, occupancy, memory, instructions) of the
 #               channel-score kernel at its default launch (the kernel bench, 2 launches), then of one captured
 #               layer's selection kernels (score, rank interleave, union) in the step at its shape (needs the
