@@ -11,7 +11,8 @@ independent projections three ways: one after another, merged into one GEMM over
 both weights (q/k/v, gate/up: what a fused weight would run), and k and v (up) on a second stream
 beside q (gate), as the captured step runs them. `merged_bits_equal` says whether the merged GEMM
 gives each projection's own output bit for bit (what a fused weight must keep to leave the step's
-tokens unchanged).
+tokens unchanged). `of_copy` is a GEMM's weight bytes per second over the copy bandwidth that
+`eval.bench.decode_step`'s floor uses.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes, dtype = (TINY, torch.float32) if args.dry_run else (LLAMA3_8B, torch.bfloat16)
     spill = 1 << 16 if args.dry_run else L2_SPILL_BYTES
     replay = graph_ms if device.type == "cuda" else time_ms
-    bandwidth = copy_gb_per_s(device, replay)
+    bandwidth = copy_gb_per_s(device)
     generator = torch.Generator(device=device).manual_seed(0)
     weights = {name: _copies(shape, dtype, device, spill, generator) for name, shape in shapes.items()}
     rows = []
@@ -67,12 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def copy_gb_per_s(device: torch.device, replay: Callable) -> float | None:
-    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second)."""
-    source = torch.empty(1 << (29 if device.type == "cuda" else 12), dtype=torch.int16, device=device)
+def copy_gb_per_s(device: torch.device) -> float:
+    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second), timed as
+    `eval.bench.decode_step` times the copy its floor divides by, so `of_copy` compares with that floor."""
+    source = torch.empty(1 << (30 if device.type == "cuda" else 20), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    ms = replay(lambda: target.copy_(source), device)
-    return None if not ms else 2 * source.numel() * 2 / ms / 1e6
+    return 2 * source.numel() / time_ms(lambda: target.copy_(source), device) / 1e6
 
 
 def _copies(shape, dtype, device, spill: int, generator) -> list[torch.Tensor]:
