@@ -30,8 +30,10 @@ class Exposure:
 
 
 def exposures(intervals: list[tuple[float, float, str]]) -> tuple[list[Exposure], float, float]:
-    """Kernels' (start_us, end_us, name) -> (each name's Exposure, largest exposed first; idle us;
-    wall us from the first start to the last end). Zero-length or reversed intervals count as calls only."""
+    """Kernels' (start_us, end_us, name) -> (each name's Exposure, largest total first; idle us;
+    wall us from the first start to the last end). Zero-length or reversed intervals count as calls
+    only. Each launch is one party to an overlap: two launches of one kernel side by side (e.g. two
+    GEMMs on two streams) share their time."""
     if not intervals:
         return [], 0.0, 0.0
     calls: dict[str, int] = defaultdict(int)
@@ -40,11 +42,13 @@ def exposures(intervals: list[tuple[float, float, str]]) -> tuple[list[Exposure]
         calls[name] += 1
         if end > start:
             edges += [(start, 1, index), (end, -1, index)]
+    if not edges:
+        return [Exposure(name, 0.0, 0.0, count) for name, count in calls.items()], 0.0, 0.0
     edges.sort(key=lambda edge: (edge[0], edge[1]))  # at a tie, ends before starts: no false overlap
     exposed: dict[str, float] = defaultdict(float)
     shared: dict[str, float] = defaultdict(float)
     running: set[int] = set()
-    idle, last = 0.0, edges[0][0] if edges else 0.0
+    idle, last = 0.0, edges[0][0]
     for time, kind, index in edges:
         piece = time - last
         if piece > 0:
@@ -60,15 +64,15 @@ def exposures(intervals: list[tuple[float, float, str]]) -> tuple[list[Exposure]
             running.add(index)
         else:
             running.discard(index)
-    wall = max(end for _, end, _ in intervals) - min(start for start, _, _ in intervals)
+    wall = edges[-1][0] - edges[0][0]
     rows = [Exposure(name, exposed[name], shared[name], count) for name, count in calls.items()]
-    rows.sort(key=lambda row: (-row.exposed_us, -row.shared_us, row.name))
+    rows.sort(key=lambda row: (-row.total_us, -row.exposed_us, row.name))
     return rows, idle, wall
 
 
 def exposure_table(intervals: list[tuple[float, float, str]], per: int, top: int = 25) -> str:
     """Markdown: the window's wall time, idle time and each kernel's exposed / shared time, per `per`
-    (e.g. per layer: the profiled steps times the layers)."""
+    (e.g. per layer: the profiled steps times the layers), the `top` largest by total time."""
     rows, idle, wall = exposures(intervals)
     alone, overlapping = sum(r.exposed_us for r in rows) / per, sum(r.shared_us for r in rows) / per
     head = f"wall time per layer {wall / per:.1f} us: kernels alone {alone:.1f}, overlapping {overlapping:.1f}"

@@ -24,6 +24,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 
 from eval.bench.common import (
     add_config_overrides,
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> str:
     text_out += ", " + ", ".join(f"{name}={value}" for name, value in (fields | knobs).items()) + "\n\n"
     text_out += miss_line(cache.store.read_stats(), args.steps * args.layers) + report
     if device.type == "cuda":
-        text_out += "\n" + exposure_table(kernel_intervals(prof), args.steps * args.layers)
-        text_out += "\n" + layer_timeline(prof)
+        events = device_events(prof)
+        text_out += "\n" + exposure_table(kernel_intervals(events), args.steps * args.layers)
+        text_out += "\n" + layer_timeline(events)
     print(text_out)
     if args.out:
         Path(args.out).write_text(text_out)
@@ -132,26 +134,25 @@ def kernel_table(prof, per: int, device: torch.device, top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
-def device_events(prof) -> list:
+def device_events(prof) -> list[FunctionEvent]:
     """The profile's device (CUDA) events in start order."""
     events = (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     return sorted(events, key=lambda e: e.time_range.start)
 
 
-def kernel_intervals(prof) -> list[tuple[float, float, str]]:
-    """Every device event of the profile as (start us, end us, name)."""
-    return [(e.time_range.start, e.time_range.end, e.name[:90]) for e in device_events(prof)]
+def kernel_intervals(events: list[FunctionEvent]) -> list[tuple[float, float, str]]:
+    """Device events as (start us, end us, name)."""
+    return [(e.time_range.start, e.time_range.end, e.name[:90]) for e in events]
 
 
 LAYER_MARKERS = ("_rope_kernel", "_block_lse", "_score_kernel")  # kernels each sparse layer launches once
 
 
-def layer_timeline(prof) -> str:
+def layer_timeline(kernels: list[FunctionEvent]) -> str:
     """Markdown: one layer of the last profiled step in time order (from one layer's marker kernel,
     the first of `LAYER_MARKERS` the profile has, to the next: the layer's wall time, overlap
     included), each kernel's start, length and stream, so that what runs beside what, and what
-    waits, can be read off."""
-    kernels = device_events(prof)
+    waits, can be read off. `kernels`: device events in start order (`device_events`)."""
     marker = next((m for m in LAYER_MARKERS if any(m in e.name for e in kernels)), None)
     marks = [i for i, e in enumerate(kernels) if marker is not None and marker in e.name]
     if len(marks) < 3:

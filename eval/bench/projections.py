@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.bench.common import graph_ms, pick_device, print_table, run_record, time_ms, write_json
+from eval.bench.decode_step import bandwidths
 
 # (out_features, in_features) of each projection of the Llama-3-8B shape
 LLAMA3_8B = {
@@ -50,12 +51,13 @@ def main(argv: list[str] | None = None) -> dict:
     shapes, dtype = (TINY, torch.float32) if args.dry_run else (LLAMA3_8B, torch.bfloat16)
     spill = 1 << 16 if args.dry_run else L2_SPILL_BYTES
     replay = graph_ms if device.type == "cuda" else time_ms
-    bandwidth = copy_gb_per_s(device)
+    bandwidth = bandwidths(device)["hbm_copy_gb_per_s"]  # the rate the step's floor divides by
     generator = torch.Generator(device=device).manual_seed(0)
     weights = {name: _copies(shape, dtype, device, spill, generator) for name, shape in shapes.items()}
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(m, k, dtype=dtype, device=device, generator=generator) for _, k in shapes.values()}
+        widths = {k for _, k in shapes.values()}
+        inputs = {k: torch.randn(m, k, dtype=dtype, device=device, generator=generator) for k in widths}
         for name, copies in weights.items():
             x = inputs[shapes[name][1]]
             rows.append(_row(name, m, copies, lambda w, x=x: F.linear(x, w), replay, device, bandwidth))
@@ -68,34 +70,37 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def copy_gb_per_s(device: torch.device) -> float:
-    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second), timed as
-    `eval.bench.decode_step` times the copy its floor divides by, so `of_copy` compares with that floor."""
-    source = torch.empty(1 << (30 if device.type == "cuda" else 20), dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    return 2 * source.numel() / time_ms(lambda: target.copy_(source), device) / 1e6
-
-
-def _copies(shape, dtype, device, spill: int, generator) -> list[torch.Tensor]:
+def _copies(
+    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, spill: int, generator: torch.Generator
+) -> list[torch.Tensor]:
     """Enough distinct weights of `shape` that walking them all reads `spill` bytes from HBM."""
     count = max(2, -(-spill // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8)))
     return [torch.randn(shape, dtype=dtype, device=device, generator=generator) * 0.02 for _ in range(count)]
 
 
-def _row(name, m, copies, gemm: Callable, replay, device, bandwidth) -> dict:
+def _row(
+    name: str, m: int, copies: list[torch.Tensor], gemm: Callable, replay: Callable, device: torch.device,
+    bandwidth: float,
+) -> dict:  # fmt: skip
     """One GEMM kind over every copy of its weights, per GEMM: microseconds and GB/s of weight read."""
     ms = replay(lambda: [gemm(w) for w in copies], device)
     return _timing(name, m, ms, len(copies), copies[0].numel() * copies[0].element_size(), bandwidth)
 
 
-def _timing(name, m, ms, count, weight_bytes, bandwidth, **extra) -> dict:
+def _timing(
+    name: str, m: int, ms: float | None, count: int, weight_bytes: int, bandwidth: float, **extra: bool
+) -> dict:
+    """A row: microseconds per GEMM (of `count` in `ms`), weight GB/s and its share of `bandwidth`."""
     us = None if ms is None else ms * 1e3 / count
     rate = None if not us else weight_bytes / us / 1e3
     of_copy = None if rate is None or not bandwidth else rate / bandwidth
     return {"name": name, "rows": m, "us": us, "gb_per_s": rate, "of_copy": of_copy, **extra}
 
 
-def _group_rows(group, members, x, m, replay, device, bandwidth) -> list[dict]:
+def _group_rows(
+    group: str, members: list[list[torch.Tensor]], x: torch.Tensor, m: int, replay: Callable, device: torch.device,
+    bandwidth: float,
+) -> list[dict]:  # fmt: skip
     """A layer's independent projections one after another, merged into one weight, and beside each
     other on two streams (the first on the caller's stream, the rest on a second)."""
     count = min(len(copies) for copies in members)
@@ -123,11 +128,11 @@ def _group_rows(group, members, x, m, replay, device, bandwidth) -> list[dict]:
             torch.cuda.current_stream(device).wait_stream(side)
         return outputs
 
-    runs = {"serial": serial, "merged": lambda: [F.linear(x, w) for w in merged], "beside": beside}
-    return [
-        _timing(f"{group}_{how}", m, replay(fn, device), count, weight_bytes, bandwidth, merged_bits_equal=bits_equal)
-        for how, fn in runs.items()
-    ]
+    def time(how: str, fn: Callable, **extra: bool) -> dict:
+        return _timing(f"{group}_{how}", m, replay(fn, device), count, weight_bytes, bandwidth, **extra)
+
+    merged_row = time("merged", lambda: [F.linear(x, w) for w in merged], merged_bits_equal=bits_equal)
+    return [time("serial", serial), merged_row, time("beside", beside)]
 
 
 if __name__ == "__main__":
