@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator(device=device).manual_seed(0)
     weights = {name: _copies(shape, dtype, device, spill, generator) for name, shape in shapes.items()}
     rows = []
+    widths = {k for _, k in shapes.values()}  # the projections' input widths
     for m in (int(r) for r in args.rows.split(",")):
-        widths = {k for _, k in shapes.values()}
         inputs = {k: torch.randn(m, k, dtype=dtype, device=device, generator=generator) for k in widths}
         for name, copies in weights.items():
             x = inputs[shapes[name][1]]
@@ -116,11 +116,10 @@ def _group_rows(
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def beside():
+        if side is None:  # one stream: the serial order
+            return serial()
         outputs = []
         for i in range(count):
-            if side is None:
-                outputs += [F.linear(x, copies[i]) for copies in members]
-                continue
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 outputs += [F.linear(x, copies[i]) for copies in members[1:]]
